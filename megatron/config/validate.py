@@ -1,0 +1,145 @@
+"""``validate()``: every cross-check of a :class:`TridentConfig`, in one place, before any process group exists.
+
+Each failure is one ``ValueError`` naming the flag and its value, the rule with the other values involved, and the
+fix. It depends only on the flags, the world size and the device type, so every rank fails identically.
+"""
+
+from __future__ import annotations
+
+from megatron.config.arguments import TridentConfig
+
+
+def _divisors(n: int) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:-1])) + (f" or {ds[-1]}" if len(ds) > 1 else str(ds[-1]))
+
+
+def _check_positive(cfg: TridentConfig) -> None:
+    m, t = cfg.model, cfg.training
+    for flag, value in (
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--tensor-model-parallel-size", cfg.parallel.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", cfg.parallel.pipeline_model_parallel_size),
+        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+        ("--log-interval", cfg.logging.log_interval),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} ({value}) must be a positive integer.")
+    for flag, value in (
+        ("--attention-dropout", m.attention_dropout),
+        ("--hidden-dropout", m.hidden_dropout),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{flag} ({value}) must be in [0, 1).")
+
+
+def _check_model(cfg: TridentConfig) -> None:
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    n, g = m.num_attention_heads, m.num_query_groups
+    if m.kv_channels is None and m.hidden_size % n:
+        raise ValueError(
+            f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads ({n}); "
+            f"use a head count among {_divisors(m.hidden_size)}, or set --kv-channels."
+        )
+    if n % tp:
+        raise ValueError(
+            f"--num-attention-heads ({n}) must be divisible by --tensor-model-parallel-size ({tp}); "
+            f"use {_divisors(n)}."
+        )
+    if g < 1 or n % g:
+        raise ValueError(
+            f"--num-key-value-heads ({g}) must divide --num-attention-heads ({n}); use {_divisors(n)}."
+        )
+    if g % tp:
+        raise ValueError(
+            f"--num-key-value-heads ({g}) must be divisible by --tensor-model-parallel-size ({tp}); "
+            f"use a TP size among {_divisors(g)}, or more key/value heads."
+        )
+    if m.ffn_size % tp:
+        raise ValueError(
+            f"--ffn-hidden-size ({m.ffn_size}) must be divisible by --tensor-model-parallel-size ({tp})."
+        )
+    if m.use_rotary_position_embeddings and m.head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head dim; hidden/heads = {m.head_dim}.")
+    if not m.use_rotary_position_embeddings and m.seq_length > m.max_positions:
+        raise ValueError(
+            f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_positions}); "
+            "raise --max-position-embeddings or use --use-rotary-position-embeddings."
+        )
+
+
+def _check_parallel(cfg: TridentConfig, world_size: int) -> None:
+    p, m = cfg.parallel, cfg.model
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of {tp * pp} processes "
+            "or change the degrees."
+        )
+    if pp > m.num_layers:
+        raise ValueError(
+            f"--pipeline-model-parallel-size ({pp}) exceeds --num-layers ({m.num_layers}): every stage needs "
+            f"at least one layer; use at most {m.num_layers} stages."
+        )
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage ({p.zero_stage}) must be 0, 1, 2 or 3.")
+    if pp > 1 and p.zero_stage > 1:
+        raise ValueError(
+            f"--zero-stage ({p.zero_stage}) is incompatible with --pipeline-model-parallel-size ({pp}) "
+            "(DeepSpeed's pipeline engine supports ZeRO 0 and 1); use --zero-stage 1, or "
+            "--pipeline-model-parallel-size 1 --no-pipeline-parallel."
+        )
+    if pp > 1 and p.no_pipeline_parallel:
+        raise ValueError(
+            f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {pp})."
+        )
+
+
+def _check_batch(cfg: TridentConfig, world_size: int) -> None:
+    t, p = cfg.training, cfg.parallel
+    dp = p.data_parallel_size(world_size)
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size ({t.micro_batch_size}) x "
+            f"data-parallel size ({dp}) = {t.micro_batch_size * dp}; use a multiple of "
+            f"{t.micro_batch_size * dp}."
+        )
+    if t.train_iters is not None and t.train_samples is not None:
+        raise ValueError("--train-iters and --train-samples are exclusive; give one of them.")
+    if (t.train_iters or 0) < 0 or (t.train_samples or 0) < 0:
+        raise ValueError("--train-iters / --train-samples must not be negative.")
+
+
+def _check_precision(cfg: TridentConfig, device_type: str) -> None:
+    t = cfg.training
+    if t.bf16 and t.fp16:
+        raise ValueError("--bf16 and --fp16 are exclusive; choose one.")
+    if t.fp16 and device_type != "cuda":
+        raise ValueError(
+            f"--fp16 needs a CUDA GPU (device here: {device_type}); use --bf16 or fp32 (no flag) on CPU."
+        )
+    if t.clip_grad < 0:
+        raise ValueError(f"--clip-grad ({t.clip_grad}) must be >= 0 (0 disables clipping).")
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
+        raise ValueError(
+            "--lr-warmup-fraction is exclusive with --lr-warmup-iters/--lr-warmup-samples."
+        )
+    if t.min_lr > t.lr:
+        raise ValueError(f"--min-lr ({t.min_lr}) must not exceed --lr ({t.lr}).")
+
+
+def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -> None:
+    """Raise ``ValueError`` for the first inconsistency in ``cfg`` for ``world_size`` ranks on ``device_type``."""
+    if world_size < 1:
+        raise ValueError(f"world size ({world_size}) must be at least 1.")
+    _check_positive(cfg)
+    _check_model(cfg)
+    _check_parallel(cfg, world_size)
+    _check_batch(cfg, world_size)
+    _check_precision(cfg, device_type)
