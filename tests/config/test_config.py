@@ -1,0 +1,104 @@
+"""Typed config: flags -> frozen dataclasses, and every validation error by its message."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron.config import TridentConfig, parse_args, validate
+
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+]
+
+
+def cfg(*extra: str) -> TridentConfig:
+    return parse_args([*BASE, *extra])
+
+
+def test_flags_map_to_typed_fields() -> None:
+    c = cfg(
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--swiglu", "--disable-bias-linear",
+        "--num-key-value-heads", "2", "--use-rotary-position-embeddings", "--normalization", "rmsnorm",
+        "--checkpoint-activations", "--zero-stage", "1", "--bf16", "--data-path", "0.3", "a", "0.7", "b",
+        "--local_rank=3", "--save", "ckpt", "--metrics-file", "m.jsonl", "--log-interval", "1",
+    )  # fmt: skip
+    assert (
+        c.parallel.tensor_model_parallel_size == 2 and c.parallel.pipeline_model_parallel_size == 2
+    )
+    assert c.parallel.local_rank == 3 and c.parallel.zero_stage == 1
+    assert (
+        c.training.micro_batch_size == 2 and c.training.global_batch_size == 16 and c.training.bf16
+    )
+    assert c.model.swiglu and not c.model.add_bias_linear and c.model.num_query_groups == 2
+    assert c.model.normalization == "rmsnorm" and c.model.recompute_granularity == "full"
+    assert c.model.ffn_size == 128  # int(4*64*2/3/64)*64
+    assert c.data.data_path == ("0.3", "a", "0.7", "b")
+    assert c.checkpoint.save == "ckpt" and c.logging.metrics_file == "m.jsonl"
+    validate(c, world_size=8)
+
+
+def test_config_is_frozen() -> None:
+    c = cfg()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.model.hidden_size = 8  # type: ignore[misc]
+
+
+def test_unknown_flag_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="unrecognized arguments: --hiden-size"):
+        parse_args([*BASE, "--hiden-size", "3"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "device", "pattern"),
+    [
+        (["--num-attention-heads", "12", "--hidden-size", "96", "--tensor-model-parallel-size", "5"], 5, "cpu",
+         r"--num-attention-heads \(12\) must be divisible by --tensor-model-parallel-size \(5\); use 1, 2, 3, 4, 6 or 12"),
+        (["--hidden-size", "66"], 1, "cpu", r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"),
+        (["--num-key-value-heads", "3"], 1, "cpu", r"--num-key-value-heads \(3\) must divide --num-attention-heads \(4\)"),
+        (["--num-key-value-heads", "1", "--tensor-model-parallel-size", "2"], 2, "cpu",
+         r"--num-key-value-heads \(1\) must be divisible by --tensor-model-parallel-size \(2\)"),
+        (["--ffn-hidden-size", "101", "--tensor-model-parallel-size", "2"], 2, "cpu",
+         r"--ffn-hidden-size \(101\) must be divisible"),
+        (["--tensor-model-parallel-size", "2"], 3, "cpu", r"world size \(3\) must be divisible by .* = 2"),
+        (["--pipeline-model-parallel-size", "8"], 8, "cpu", r"--pipeline-model-parallel-size \(8\) exceeds --num-layers \(4\)"),
+        (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], 2, "cpu",
+         r"--zero-stage \(2\) is incompatible with --pipeline-model-parallel-size \(2\)"),
+        (["--zero-stage", "4"], 1, "cpu", r"--zero-stage \(4\) must be 0, 1, 2 or 3"),
+        (["--micro-batch-size", "2", "--global-batch-size", "6"], 2, "cpu",
+         r"--global-batch-size \(6\) must be divisible by --micro-batch-size \(2\) x data-parallel size \(2\) = 4"),
+        (["--fp16"], 1, "cpu", r"--fp16 needs a CUDA GPU \(device here: cpu\); use --bf16"),
+        (["--fp16", "--bf16"], 1, "cuda", r"--bf16 and --fp16 are exclusive"),
+        (["--train-iters", "3", "--train-samples", "9"], 1, "cpu", r"--train-iters and --train-samples are exclusive"),
+        (["--clip-grad", "-1"], 1, "cpu", r"--clip-grad \(-1.0\) must be >= 0"),
+        (["--min-lr", "1", "--lr", "0.1"], 1, "cpu", r"--min-lr \(1.0\) must not exceed --lr \(0.1\)"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], 1, "cpu", r"--lr-warmup-fraction is exclusive"),
+        (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "cpu",
+         r"--seq-length \(64\) exceeds --max-position-embeddings \(32\)"),
+        (["--num-layers", "0"], 1, "cpu", r"--num-layers \(0\) must be a positive integer"),
+        (["--hidden-dropout", "1.5"], 1, "cpu", r"--hidden-dropout \(1.5\) must be in \[0, 1\)"),
+        (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], 2, "cpu",
+         r"--no-pipeline-parallel needs --pipeline-model-parallel-size 1"),
+    ],
+)  # fmt: skip
+def test_validation_errors_name_flag_value_and_fix(
+    extra: list[str], world: int, device: str, pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        validate(cfg(*extra), world_size=world, device_type=device)
+
+
+def test_sequence_parallel_is_off_at_tp1() -> None:
+    assert not cfg("--sequence-parallel").parallel.sequence_parallel_enabled
+    assert cfg(
+        "--sequence-parallel", "--tensor-model-parallel-size", "2"
+    ).parallel.sequence_parallel_enabled
