@@ -1,0 +1,221 @@
+"""The DeepSpeed config, generated from our flags; a user ``--deepspeed_config`` JSON may only ADD keys.
+
+Trident owns every key that one of its flags determines (batch sizes, ZeRO stage, precision and loss scaling,
+clipping, the optimizer, which Trident builds itself as a torch optimizer). A user JSON contributes the rest
+(ZeRO tuning such as ``reduce_bucket_size``, ``offload_optimizer``, ``stage3_*`` knobs, ...). A key that repeats one of
+ours with another value is a ``ValueError`` naming both sources, raised before any process group exists:
+
+    --global-batch-size (16) sets train_batch_size = 16, but ds.json has train_batch_size = 32;
+    remove the key from ds.json or change the flag.
+
+Engine choice (documented decision): PP = 1 uses the plain ``GPTModel`` with ``DeepSpeedEngine`` (every ZeRO stage);
+PP > 1 uses ``GPTModelPipe`` with DeepSpeed's ``PipelineEngine`` (ZeRO 0/1; ``validate()`` rejects 2/3).
+``--no-pipeline-parallel`` is accepted and only requires PP = 1.
+
+ZeRO-0 + pipeline + clipping: DeepSpeed 0.19.8 computes a wrong global grad norm there (non-TP parameters of every
+stage but the first are dropped from the norm). Trident upgrades such runs to ZeRO-1, whose norm is right, and logs
+one line saying so (:func:`effective_zero_stage`). Numerics are unchanged; memory only shrinks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from megatron.config import TridentConfig
+
+logger = logging.getLogger(__name__)
+
+_STEPS_PER_PRINT = 10**9  # Trident prints its own progress line; keep DeepSpeed's quiet.
+
+
+def uses_pipeline_engine(cfg: TridentConfig) -> bool:
+    """True when the run uses ``GPTModelPipe`` + DeepSpeed's PipelineEngine (PP > 1)."""
+    return cfg.parallel.pipeline_model_parallel_size > 1
+
+
+def effective_zero_stage(cfg: TridentConfig) -> int:
+    """The ZeRO stage actually used: --zero-stage, except 0 becomes 1 with a pipeline and clipping (see module doc)."""
+    stage = cfg.parallel.zero_stage
+    if stage == 0 and uses_pipeline_engine(cfg) and cfg.training.clip_grad > 0:
+        return 1
+    return stage
+
+
+def gradient_accumulation_steps(cfg: TridentConfig, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step: global / (micro x DP)."""
+    return global_batch_size(cfg, world_size) // (
+        cfg.training.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
+    )
+
+
+def global_batch_size(cfg: TridentConfig, world_size: int) -> int:
+    """--global-batch-size, or micro x DP when the flag is absent."""
+    t = cfg.training
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    return t.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
+
+
+def _owned_entries(cfg: TridentConfig, world_size: int) -> list[tuple[str, Any, str]]:
+    """(dotted DeepSpeed key, value, the flag that determines it) for every key Trident owns."""
+    t = cfg.training
+    stage = effective_zero_stage(cfg)
+    gbs = global_batch_size(cfg, world_size)
+    entries: list[tuple[str, Any, str]] = [
+        ("train_batch_size", gbs, f"--global-batch-size ({gbs})"),
+        (
+            "train_micro_batch_size_per_gpu",
+            t.micro_batch_size,
+            f"--micro-batch-size ({t.micro_batch_size})",
+        ),
+        (
+            "gradient_accumulation_steps",
+            gradient_accumulation_steps(cfg, world_size),
+            f"--global-batch-size / (--micro-batch-size x data-parallel size) "
+            f"({gradient_accumulation_steps(cfg, world_size)})",
+        ),
+        ("zero_optimization.stage", stage, f"--zero-stage ({stage})"),
+        ("gradient_clipping", float(t.clip_grad), f"--clip-grad ({t.clip_grad})"),
+        ("bf16.enabled", t.bf16, f"--bf16 ({t.bf16})"),
+        ("fp16.enabled", t.fp16, f"--fp16 ({t.fp16})"),
+        (
+            "zero_force_ds_cpu_optimizer",
+            False,
+            "Trident's torch optimizer (--optimizer); offload works with it only when this is false",
+        ),
+    ]
+    if t.fp16:
+        entries += [
+            ("fp16.loss_scale", float(t.loss_scale or 0.0), f"--loss-scale ({t.loss_scale})"),
+            (
+                "fp16.initial_scale_power",
+                int(round(math.log2(t.initial_loss_scale))),
+                f"--initial-loss-scale ({t.initial_loss_scale})",
+            ),
+            (
+                "fp16.loss_scale_window",
+                t.loss_scale_window,
+                f"--loss-scale-window ({t.loss_scale_window})",
+            ),
+            ("fp16.hysteresis", t.hysteresis, f"--hysteresis ({t.hysteresis})"),
+            ("fp16.min_loss_scale", t.min_loss_scale, f"--min-loss-scale ({t.min_loss_scale})"),
+        ]
+    if t.optimizer == "sgd":
+        entries.append(
+            ("zero_allow_untested_optimizer", True, "--optimizer sgd (ZeRO accepts SGD only so)")
+        )
+    if cfg.checkpoint.universal_checkpoint:
+        entries.append(("checkpoint.load_universal", True, "--universal-checkpoint (True)"))
+    return entries
+
+
+def load_user_ds_config(path: str) -> dict[str, Any]:
+    """Read a ``--deepspeed_config`` JSON file.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: it is not valid JSON, or not a JSON object.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--deepspeed_config {path}: no such file.")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--deepspeed_config {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}."
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--deepspeed_config {path}: the top level must be a JSON object.")
+    return data
+
+
+def _get(d: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = d
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _set(d: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        d = d.setdefault(part, {})
+    d[leaf] = value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _check_no_client_sections(user: dict[str, Any], source: str) -> None:
+    for key, why in (
+        (
+            "optimizer",
+            "Trident builds a torch optimizer from --optimizer/--lr/--adam-*/--weight-decay",
+        ),
+        ("scheduler", "Trident drives the LR schedule from --lr-decay-style/--lr-warmup-*"),
+    ):
+        if key in user:
+            raise ValueError(
+                f"{source} has an '{key}' section, but {why}; remove '{key}' from {source} and use the flags."
+            )
+
+
+def build_ds_config(
+    cfg: TridentConfig, world_size: int, user: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg`` on ``world_size`` ranks, merged with ``user`` (or --deepspeed_config).
+
+    Args:
+        cfg: validated config.
+        world_size: total ranks (DP = world / (TP x PP)).
+        user: the user's extra keys; None reads ``cfg.training.deepspeed_config`` when it is set.
+
+    Returns:
+        A fresh dict: the user's keys, then Trident's owned keys on top.
+
+    Raises:
+        ValueError: a user key contradicts a flag (naming the flag, the key and both values), or the user JSON
+            has an optimizer/scheduler section.
+        FileNotFoundError: --deepspeed_config names a missing file.
+    """
+    source = "the DeepSpeed config"
+    if user is None and cfg.training.deepspeed_config:
+        source = cfg.training.deepspeed_config
+        user = load_user_ds_config(source)
+    user = user or {}
+    _check_no_client_sections(user, source)
+    merged: dict[str, Any] = json.loads(json.dumps(user))  # deep copy, JSON types only
+    merged.setdefault("steps_per_print", _STEPS_PER_PRINT)
+    merged.setdefault("wall_clock_breakdown", False)
+    for key, value, flag in _owned_entries(cfg, world_size):
+        present, theirs = _get(user, key)
+        if present and not _same(theirs, value):
+            raise ValueError(
+                f"{flag} sets {key} = {json.dumps(value)}, but {source} has {key} = "
+                f"{json.dumps(theirs)}; remove the key from {source} or change the flag."
+            )
+        _set(merged, key, value)
+    return merged
+
+
+def log_zero_upgrade(cfg: TridentConfig) -> None:
+    """Log once when :func:`effective_zero_stage` differs from --zero-stage."""
+    if effective_zero_stage(cfg) != cfg.parallel.zero_stage:
+        logger.info(
+            "--zero-stage 0 with --pipeline-model-parallel-size %d and --clip-grad %s: using ZeRO-1 "
+            "(DeepSpeed 0.19.8 computes a wrong grad norm for ZeRO-0 pipelines with clipping).",
+            cfg.parallel.pipeline_model_parallel_size,
+            cfg.training.clip_grad,
+        )

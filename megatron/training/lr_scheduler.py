@@ -1,0 +1,154 @@
+"""Learning-rate schedule with Megatron's ``OptimizerParamScheduler`` semantics, counted in samples.
+
+Steps are samples: an iteration-based run uses ``warmup = --lr-warmup-iters x global batch`` (or
+``--lr-warmup-fraction x decay``) and ``decay = --lr-decay-iters (default --train-iters) x global batch``; a
+sample-based run uses ``--lr-warmup-samples`` and ``--lr-decay-samples`` (default --train-samples).
+
+    lr(step) = max_lr * step / warmup                          step <= warmup (warmup > 0)
+             = max_lr                                          constant
+             = max(min_lr, max_lr * sqrt(warmup) / sqrt(step))  inverse-square-root (warmup >= 1)
+             = min_lr                                          step > decay
+             = min_lr + coeff * (max_lr - min_lr)              ratio = (step - warmup) / (decay - warmup)
+                 linear: coeff = 1 - ratio;  cosine: coeff = 0.5 * (cos(pi * ratio) + 1)
+
+The trainer drives it: before each optimizer step it writes :meth:`get_lr` into every param group (times the group's
+``lr_mult``, default 1); after an applied step it calls :meth:`step` with the global batch. A step skipped by the
+fp16 loss scaler does not advance the schedule (Megatron's behaviour).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from megatron.config import TrainingConfig
+
+DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+
+
+class OptimizerParamScheduler:
+    """Megatron's LR schedule (sample-counted), with ``state_dict``/``load_state_dict`` for checkpoints."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: DecayStyle,
+    ) -> None:
+        if lr_decay_steps <= 0:
+            raise ValueError(
+                f"LR decay length ({lr_decay_steps} samples) must be positive; set --lr-decay-iters or "
+                "--lr-decay-samples (or --train-iters/--train-samples)."
+            )
+        if lr_warmup_steps > lr_decay_steps:
+            raise ValueError(
+                f"LR warmup ({lr_warmup_steps} samples) exceeds the decay length ({lr_decay_steps} samples); "
+                "shorten --lr-warmup-* or lengthen --lr-decay-*."
+            )
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = int(lr_warmup_steps)
+        self.lr_decay_steps = int(lr_decay_steps)
+        self.lr_decay_style: DecayStyle = lr_decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        """The learning rate at the current sample count."""
+        step, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
+        if warmup > 0 and step <= warmup:
+            return self.max_lr * step / warmup
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if self.lr_decay_style == "inverse-square-root":
+            warmup = max(warmup, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
+        if step > decay:
+            return self.min_lr
+        ratio = (step - warmup) / max(decay - warmup, 1)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not supported.")
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def apply(self, optimizer: torch.optim.Optimizer | None = None) -> float:
+        """Write the current LR into every param group of ``optimizer`` (default: the one given at init)."""
+        lr = self.get_lr()
+        opt = optimizer if optimizer is not None else self.optimizer
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+        return lr
+
+    def step(self, increment: int) -> None:
+        """Advance by ``increment`` samples and apply the new LR."""
+        self.num_steps += int(increment)
+        self.apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Megatron's keys (the subset this schedule uses)."""
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "lr_decay_steps": self.lr_decay_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sample count (and schedule constants, Megatron's --use-checkpoint-opt_param-scheduler)."""
+        self.max_lr = float(state.get("max_lr", self.max_lr))
+        self.min_lr = float(state.get("min_lr", self.min_lr))
+        self.lr_warmup_steps = int(state.get("lr_warmup_steps", self.lr_warmup_steps))
+        self.lr_decay_steps = int(state.get("lr_decay_steps", self.lr_decay_steps))
+        self.lr_decay_style = state.get("lr_decay_style", self.lr_decay_style)
+        self.num_steps = 0
+        self.step(int(state["num_steps"]))
+
+
+def train_samples_and_iters(t: TrainingConfig, global_batch: int) -> tuple[int, int]:
+    """(total training samples, total iterations) from --train-iters or --train-samples."""
+    if t.train_iters is not None:
+        return t.train_iters * global_batch, t.train_iters
+    if t.train_samples is not None:
+        return t.train_samples, math.ceil(t.train_samples / global_batch)
+    raise ValueError("give --train-iters or --train-samples (how long to train).")
+
+
+def build_lr_scheduler(
+    t: TrainingConfig, global_batch: int, optimizer: torch.optim.Optimizer | None
+) -> OptimizerParamScheduler:
+    """The schedule for ``t`` in samples (see the module docstring for the mapping of flags)."""
+    if t.train_iters is not None:
+        decay = (t.lr_decay_iters or t.train_iters) * global_batch
+        warmup = (
+            int(t.lr_warmup_fraction * decay)
+            if t.lr_warmup_fraction is not None
+            else t.lr_warmup_iters * global_batch
+        )
+    else:
+        decay = t.lr_decay_samples or train_samples_and_iters(t, global_batch)[0]
+        warmup = (
+            int(t.lr_warmup_fraction * decay)
+            if t.lr_warmup_fraction is not None
+            else t.lr_warmup_samples
+        )
+    return OptimizerParamScheduler(
+        optimizer,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=t.lr_decay_style,
+    )
