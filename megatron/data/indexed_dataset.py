@@ -441,14 +441,26 @@ class MMapIndexedDatasetBuilder:
         self._sizes.extend(lens)
         self._doc_idx.append(len(self._sizes))
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append many one-sequence documents at once (the preprocessing fast path).
+    def add_documents(
+        self, tokens: np.ndarray, lengths: np.ndarray, num_sequences: np.ndarray | None = None
+    ) -> None:
+        """Append many documents at once (the preprocessing fast path).
 
         Args:
-            tokens: all documents' tokens concatenated, already of the builder's dtype for zero conversion cost.
-            lengths: tokens per document; ``lengths.sum() == len(tokens)``.
+            tokens: all sequences' tokens concatenated (ideally already of the builder's dtype: no conversion).
+            lengths: tokens per sequence; ``lengths.sum() == len(tokens)``.
+            num_sequences: sequences per document (``sum == len(lengths)``; 0 = an empty document). Default: one
+                sequence per document.
         """
         lens = np.asarray(lengths, dtype=np.int64)
+        if num_sequences is None:
+            per_doc = np.ones(len(lens), dtype=np.int64)
+        else:
+            per_doc = np.asarray(num_sequences, dtype=np.int64)
+            if int(per_doc.sum()) != len(lens) or (len(per_doc) and per_doc.min() < 0):
+                raise ValueError(
+                    f"add_documents: num_sequences sums to {int(per_doc.sum())}, but there are {len(lens)} lengths."
+                )
         written = self._write(tokens)
         if written != int(lens.sum()):
             raise ValueError(
@@ -456,9 +468,7 @@ class MMapIndexedDatasetBuilder:
             )
         start = len(self._sizes)
         self._sizes.frombytes(lens.tobytes())
-        self._doc_idx.frombytes(
-            np.arange(start + 1, start + len(lens) + 1, dtype=np.int64).tobytes()
-        )
+        self._doc_idx.frombytes((start + np.cumsum(per_doc)).astype(np.int64).tobytes())
 
     def merge_file_(self, another_file: str) -> None:
         """Append the dataset at prefix ``another_file`` (same dtype required), documents and all."""

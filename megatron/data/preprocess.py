@@ -1,0 +1,439 @@
+"""JSONL -> Megatron mmap datasets (the library behind ``tools/preprocess_data.py`` and ``tools/merge_datasets.py``).
+
+Pipeline, streaming and order-preserving::
+
+    input files (.jsonl / .jsonl.gz, globs)            main process
+      -> chunks of raw lines (<= 512 lines / 2 MB)     read lazily, never a whole file
+      -> workers: json.loads, validate, batch-encode   Encoder.encode: one tokenizer batch call per key and chunk
+         -> per key: flat token array (dtype), sequence sizes, sequences per document
+      -> main: MMapIndexedDatasetBuilder.add_documents (numpy tofile), in input order
+
+With ``workers > 1`` at most ``2 * workers`` chunks are in flight (so memory stays flat however big the input),
+and results are consumed in submission order, so the output is byte-identical for any worker count.
+
+Per document and key, as Megatron-LM: a string value is one sequence, a list of strings is one sequence per
+non-empty string; sequences with no tokens are dropped; with ``append_eod`` the EOD is appended to the document's
+last sequence and counted in its size (the fixed Megatron-LM layout). A document with no tokens has no sequences
+(its ``doc_idx`` entry repeats). Bad lines (invalid JSON/UTF-8, not an object, a missing key, a value that is not a
+string or list of strings, text the tokenizer rejects) stop the run with ``file:line: reason``, or are skipped and
+counted with ``skip_bad_lines``.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from megatron.data.indexed_dataset import (
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+    best_fitting_dtype,
+    data_file_path,
+    index_file_path,
+    make_builder,
+)
+from megatron.tokenizer import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CHUNK_LINES = 512
+CHUNK_BYTES = 2 * 1024 * 1024
+
+
+class PreprocessError(ValueError):
+    """Bad input for preprocessing; the message names the file, line and fix."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Raw lines of one input file: ``lines[i]`` is line ``first_line + i`` (1-based) of ``path``."""
+
+    path: str
+    first_line: int
+    lines: list[bytes]
+
+
+@dataclass
+class KeyResult:
+    """One key's encoded chunk: flat tokens, sequence sizes, and sequences per accepted document."""
+
+    tokens: np.ndarray
+    sizes: np.ndarray
+    seqs_per_doc: np.ndarray
+
+
+@dataclass
+class ChunkResult:
+    path: str
+    docs: int
+    num_bytes: int
+    keys: dict[str, KeyResult]
+    bad: list[tuple[int, str]]
+
+
+@dataclass
+class Summary:
+    """What a preprocessing run did."""
+
+    docs: int = 0
+    bad_lines: int = 0
+    num_bytes: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+
+
+def resolve_inputs(pattern: str) -> list[str]:
+    """The files of ``--input``: the file itself, else the sorted matches of the glob.
+
+    Raises:
+        FileNotFoundError: nothing matches.
+    """
+    if os.path.isfile(pattern) or (os.path.exists(pattern) and not os.path.isdir(pattern)):
+        return [pattern]
+    matches = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
+    if not matches:
+        raise FileNotFoundError(
+            f"--input {pattern} matches no file; give a .jsonl/.jsonl.gz path or a glob."
+        )
+    return matches
+
+
+def _open(path: str) -> BinaryIO:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb", buffering=1024 * 1024)  # noqa: SIM115 (closed by the caller)
+
+
+def read_chunks(
+    paths: Sequence[str], max_lines: int = CHUNK_LINES, max_bytes: int = CHUNK_BYTES
+) -> Iterator[Chunk]:
+    """Stream the lines of ``paths`` in chunks (a chunk never spans two files)."""
+    for path in paths:
+        with _open(path) as f:
+            lines: list[bytes] = []
+            size, first = 0, 1
+            try:
+                for lineno, line in enumerate(f, start=1):
+                    lines.append(line)
+                    size += len(line)
+                    if len(lines) >= max_lines or size >= max_bytes:
+                        yield Chunk(path, first, lines)
+                        lines, size, first = [], 0, lineno + 1
+            except (OSError, EOFError) as e:  # a corrupt or truncated .gz
+                raise PreprocessError(
+                    f"{path}: cannot read past line {first + len(lines) - 1}: {e}"
+                ) from e
+            if lines:
+                yield Chunk(path, first, lines)
+
+
+def _parse(line: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str]:
+    """The values of ``keys`` as lists of strings, or None and the reason the line is bad."""
+    try:
+        obj = json.loads(line)
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+    except ValueError as e:
+        return None, f"invalid JSON: {getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})"
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got a {type(obj).__name__}"
+    values = []
+    for key in keys:
+        if key not in obj:
+            have = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
+            return None, f"missing key {key!r} (the line has keys: {have}); check --json-keys"
+        value = obj[key]
+        if isinstance(value, str):
+            values.append([value])
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            values.append(value)
+        else:
+            return (
+                None,
+                f"key {key!r} is a {type(value).__name__}, expected a string or a list of strings",
+            )
+    return values, ""
+
+
+def iter_texts(paths: Sequence[str], keys: Sequence[str]) -> Iterator[str]:
+    """Every string of ``keys`` in the JSONL ``paths``, streamed (for tokenizer training).
+
+    Raises:
+        PreprocessError: a bad line, named ``file:line``.
+    """
+    for chunk in read_chunks(paths):
+        for i, line in enumerate(chunk.lines):
+            if not line.strip():
+                continue
+            values, reason = _parse(line, keys)
+            if values is None:
+                raise PreprocessError(f"{chunk.path}:{chunk.first_line + i}: {reason}.")
+            for texts in values:
+                yield from texts
+
+
+class Encoder:
+    """Turns chunks of JSONL lines into token arrays (runs in each worker, or in-process for one worker)."""
+
+    def __init__(
+        self, tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_eod: bool
+    ) -> None:
+        self.tokenizer = build_tokenizer(**tokenizer_kwargs)
+        self.keys = tuple(keys)
+        self.eod = self.tokenizer.eod if append_eod else None
+        self.dtype = np.dtype(best_fitting_dtype(self.tokenizer.vocab_size))
+
+    def _tokenize(
+        self, texts: list[str], text_line: list[int], bad: dict[int, str]
+    ) -> list[list[int]]:
+        try:
+            return self.tokenizer.tokenize_batch(texts)
+        except ValueError:  # find the offending line(s); the rest keep their ids
+            out = []
+            for text, line in zip(texts, text_line):
+                try:
+                    out.append(self.tokenizer.tokenize(text))
+                except ValueError as e:
+                    bad.setdefault(line, f"the tokenizer rejected the text: {e}")
+                    out.append([])
+            return out
+
+    def _key_result(self, ids: list[list[int]], parts: np.ndarray) -> KeyResult:
+        ndocs = len(parts)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        tokens = np.fromiter(
+            itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum())
+        )
+        text_doc = np.repeat(np.arange(ndocs), parts)
+        keep = lengths > 0
+        sizes = lengths[keep]
+        seqs_per_doc = np.bincount(text_doc[keep], minlength=ndocs)
+        if self.eod is not None and len(sizes):
+            has = seqs_per_doc > 0
+            doc_tokens = np.bincount(text_doc, weights=lengths, minlength=ndocs).astype(np.int64)
+            tokens = np.insert(
+                tokens, np.cumsum(doc_tokens)[has], np.asarray(self.eod, dtype=self.dtype)
+            )
+            sizes[np.cumsum(seqs_per_doc)[has] - 1] += 1
+        return KeyResult(tokens, sizes.astype(np.int32), seqs_per_doc.astype(np.int64))
+
+    def encode(self, chunk: Chunk) -> ChunkResult:
+        """Parse, validate and tokenize one chunk; bad lines are reported, not raised."""
+        bad: dict[int, str] = {}
+        docs: list[tuple[int, list[list[str]]]] = []
+        for i, line in enumerate(chunk.lines):
+            if not line.strip():
+                continue
+            values, reason = _parse(line, self.keys)
+            if values is None:
+                bad[chunk.first_line + i] = reason
+            else:
+                docs.append((chunk.first_line + i, values))
+        encoded = []
+        for k in range(len(self.keys)):
+            texts = [t for _, values in docs for t in values[k]]
+            text_line = [ln for ln, values in docs for _ in values[k]]
+            encoded.append(self._tokenize(texts, text_line, bad))
+        if bad:  # drop documents whose line turned out bad while tokenizing another key
+            keep = [j for j, (ln, _) in enumerate(docs) if ln not in bad]
+            encoded = [_select(ids, docs, k, keep) for k, ids in enumerate(encoded)]
+            docs = [docs[j] for j in keep]
+        results = {}
+        for k, key in enumerate(self.keys):
+            parts = np.array([len(values[k]) for _, values in docs], dtype=np.int64)
+            results[key] = self._key_result(encoded[k], parts)
+        return ChunkResult(
+            chunk.path, len(docs), sum(map(len, chunk.lines)), results, sorted(bad.items())
+        )
+
+
+def _select(
+    ids: list[list[int]], docs: list[tuple[int, list[list[str]]]], k: int, keep: list[int]
+) -> list[list[int]]:
+    offsets = np.cumsum([0] + [len(values[k]) for _, values in docs])
+    return [x for j in keep for x in ids[offsets[j] : offsets[j + 1]]]
+
+
+_WORKER_ENCODER: Encoder | None = None
+
+
+def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_eod: bool) -> None:
+    global _WORKER_ENCODER
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER_ENCODER = Encoder(tokenizer_kwargs, keys, append_eod)
+
+
+def _encode_in_worker(chunk: Chunk) -> ChunkResult:
+    if _WORKER_ENCODER is None:
+        raise RuntimeError("preprocessing worker used before its initializer ran")
+    return _WORKER_ENCODER.encode(chunk)
+
+
+def _results(
+    chunks: Iterator[Chunk], encoder: Encoder, init: tuple[Any, ...], workers: int
+) -> Iterator[ChunkResult]:
+    """Encoded chunks in input order; with workers > 1 at most 2 * workers in flight."""
+    if workers == 1:
+        for chunk in chunks:
+            yield encoder.encode(chunk)
+        return
+    ctx = multiprocessing.get_context(
+        "spawn"
+    )  # no fork of a process that may hold tokenizer threads
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
+        pending: collections.deque[Any] = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Progress:
+    def __init__(self, interval: int) -> None:
+        self.interval = max(1, interval)
+        self.start = time.monotonic()
+        self.next = self.interval
+
+    def update(self, s: Summary) -> None:
+        if s.docs >= self.next:
+            self.next = (s.docs // self.interval + 1) * self.interval
+            logger.info(
+                "processed %d documents (%s)", s.docs, rates(s, time.monotonic() - self.start)
+            )
+
+
+def rates(s: Summary, seconds: float) -> str:
+    """``docs/s, MB/s, tokens/s`` of a summary over ``seconds``."""
+    secs = max(seconds, 1e-9)
+    toks = sum(s.tokens.values())
+    return f"{s.docs / secs:.1f} docs/s, {s.num_bytes / secs / 1e6:.2f} MB/s, {toks / secs:.0f} tokens/s"
+
+
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """Megatron's output name: ``{output_prefix}_{key}_{level}``."""
+    return f"{output_prefix}_{key}_{level}"
+
+
+def preprocess(
+    inputs: Sequence[str],
+    *,
+    json_keys: Sequence[str],
+    output_prefix: str,
+    tokenizer_kwargs: dict[str, Any],
+    append_eod: bool = False,
+    workers: int = 1,
+    log_interval: int = 1000,
+    skip_bad_lines: bool = False,
+) -> Summary:
+    """Tokenize JSONL ``inputs`` into one mmap dataset per key (``{output_prefix}_{key}_document.bin/.idx``).
+
+    Outputs appear only when the run succeeds (temporary names, then rename); on any error or interrupt the
+    temporary files are removed.
+
+    Raises:
+        PreprocessError: a bad line (without ``skip_bad_lines``), or unusable settings.
+        FileNotFoundError: an input, tokenizer file or the output directory is missing.
+    """
+    if workers < 1:
+        raise PreprocessError(f"--workers ({workers}) must be at least 1.")
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise PreprocessError(
+            f"--json-keys {' '.join(json_keys)} must be non-empty and without repeats."
+        )
+    encoder = Encoder(
+        tokenizer_kwargs, json_keys, append_eod
+    )  # validates the tokenizer (and eod) up front
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    builders: dict[str, MMapIndexedDatasetBuilder] = {}
+    summary = Summary(tokens=dict.fromkeys(json_keys, 0))
+    start = time.monotonic()
+    progress = _Progress(log_interval)
+    try:
+        for key, prefix in prefixes.items():
+            builders[key] = make_builder(
+                data_file_path(prefix), vocab_size=encoder.tokenizer.vocab_size
+            )
+        init = (tokenizer_kwargs, tuple(json_keys), append_eod)
+        chunks = read_chunks(inputs, max_lines=min(CHUNK_LINES, max(16, log_interval)))
+        for result in _results(chunks, encoder, init, workers):
+            if result.bad and not skip_bad_lines:
+                line, reason = result.bad[0]
+                raise PreprocessError(
+                    f"{result.path}:{line}: {reason}. Fix the line, or pass --skip-bad-lines to skip bad lines."
+                )
+            for line, reason in result.bad:
+                logger.debug("skipping %s:%d: %s", result.path, line, reason)
+            summary.bad_lines += len(result.bad)
+            summary.docs += result.docs
+            summary.num_bytes += result.num_bytes
+            for key, kr in result.keys.items():
+                builders[key].add_documents(kr.tokens, kr.sizes, kr.seqs_per_doc)
+                summary.tokens[key] += len(kr.tokens)
+            progress.update(summary)
+        for key, prefix in prefixes.items():
+            builders[key].finalize(index_file_path(prefix))
+            summary.outputs.append(prefix)
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+def find_prefixes(directory: str) -> list[str]:
+    """Sorted dataset prefixes in ``directory`` (every ``X.idx`` with an ``X.bin``)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--input {directory} is not a directory.")
+    return sorted(
+        p[: -len(".idx")]
+        for p in glob.glob(os.path.join(directory, "*.idx"))
+        if os.path.isfile(p[:-4] + ".bin")
+    )
+
+
+def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MMapIndexedDataset:
+    """Concatenate the datasets at prefixes ``inputs`` (in order) into ``output_prefix``; returns the result.
+
+    Raises:
+        PreprocessError: no inputs, the output is one of the inputs, or the dtypes differ.
+        FileNotFoundError: an input is missing.
+    """
+    if not inputs:
+        raise PreprocessError(
+            "nothing to merge: no dataset prefixes given (or none found in --input)."
+        )
+    out = os.path.abspath(output_prefix)
+    if any(os.path.abspath(p) == out for p in inputs):
+        raise PreprocessError(
+            f"--output-prefix {output_prefix} is also an input; choose another output prefix."
+        )
+    first = MMapIndexedDataset(inputs[0])
+    builder = MMapIndexedDatasetBuilder(data_file_path(output_prefix), dtype=first.dtype)
+    with builder:
+        for prefix in inputs:
+            if not MMapIndexedDataset.exists(prefix):
+                raise FileNotFoundError(
+                    f"{prefix}.idx/.bin not found; pass dataset prefixes (without .bin/.idx)."
+                )
+            try:
+                builder.merge_file_(prefix)
+            except ValueError as e:
+                raise PreprocessError(str(e)) from e
+        builder.finalize(index_file_path(output_prefix))
+    return MMapIndexedDataset(output_prefix)

@@ -1,0 +1,1 @@
+"""Command-line tools (thin argparse CLIs over ``megatron``): preprocessing, merging, tokenizer training."""

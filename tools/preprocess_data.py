@@ -1,0 +1,117 @@
+"""Tokenize JSONL into Megatron mmap datasets: ``{output_prefix}_{key}_document.bin/.idx`` for every --json-keys.
+
+    python tools/preprocess_data.py --input 'data/*.jsonl.gz' --json-keys text \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --output-prefix data/my-gpt2 --workers 2
+
+then train with ``--data-path data/my-gpt2_text_document``. Megatron's flags; differences: every key is written
+(Megatron finalizes only the last), sizes include the EOD (the fixed Megatron-LM layout), the output is
+byte-identical for any --workers, files appear only when the run succeeds, and a bad line stops the run with
+``file:line`` (or is skipped with --skip-bad-lines). --partitions is accepted for compatibility and has no effect:
+inputs are streamed in order, so partitioning gains nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from megatron.data.preprocess import PreprocessError, preprocess, rates, resolve_inputs
+from megatron.log import setup_logging
+from megatron.tokenizer import TOKENIZER_TYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = p.add_argument_group("input")
+    g.add_argument(
+        "--input", required=True, help="a .jsonl / .jsonl.gz file, or a glob of them (quote it)"
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)"
+    )
+    g.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip malformed lines instead of stopping"
+    )
+    g.add_argument("--split-sentences", action="store_true", help="not supported (needs NLTK data)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece .model, or HF dir / tokenizer.json"
+    )
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument(
+        "--append-eod", action="store_true", help="append the EOD token to every document"
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--dataset-impl", default="mmap", choices=["mmap"])
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    g.add_argument(
+        "--partitions", type=int, default=1, help="accepted for compatibility; no effect"
+    )
+    g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
+    return p
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(logging.INFO)
+    if args.split_sentences:
+        print(
+            "error: --split-sentences is not supported (it needs NLTK punkt data, which is not available offline); "
+            "give each key a list of sentence strings instead.",
+            file=sys.stderr,
+        )
+        return 1
+    signal.signal(signal.SIGTERM, _interrupt)
+    tokenizer_kwargs = {
+        "tokenizer_type": args.tokenizer_type,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_size": args.vocab_size,
+    }
+    try:
+        summary = preprocess(
+            resolve_inputs(args.input),
+            json_keys=args.json_keys,
+            output_prefix=args.output_prefix,
+            tokenizer_kwargs=tokenizer_kwargs,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            log_interval=args.log_interval,
+            skip_bad_lines=args.skip_bad_lines,
+        )
+    except (PreprocessError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: no output written (temporary files removed)", file=sys.stderr)
+        return 130
+    tokens = ", ".join(f"{k} {v:,}" for k, v in summary.tokens.items())
+    print(
+        f"done: {summary.docs:,} documents, {summary.num_bytes / 1e6:.2f} MB, tokens: {tokens}, "
+        f"{summary.seconds:.2f} s ({rates(summary, summary.seconds)})",
+        file=sys.stderr,
+    )
+    if summary.bad_lines:
+        print(f"skipped {summary.bad_lines:,} bad line(s) (--skip-bad-lines)", file=sys.stderr)
+    for prefix in summary.outputs:
+        print(f"wrote {prefix}.bin / .idx", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

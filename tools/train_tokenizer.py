@@ -1,0 +1,70 @@
+"""Train a tokenizer offline from JSONL and write files our tokenizers load.
+
+    python tools/train_tokenizer.py --input 'data/*.jsonl' --type bpe --vocab-size 8192 --output-dir tok/
+        -> tok/vocab.json, tok/merges.txt (--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file),
+           tok/tokenizer.json (--tokenizer-type HFTokenizer --tokenizer-model tok)
+    python tools/train_tokenizer.py --input data/c.jsonl --type sentencepiece --vocab-size 4096 --output-dir tok/
+        -> tok/tokenizer.model (--tokenizer-type GPTSentencePieceTokenizer or SentencePieceTokenizer)
+
+Deterministic: the same input and flags give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+
+from megatron.data.preprocess import PreprocessError, iter_texts, resolve_inputs
+from megatron.tokenizer.train import train_bpe, train_sentencepiece
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--input", required=True, help="a .jsonl / .jsonl.gz file, or a glob of them")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text to train on")
+    p.add_argument(
+        "--type",
+        required=True,
+        choices=["bpe", "sentencepiece"],
+        help="byte-level BPE or SentencePiece",
+    )
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--output-dir", required=True, help="created if missing")
+    p.add_argument(
+        "--min-frequency", type=int, default=2, help="bpe: minimum pair frequency to merge"
+    )
+    p.add_argument(
+        "--model-type", default="bpe", choices=["bpe", "unigram"], help="sentencepiece algorithm"
+    )
+    args = p.parse_args(argv)
+    try:
+        texts: Iterator[str] = iter_texts(resolve_inputs(args.input), args.json_keys)
+        os.makedirs(args.output_dir, exist_ok=True)
+        if args.type == "bpe":
+            paths = train_bpe(
+                texts,
+                vocab_size=args.vocab_size,
+                output_dir=args.output_dir,
+                min_frequency=args.min_frequency,
+            )
+        else:
+            paths = train_sentencepiece(
+                texts,
+                vocab_size=args.vocab_size,
+                output_dir=args.output_dir,
+                model_type=args.model_type,
+            )
+    except (PreprocessError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for name, path in paths.items():
+        print(f"wrote {name}: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
