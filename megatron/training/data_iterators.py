@@ -1,0 +1,150 @@
+"""Tokenizer, datasets and the per-rank micro-batch iterators of a run.
+
+Every rank reads its own micro-batches (no broadcast over TP: each TP rank of a DP index draws the same indices
+from the same files). The sampler (``megatron.data.samplers``) keys the order to the GLOBAL batch: global batch
+``k`` is sample positions ``[k*G, (k+1)*G)`` whatever the DP size, so every layout trains on the same samples in
+the same steps.
+
+Sample counts are Megatron's: train = train iters x G; valid = (train iters // eval interval + 1) x eval iters x G;
+test = eval iters x G.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron import mpu
+from megatron.config import TridentConfig
+from megatron.data.batch import prepare_gpt_batch
+from megatron.data.samplers import build_pretraining_data_loader
+
+Batch = dict[str, torch.Tensor]
+
+
+def check_data_flags(cfg: TridentConfig) -> None:
+    """Data/tokenizer flag checks that ``validate()`` leaves to the trainer (no process group needed).
+
+    Raises:
+        ValueError: no data source, or no way to know the vocabulary.
+    """
+    d = cfg.data
+    if not (d.mock_data or d.data_path or d.train_data_path):
+        raise ValueError(
+            "no training data: give --data-path PREFIX (from tools/preprocess_data.py), --train-data-path, "
+            "or --mock-data for synthetic tokens."
+        )
+    if d.tokenizer_type is None and d.vocab_size is None:
+        raise ValueError(
+            "no tokenizer: give --tokenizer-type (GPT2BPETokenizer, SentencePieceTokenizer, "
+            "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer) or --vocab-size N (NullTokenizer)."
+        )
+    if d.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "--reset-attention-mask needs per-sample attention masks, which the pipeline engine does not "
+            "carry; drop the flag or use --pipeline-model-parallel-size 1."
+        )
+
+
+def build_run_tokenizer(cfg: TridentConfig) -> Any:
+    """--tokenizer-type's tokenizer, or NullTokenizer(--vocab-size) when only --vocab-size is given."""
+    from megatron.tokenizer.tokenizer import build_tokenizer
+
+    if cfg.data.tokenizer_type is None:
+        return build_tokenizer(cfg.data, tokenizer_type="NullTokenizer")
+    return build_tokenizer(cfg.data)
+
+
+def sample_counts(cfg: TridentConfig, train_iters: int, global_batch: int) -> tuple[int, int, int]:
+    """(train, valid, test) sample counts (Megatron's formula, see the module docstring)."""
+    t = cfg.training
+    evals = (train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    return train_iters * global_batch, evals * global_batch, t.eval_iters * global_batch
+
+
+def build_datasets(
+    cfg: TridentConfig, tokenizer: Any, counts: tuple[int, int, int]
+) -> tuple[Any, Any, Any]:
+    """(train, valid, test) datasets (None where there is none)."""
+    from megatron.data.mock_dataset import MockGPTDataset
+
+    if cfg.data.mock_data:
+        s, seed, v = cfg.model.seq_length, cfg.training.seed, tokenizer.vocab_size
+        return tuple(
+            MockGPTDataset(n, s, v, seed + i, name=name) if n > 0 else None
+            for i, (n, name) in enumerate(zip(counts, ("train", "valid", "test")))
+        )  # type: ignore[return-value]
+    from megatron.data.builders import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(
+        cfg.data, list(counts), cfg.model.seq_length, cfg.training.seed
+    )
+
+
+def _micro_batches(
+    loader: Any, cfg: TridentConfig, eod: int, device: torch.device
+) -> Iterator[Batch]:
+    d = cfg.data
+    for raw in loader:
+        batch = prepare_gpt_batch(
+            raw["text"],
+            eod=eod,
+            reset_position_ids=d.reset_position_ids,
+            reset_attention_mask=d.reset_attention_mask,
+            eod_mask_loss=d.eod_mask_loss,
+            skip_mask=not d.reset_attention_mask,
+        )
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+
+
+def _pipe_batches(micro: Iterator[Batch]) -> Iterator[Any]:
+    for b in micro:
+        yield (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+
+
+@dataclass
+class RunIterators:
+    """This rank's micro-batch iterators (dicts for DeepSpeedEngine, pipe tuples for PipelineEngine)."""
+
+    train: Iterator[Any]
+    valid: Iterator[Any] | None
+
+
+def build_iterators(
+    cfg: TridentConfig,
+    tokenizer: Any,
+    *,
+    world_size: int,
+    train_iters: int,
+    device: torch.device,
+    consumed_train_samples: int,
+    for_pipe: bool,
+) -> RunIterators:
+    """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank."""
+    from megatron.training.ds_config import global_batch_size
+
+    gbs = global_batch_size(cfg, world_size)
+    counts = sample_counts(cfg, train_iters, gbs)
+    train_ds, valid_ds, _ = build_datasets(cfg, tokenizer, counts)
+    common = {
+        "micro_batch_size": cfg.training.micro_batch_size,
+        "global_batch_size": gbs,
+        "data_parallel_rank": mpu.get_data_parallel_rank(),
+        "data_parallel_size": mpu.get_data_parallel_world_size(),
+        "num_workers": cfg.data.num_workers,
+        "seed": cfg.training.seed,
+    }
+    train_loader = build_pretraining_data_loader(
+        train_ds, consumed_train_samples, dataloader_type=cfg.data.dataloader_type, **common
+    )
+    valid_loader = build_pretraining_data_loader(valid_ds, 0, dataloader_type="single", **common)
+    eod = tokenizer.eod
+    wrap = _pipe_batches if for_pipe else (lambda it: it)
+    train = wrap(_micro_batches(train_loader, cfg, eod, device))
+    valid = (
+        wrap(_micro_batches(valid_loader, cfg, eod, device)) if valid_loader is not None else None
+    )
+    return RunIterators(train=train, valid=valid)

@@ -1,0 +1,152 @@
+"""Process start-up: rendezvous environment, ``deepspeed.init_distributed``, model-parallel groups, seeds.
+
+Launchers: ``deepspeed`` (passes ``--local_rank`` and sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*), ``torchrun``
+(sets the same variables), a plain environment with those variables, or a bare ``python pretrain_gpt.py`` with none
+of them: then this is a world of one process and :func:`ensure_rendezvous_env` sets the variables itself (DeepSpeed
+would otherwise try MPI discovery and fail on ``mpi4py``).
+
+Order (the flag checks happen before anything here creates a process group):
+``ensure_rendezvous_env -> world_size_from_env -> validate + build_ds_config -> init_distributed ->
+initialize_model_parallel -> set_seeds``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+from megatron import mpu
+from megatron.config import TridentConfig
+
+logger = logging.getLogger(__name__)
+
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_rendezvous_env(local_rank: int | None = None) -> bool:
+    """Make the environment describe a process group; returns True when a world of 1 was set up here.
+
+    With RANK and WORLD_SIZE present (any launcher) only LOCAL_RANK is filled in (from ``--local_rank`` or 0) and
+    MASTER_ADDR/MASTER_PORT get single-node defaults if missing. With none of them: RANK=0, WORLD_SIZE=1,
+    MASTER_ADDR=127.0.0.1 and a free MASTER_PORT.
+    """
+    created = "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    if created:
+        os.environ["RANK"] = "0"
+        os.environ["WORLD_SIZE"] = "1"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank if local_rank is not None else 0)
+    missing = [v for v in _RENDEZVOUS_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"incomplete launch environment: {', '.join(missing)} not set (RANK={os.environ.get('RANK')}, "
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}); launch with torchrun or deepspeed, or set "
+            "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
+    return created
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as an int (call :func:`ensure_rendezvous_env` first)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={value!r} is not an integer.") from None
+
+
+def device_type(cfg: TridentConfig) -> str:
+    """'cuda' when a GPU is visible and neither --distributed-backend gloo nor DS_ACCELERATOR=cpu ask for CPU."""
+    if cfg.parallel.distributed_backend == "gloo" or os.environ.get("DS_ACCELERATOR") == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backend(cfg: TridentConfig, dev: str) -> str:
+    if cfg.parallel.distributed_backend != "auto":
+        return cfg.parallel.distributed_backend
+    return "nccl" if dev == "cuda" else "gloo"
+
+
+def init_distributed(cfg: TridentConfig) -> torch.device:
+    """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
+
+    On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built: that build costs
+    30-50 s per cold start and needs a compiler.
+    """
+    dev = device_type(cfg)
+    if dev == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=_backend(cfg, dev),
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+        )
+    mpu.initialize_model_parallel(
+        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    )
+    return device
+
+
+def set_seeds(seed: int) -> None:
+    """One seed everywhere: torch's default generator and the model-parallel RNG tracker.
+
+    Parameter values come from ``param_seed(seed, name)`` inside the model and the data order from the sampler's
+    seed, so neither depends on the rank or the layout. The tracker's "model-parallel-rng" stream
+    (seed + 2718 + tp_rank, Megatron's) only drives dropout inside tensor-parallel regions.
+    """
+    torch.manual_seed(seed)
+    mpu.model_parallel_cuda_manual_seed(seed)
+
+
+def check_pipe_grid(grid: object) -> None:
+    """Verify that DeepSpeed's pipeline grid and our ``parallel_state`` agree on every rank coordinate.
+
+    Raises:
+        RuntimeError: a coordinate or size differs (a rank-order bug; training would silently mix shards).
+    """
+    pairs = {
+        "tensor rank": (grid.get_slice_parallel_rank(), mpu.get_tensor_model_parallel_rank()),  # type: ignore[attr-defined]
+        "tensor size": (
+            grid.get_slice_parallel_world_size(),  # type: ignore[attr-defined]
+            mpu.get_tensor_model_parallel_world_size(),
+        ),
+        "pipeline stage": (grid.get_stage_id(), mpu.get_pipeline_model_parallel_rank()),  # type: ignore[attr-defined]
+        "pipeline size": (
+            grid.get_pipe_parallel_world_size(),  # type: ignore[attr-defined]
+            mpu.get_pipeline_model_parallel_world_size(),
+        ),
+        "data rank": (grid.get_data_parallel_rank(), mpu.get_data_parallel_rank()),  # type: ignore[attr-defined]
+        "data size": (
+            grid.get_data_parallel_world_size(),  # type: ignore[attr-defined]
+            mpu.get_data_parallel_world_size(),
+        ),
+    }
+    bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if bad:
+        detail = "; ".join(f"{k}: deepspeed {a} vs mpu {b}" for k, (a, b) in bad.items())
+        raise RuntimeError(f"DeepSpeed's pipeline grid disagrees with megatron.mpu: {detail}.")

@@ -1,0 +1,216 @@
+"""The training loop: steps, LR schedule, logging, evaluation and the exit conditions.
+
+Per iteration: write the scheduled LR into the optimizer, run one step (``step.py``), count the global batch
+as consumed, advance the schedule unless the step was skipped, then log (every --log-interval), evaluate
+(every --eval-interval), save (every --save-interval, through the checkpoint hook) and check the exits:
+
+* ``--exit-interval N``: stop when iteration % N == 0 -> :data:`~megatron.training.exit_codes.EXIT_INTERVAL`;
+* ``--exit-duration-in-mins M``: stop once the MAX elapsed time over all ranks exceeds M minutes (so every rank
+  decides the same) -> ``EXIT_DURATION``;
+* SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``.
+
+Each of them saves a checkpoint first when a save hook is present. Reaching --train-iters returns ``EXIT_OK``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.mappings import all_reduce_max_
+from megatron.training.exit_codes import EXIT_DURATION, EXIT_INTERVAL, EXIT_OK, EXIT_SIGNAL
+from megatron.training.flops import throughput
+from megatron.training.lr_scheduler import OptimizerParamScheduler
+from megatron.training.metrics import (
+    EvalRecord,
+    MetricsWriter,
+    TrainRecord,
+    format_eval_line,
+    format_train_line,
+    perplexity,
+)
+from megatron.training.step import StepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Mutable progress of a run (what a checkpoint must restore besides the engine)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    history: list[float] = field(default_factory=list)
+    """lm loss of every iteration run by this process (for library callers and tests)."""
+    last_valid_loss: float | None = None
+    """The latest validation loss."""
+    last_eval_iteration: int = -1
+    """Iteration of the latest evaluation."""
+
+
+@dataclass
+class LoopSpec:
+    """Everything the loop needs, built by ``pretrain``."""
+
+    train_step: Callable[[], StepResult]
+    evaluate: Callable[[], float] | None
+    scheduler: OptimizerParamScheduler
+    optimizers: list[Any]
+    train_iters: int
+    global_batch: int
+    seq_length: int
+    world_size: int
+    flops_per_token: float
+    peak_tflops: float | None
+    log_interval: int
+    eval_interval: int
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    exit_signal_handler: bool
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    save: Callable[[TrainState], None] | None = None
+    save_interval: int | None = None
+
+
+class _SigtermFlag:
+    """Records SIGTERM instead of dying, so the loop can save and exit cleanly."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        self._previous: Any = None
+        if enabled:
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread (e.g. a test harness): no handler
+                self._previous = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_max_(t, group=dist.group.WORLD).item() > 0)
+
+
+def _exit_code(
+    spec: LoopSpec, state: TrainState, start: float, sigterm: _SigtermFlag
+) -> int | None:
+    if spec.exit_signal_handler and _any_rank(sigterm.received, spec.device):
+        return EXIT_SIGNAL
+    if spec.exit_duration_in_mins is not None:
+        elapsed = torch.tensor(
+            [(time.time() - start) / 60.0], dtype=torch.float64, device=spec.device
+        )
+        if all_reduce_max_(elapsed, group=dist.group.WORLD).item() > spec.exit_duration_in_mins:
+            return EXIT_DURATION
+    if spec.exit_interval and state.iteration % spec.exit_interval == 0:
+        return EXIT_INTERVAL
+    return None
+
+
+def _log(
+    spec: LoopSpec,
+    state: TrainState,
+    result: StepResult,
+    lr: float,
+    seconds_per_iter: float,
+    writer: MetricsWriter,
+) -> None:
+    tokens_per_sec, tflops, mfu = throughput(
+        tokens_per_iteration=spec.global_batch * spec.seq_length,
+        seconds_per_iteration=seconds_per_iter,
+        flops_per_tok=spec.flops_per_token,
+        world_size=spec.world_size,
+        peak_tflops=spec.peak_tflops,
+    )
+    rec = TrainRecord(
+        iteration=state.iteration,
+        consumed_samples=state.consumed_train_samples,
+        lm_loss=result.loss,
+        lr=lr,
+        grad_norm=result.grad_norm,
+        loss_scale=result.loss_scale,
+        skipped_iter=int(result.skipped),
+        tokens_per_sec=tokens_per_sec,
+        tflops_per_device=tflops,
+        mfu=mfu,
+    )
+    writer.train(rec)
+    if writer.enabled:
+        logger.info(
+            format_train_line(
+                rec,
+                train_iters=spec.train_iters,
+                elapsed_ms=1000.0 * seconds_per_iter,
+                skipped_total=state.skipped_iterations,
+            )
+        )
+
+
+def run_evaluation(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> float | None:
+    """Evaluate now (if there is a validation set) and record the result."""
+    if spec.evaluate is None:
+        return None
+    loss = spec.evaluate()
+    state.last_valid_loss, state.last_eval_iteration = loss, state.iteration
+    rec = EvalRecord(iteration=state.iteration, valid_loss=loss, valid_ppl=perplexity(loss))
+    writer.evaluation(rec)
+    if writer.enabled:
+        logger.info(format_eval_line(rec))
+    return loss
+
+
+def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
+    """Run iterations until --train-iters or an exit condition; returns the exit code."""
+    sigterm = _SigtermFlag(spec.exit_signal_handler)
+    start = time.time()
+    interval_start, interval_iters = time.perf_counter(), 0
+    try:
+        while state.iteration < spec.train_iters:
+            lr = spec.scheduler.get_lr()
+            for opt in spec.optimizers:
+                spec.scheduler.apply(opt)
+            result = spec.train_step()
+            state.iteration += 1
+            state.consumed_train_samples += spec.global_batch
+            state.history.append(result.loss)
+            interval_iters += 1
+            if result.skipped:
+                state.skipped_iterations += 1
+            else:
+                spec.scheduler.step(spec.global_batch)
+            if state.iteration % spec.log_interval == 0:
+                now = time.perf_counter()
+                _log(spec, state, result, lr, (now - interval_start) / interval_iters, writer)
+                interval_iters = 0
+            if spec.eval_interval and state.iteration % spec.eval_interval == 0:
+                run_evaluation(spec, state, writer)
+            if spec.log_interval and state.iteration % spec.log_interval == 0:
+                interval_start = time.perf_counter()  # evaluation time is not training time
+            saved = False
+            if spec.save and spec.save_interval and state.iteration % spec.save_interval == 0:
+                spec.save(state)
+                saved = True
+            code = _exit_code(spec, state, start, sigterm)
+            if code is not None:
+                if spec.save and not saved:
+                    spec.save(state)
+                logger.info("exiting at iteration %d (exit code %d)", state.iteration, code)
+                return code
+        return EXIT_OK
+    finally:
+        sigterm.restore()

@@ -1,0 +1,187 @@
+"""``pretrain(cfg)``: the whole run as a library function (``pretrain_gpt.py`` is a thin CLI over it).
+
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+    result = pretrain(parse_args([...]))        # every rank of the job calls it
+    result.exit_code, result.iteration, result.losses
+
+Stages: (1) :func:`preflight` (no process group yet): rendezvous env, ``validate()``, data/tokenizer flags,
+the DeepSpeed config with its conflict check; every rank raises the same ``ValueError``/``FileNotFoundError``.
+(2) ``deepspeed.init_distributed`` + ``initialize_model_parallel`` + seeds. (3) tokenizer, model, optimizer,
+engine, LR schedule, data iterators. (4) the loop (``loop.py``), a final evaluation, and teardown of the
+model-parallel state (the default process group stays, as other code in the process may share it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron import mpu
+from megatron.config import TridentConfig, validate
+from megatron.log import global_rank
+from megatron.model import padded_vocab_size
+from megatron.training import initialize
+from megatron.training.data_iterators import build_iterators, build_run_tokenizer, check_data_flags
+from megatron.training.ds_config import (
+    build_ds_config,
+    global_batch_size,
+    gradient_accumulation_steps,
+    log_zero_upgrade,
+)
+from megatron.training.flops import detect_peak_tflops, flops_per_token
+from megatron.training.loop import LoopSpec, TrainState, run_evaluation, train
+from megatron.training.lr_scheduler import build_lr_scheduler, train_samples_and_iters
+from megatron.training.metrics import MetricsWriter
+from megatron.training.model_setup import build_engine, optimizers_for_lr
+from megatron.training.step import (
+    eval_step_engine,
+    eval_step_pipe,
+    train_step_engine,
+    train_step_pipe,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks before any process group produce."""
+
+    world_size: int
+    device_type: str
+    ds_config: dict[str, Any]
+
+
+@dataclass
+class TrainResult:
+    """Outcome of :func:`pretrain` on this rank."""
+
+    exit_code: int
+    iteration: int
+    consumed_train_samples: int
+    losses: list[float] = field(default_factory=list)
+    """lm loss of each iteration run (global-batch mean, same on every rank)."""
+    valid_loss: float | None = None
+    """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
+
+
+def preflight(cfg: TridentConfig) -> Preflight:
+    """Every user-input check, before any process group exists (identical on every rank).
+
+    Raises:
+        ValueError: a bad flag combination or a --deepspeed_config that contradicts a flag.
+        FileNotFoundError: a named file (DeepSpeed JSON, tokenizer files, data) does not exist.
+    """
+    initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
+    world_size = initialize.world_size_from_env()
+    dev = initialize.device_type(cfg)
+    validate(cfg, world_size=world_size, device_type=dev)
+    check_data_flags(cfg)
+    train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
+    ds_config = build_ds_config(cfg, world_size)
+    return Preflight(world_size=world_size, device_type=dev, ds_config=ds_config)
+
+
+def pretrain(cfg: TridentConfig) -> TrainResult:
+    """Train ``cfg`` on this rank (every rank of the job calls it); see the module docstring.
+
+    Raises:
+        ValueError / FileNotFoundError: from :func:`preflight`, before any process group is created.
+    """
+    pre = preflight(cfg)
+    device = initialize.init_distributed(cfg)
+    try:
+        return _run(cfg, pre, device)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _run(cfg: TridentConfig, pre: Preflight, device: Any) -> TrainResult:
+    initialize.set_seeds(cfg.training.seed)
+    log_zero_upgrade(cfg)
+    world = pre.world_size
+    gbs = global_batch_size(cfg, world)
+    gas = gradient_accumulation_steps(cfg, world)
+    _, train_iters = train_samples_and_iters(cfg.training, gbs)
+    tokenizer = build_run_tokenizer(cfg)
+    start = time.perf_counter()
+    bundle = build_engine(
+        cfg, pre.ds_config, true_vocab=tokenizer.vocab_size, device=device, world_size=world
+    )
+    engine = bundle.engine
+    padded_vocab = padded_vocab_size(
+        tokenizer.vocab_size,
+        cfg.model.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size,
+    )
+    logger.info(
+        "rank %d: engine ready in %.1f s (%s, ZeRO-%d, global batch %d, micro %d, gas %d, vocab %d -> %d)",
+        global_rank(),
+        time.perf_counter() - start,
+        type(engine).__name__,
+        pre.ds_config["zero_optimization"]["stage"],
+        gbs,
+        cfg.training.micro_batch_size,
+        gas,
+        tokenizer.vocab_size,
+        padded_vocab,
+    )
+    scheduler = build_lr_scheduler(cfg.training, gbs, bundle.client_optimizer)
+    state = TrainState()
+    its = build_iterators(
+        cfg,
+        tokenizer,
+        world_size=world,
+        train_iters=train_iters,
+        device=device,
+        consumed_train_samples=state.consumed_train_samples,
+        for_pipe=bundle.is_pipe,
+    )
+    if bundle.is_pipe:
+        step_fn = lambda: train_step_pipe(engine, its.train)
+        eval_one = (lambda: eval_step_pipe(engine, its.valid)) if its.valid else None
+    else:
+        step_fn = lambda: train_step_engine(engine, its.train, gas)
+        eval_one = (lambda: eval_step_engine(engine, its.valid, gas)) if its.valid else None
+    evaluate = None
+    if eval_one is not None and cfg.training.eval_iters > 0:
+        evaluate = lambda: (
+            sum(eval_one() for _ in range(cfg.training.eval_iters)) / cfg.training.eval_iters
+        )
+    spec = LoopSpec(
+        train_step=step_fn,
+        evaluate=evaluate,
+        scheduler=scheduler,
+        optimizers=optimizers_for_lr(bundle),
+        train_iters=train_iters,
+        global_batch=gbs,
+        seq_length=cfg.model.seq_length,
+        world_size=world,
+        flops_per_token=flops_per_token(cfg.model, padded_vocab),
+        peak_tflops=detect_peak_tflops(cfg.training.peak_tflops),
+        log_interval=cfg.logging.log_interval,
+        eval_interval=cfg.training.eval_interval,
+        exit_interval=cfg.training.exit_interval,
+        exit_duration_in_mins=cfg.training.exit_duration_in_mins,
+        exit_signal_handler=cfg.training.exit_signal_handler,
+        device=device,
+    )
+    writer = MetricsWriter(
+        cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled=global_rank() == 0
+    )
+    try:
+        code = train(spec, state, writer)
+        if code == 0 and evaluate is not None and state.last_eval_iteration != state.iteration:
+            run_evaluation(spec, state, writer)
+    finally:
+        writer.close()
+    return TrainResult(
+        exit_code=code,
+        iteration=state.iteration,
+        consumed_train_samples=state.consumed_train_samples,
+        losses=list(state.history),
+        valid_loss=state.last_valid_loss,
+    )
