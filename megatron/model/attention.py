@@ -1,0 +1,217 @@
+"""Tensor-parallel self-attention: fused QKV (per-KV-group interleaved), RoPE, MHA/GQA, SDPA or reference path.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``n`` query heads, ``g`` key/value groups, ``p`` TP size,
+``np = n/p``, ``gp = g/p``, ``hn`` head dim, ``r = n/g`` query heads per group.
+
+Fused QKV layout (what Megatron's converters read and write; compat doc 4.3). The full (TP=1) weight of
+``query_key_value`` has ``(n + 2g) * hn`` rows, grouped per KV group ``j = 0 .. g-1``::
+
+    [ q heads j*r .. j*r+r-1  (r*hn rows) | k_j (hn rows) | v_j (hn rows) ]   for j = 0, 1, ..., g-1
+
+A column-parallel split into ``p`` contiguous chunks gives TP rank ``t`` the groups ``t*gp .. (t+1)*gp-1``, so each
+rank's local output ``[s, b, gp*(r+2)*hn]`` is viewed as ``[s, b, gp, r+2, hn]`` and split ``[r, 1, 1]``. For MHA
+(``r = 1``) this is Megatron's classic per-head ``[q_h; k_h; v_h]`` interleave. Query head ``i`` uses K/V group
+``i // r`` (``repeat_interleave`` semantics, as HF ``repeat_kv`` and SDPA's ``enable_gqa``).
+
+Attention is causal. Default path: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU);
+``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V reference (fp32 softmax). Attention dropout
+runs under ``get_cuda_rng_tracker().fork()`` (it acts on TP-sharded heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.rotary import apply_rotary_pos_emb
+from megatron.model.utils import layer_param_name
+from megatron.mpu.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron.mpu.random import checkpoint, get_cuda_rng_tracker, param_seed
+
+
+def _expand_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
+    """``[s, b, gp, hn] -> [s, b, gp*repeats, hn]``: each K/V group repeated for its ``repeats`` query heads."""
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=2)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Plain causal attention, the math spelled out (``use_flash_attn=False``).
+
+    Args:
+        q: ``[s, b, np, hn]``; k, v: ``[s, b, gp, hn]`` with ``gp`` dividing ``np``.
+        attention_mask: None for causal, else bool ``[b or 1, 1, s, s]``, True = masked (Megatron convention).
+        dropout_p: dropout on the probabilities (the caller picks the RNG state).
+
+    Returns:
+        context ``[s, b, np*hn]``.
+    """
+    s, b, heads, hn = q.shape
+    repeats = heads // k.shape[2]
+    qh = q.permute(1, 2, 0, 3)  # [s, b, np, hn] -> [b, np, s, hn]
+    kh = _expand_kv(k, repeats).permute(1, 2, 3, 0)  # [s, b, gp, hn] -> [b, np, hn, s]
+    vh = _expand_kv(v, repeats).permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, np, s, hn]
+    scores = torch.matmul(qh.float(), kh.float()) * (1.0 / math.sqrt(hn))  # [b, np, s, s]
+    if attention_mask is None:
+        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    ctx = torch.matmul(probs, vh)  # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [b, np, s, hn] -> [s, b, np*hn]
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention through ``F.scaled_dot_product_attention``; same contract as :func:`reference_attention`."""
+    s, b, heads, hn = q.shape
+    qh = q.permute(1, 2, 0, 3)  # [s, b, np, hn] -> [b, np, s, hn]
+    kh = k.permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, gp, s, hn]
+    vh = v.permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, gp, s, hn]
+    ctx = F.scaled_dot_product_attention(
+        qh,
+        kh,
+        vh,
+        attn_mask=None if attention_mask is None else ~attention_mask,
+        dropout_p=dropout_p,
+        is_causal=attention_mask is None,
+        enable_gqa=k.shape[2] != heads,
+    )  # [b, np, s, hn]
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [b, np, s, hn] -> [s, b, np*hn]
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention block: column-parallel fused QKV, RoPE, core attention, row-parallel output projection.
+
+    Args:
+        config: model shape (heads, groups, head dim, bias, dropout, flash, recompute, init std).
+        layer_number: global 0-based layer index (names and seeds: ``layers.{i}.self_attention.*``).
+        seed: the run's seed; weights are drawn from ``param_seed(seed, global name)``.
+        sequence_parallel: input ``[s/p, b, h]``, output ``[s/p, b, h]`` (Megatron SP); else full ``s``.
+        params_dtype, device: of the parameters.
+
+    The forward returns ``(output, bias)`` like Megatron: the output projection's bias is NOT added (the caller's
+    bias-dropout-add does it), ``bias`` is None with ``--disable-bias-linear``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layer_number: int,
+        seed: int,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        n, g, hn = config.num_attention_heads, config.num_query_groups, config.head_dim
+        self.head_dim = hn
+        self.group_size = n // g
+        self.attention_dropout = config.attention_dropout
+        self.use_flash_attn = config.use_flash_attn
+        self.selective_recompute = config.recompute_granularity == "selective"
+
+        def seed_of(suffix: str) -> int | None:
+            if not config.layout_invariant_init:
+                return None
+            return param_seed(seed, layer_param_name(layer_number, f"self_attention.{suffix}"))
+
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size,
+            (n + 2 * g) * hn,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            init_method=init_method_normal(config.init_method_std),
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            init_seed=seed_of("query_key_value.weight"),
+        )
+        self.dense = RowParallelLinear(
+            n * hn,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            skip_bias_add=True,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            init_seed=seed_of("dense.weight"),
+        )
+
+    def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, gp*(r+2)*hn] -> q [s, b, np, hn], k [s, b, gp, hn], v [s, b, gp, hn]`` (layout above)."""
+        s, b, width = mixed.shape
+        r, hn = self.group_size, self.head_dim
+        gp = width // ((r + 2) * hn)
+        grouped = mixed.view(s, b, gp, r + 2, hn)  # [s, b, gp*(r+2)*hn] -> [s, b, gp, r+2, hn]
+        q, k, v = torch.split(grouped, [r, 1, 1], dim=3)  # -> [s,b,gp,r,hn], [s,b,gp,1,hn] x2
+        q = q.reshape(s, b, gp * r, hn)  # [s, b, gp, r, hn] -> [s, b, np, hn]
+        return q, k.squeeze(3), v.squeeze(3)  # [s, b, gp, 1, hn] -> [s, b, gp, hn]
+
+    def _core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        fn = sdpa_attention if self.use_flash_attn else reference_attention
+        p = self.attention_dropout if self.training else 0.0
+        if p == 0.0:
+            return fn(q, k, v, attention_mask=attention_mask)
+        with get_cuda_rng_tracker().fork():
+            return fn(q, k, v, attention_mask=attention_mask, dropout_p=p)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention of ``hidden_states``.
+
+        Args:
+            hidden_states: ``[s, b, h]`` (``[s/p, b, h]`` under sequence parallelism).
+            rotary: ``(cos, sin)`` each ``[s, b, 1, hn]`` (see ``rotary_cos_sin``), or None for no RoPE.
+            attention_mask: None = causal; else bool ``[b or 1, 1, s, s]``, True = masked.
+
+        Returns:
+            ``(output [s, b, h] or [s/p, b, h], bias [h] or None)``.
+        """
+        mixed, _ = self.query_key_value(hidden_states)  # [s(/p), b, h] -> [s, b, gp*(r+2)*hn]
+        q, k, v = self.split_qkv(mixed)
+        if rotary is not None:
+            cos, sin = rotary
+            q = apply_rotary_pos_emb(q, cos, sin)
+            k = apply_rotary_pos_emb(k, cos, sin)
+        if self.selective_recompute and self.training:
+            ctx = checkpoint(
+                lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask), False, q, k, v
+            )
+        else:
+            ctx = self._core(q, k, v, attention_mask)  # [s, b, np*hn]
+        return self.dense(ctx)  # [s, b, np*hn] -> [s(/p), b, h] (+ bias, not added)

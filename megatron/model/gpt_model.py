@@ -1,0 +1,210 @@
+"""``GPTModel``: the whole GPT/LLaMA decoder on one pipeline stage (the no-pipeline path, ZeRO 0-3).
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size, ``v`` padded vocab, ``vp = v/p``.
+
+    input_ids, position_ids [b, s]
+      -> language_model.embedding                 [s(/p), b, h]
+      -> language_model.encoder.layers.{i}        [s(/p), b, h]
+      -> language_model.encoder.final_layernorm   [s(/p), b, h]
+      -> logits (tied word embeddings, or language_model.output_layer)   [s, b, vp], padded columns -inf
+      -> labels given: per-token vocab-parallel cross entropy [b, s] fp32; else logits [b, s, vp]
+
+State-dict keys are Megatron's (``language_model.embedding.word_embeddings.weight``, ...). Every parameter's full
+value is a function of ``(seed, global name)`` (see ``megatron.model.utils``), so any TP layout starts from the
+same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.language_model import (
+    Embedding,
+    build_output_layer,
+    mask_padded_vocab,
+    parallel_lm_logits,
+)
+from megatron.model.rotary import rotary_cos_sin
+from megatron.model.transformer import ParallelTransformer
+from megatron.model.utils import (
+    check_tensor_parallel_shapes,
+    padded_vocab_size,
+    tensor_parallel_rank_and_size,
+)
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+
+
+def check_batch(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    sequence_parallel: bool,
+    tp_size: int,
+) -> None:
+    """Shapes of a model input batch (all ``[b, s]``; ``s`` divisible by ``p`` under sequence parallelism).
+
+    Raises:
+        ValueError: naming the tensors and shapes.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [b, s]; got shape {tuple(input_ids.shape)}.")
+    for name, t in (("position_ids", position_ids), ("labels", labels)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} must have the shape of input_ids {tuple(input_ids.shape)}."
+            )
+    if sequence_parallel and input_ids.shape[1] % tp_size:
+        raise ValueError(
+            f"--sequence-parallel needs the sequence length ({input_ids.shape[1]}) divisible by "
+            f"--tensor-model-parallel-size ({tp_size})."
+        )
+
+
+class TransformerLanguageModel(nn.Module):
+    """``embedding``, ``encoder`` and (untied) ``output_layer``; returns masked vocab-parallel logits ``[s, b, vp]``.
+
+    Args: as :class:`GPTModel`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        seed: int,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tensor_parallel_rank_and_size()
+        check_tensor_parallel_shapes(config, self.tp_size)
+        self.config = config
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.params_dtype = params_dtype
+        self.padded_vocab = padded_vocab_size(
+            config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size
+        )
+        common = {"seed": seed, "params_dtype": params_dtype, "device": device}
+        self.embedding = Embedding(
+            config,
+            padded_vocab=self.padded_vocab,
+            sequence_parallel=self.sequence_parallel,
+            **common,
+        )
+        self.encoder = ParallelTransformer(
+            config, sequence_parallel=self.sequence_parallel, **common
+        )
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = build_output_layer(
+                config, padded_vocab=self.padded_vocab, tp_rank=self.tp_rank, **common
+            )
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[vp, h]`` matrix of the logits: the untied output layer's, else the word embeddings'."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[b, s]`` ids and positions -> logits ``[s, b, vp]`` (padded columns ``-inf``)."""
+        hidden = self.embedding(input_ids, position_ids)  # [b, s] -> [s(/p), b, h]
+        rotary = None
+        if self.config.use_rotary_position_embeddings:
+            rotary = rotary_cos_sin(
+                position_ids,
+                self.config.head_dim,
+                self.config.rotary_position_embeddings_theta,
+                hidden.dtype,
+            )  # 2 x [s, b, 1, hn]
+        hidden = self.encoder(hidden, rotary, attention_mask)  # [s(/p), b, h]
+        logits = parallel_lm_logits(
+            hidden,
+            self.output_weight(),
+            sequence_parallel=self.sequence_parallel,
+            tp_size=self.tp_size,
+        )  # [s(/p), b, h] -> [s, b, vp]
+        return mask_padded_vocab(logits, self.config.vocab_size, self.tp_rank)
+
+
+class GPTModel(nn.Module):
+    """GPT/LLaMA decoder (no pipeline parallelism), tensor-parallel over the ``parallel_state`` TP group.
+
+    Args:
+        config: architecture (``config.vocab_size`` = the tokenizer's true vocabulary, must be set).
+        seed: the run's seed; parameter values = f(seed, global Megatron name) (layout-invariant init).
+        params_dtype: parameter dtype (fp32 or bf16); initial values are drawn in fp32 then cast.
+        device: where parameters live (None = CPU).
+        sequence_parallel: Megatron sequence parallelism (a no-op at TP = 1).
+
+    The TP degree and rank come from ``megatron.mpu.parallel_state`` (a single process without
+    ``torch.distributed`` is TP = 1).
+
+    Raises:
+        ValueError: unset vocab size or heads/groups/ffn not divisible by the TP size.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        seed: int,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.language_model = TransformerLanguageModel(
+            config,
+            seed=seed,
+            params_dtype=params_dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The padded vocabulary ``v`` at this TP size."""
+        return self.language_model.padded_vocab
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the model on one micro-batch.
+
+        Args:
+            input_ids: ``[b, s]`` int64 token ids in ``[0, vocab_size)``.
+            position_ids: ``[b, s]`` int64 positions (learned table index, or RoPE angle).
+            attention_mask: None = causal (recommended); else bool ``[b or 1, 1, s, s]``, True = masked.
+            labels: ``[b, s]`` int64 targets, or None.
+
+        Returns:
+            labels given: per-token loss ``[b, s]`` fp32 (mask/average with :func:`loss_func`); else vocab-parallel
+            logits ``[b, s, vp]`` with padded-vocab columns ``-inf``.
+        """
+        lm = self.language_model
+        check_batch(
+            input_ids,
+            position_ids,
+            labels,
+            sequence_parallel=lm.sequence_parallel,
+            tp_size=lm.tp_size,
+        )
+        logits = lm(input_ids, position_ids, attention_mask)  # [s, b, vp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, vp] -> [b, s, vp]
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1))  # [s, b]
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -1,0 +1,95 @@
+"""Tensor-parallel MLP: GeLU (tanh approximation) or SwiGLU.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``f`` ffn size, ``p`` TP size, ``fp = f/p``.
+
+``dense_h_to_4h`` is column-parallel (``[h] -> [fp]``, or ``[2fp]`` with SwiGLU), ``dense_4h_to_h`` row-parallel
+(``[fp] -> [h]``). SwiGLU: per TP rank the first half of the local ``dense_h_to_4h`` output is the gate, the second
+half the up-projection: ``silu(gate) * up``. The weight is initialized with ``stride=2``, so TP rank ``t`` holds
+``[gate rows t*fp..(t+1)*fp-1 ; up rows t*fp..(t+1)*fp-1]`` and the TP=1 full weight is ``[gate_full; up_full]``.
+
+GeLU is the tanh approximation (Megatron's fused ``bias_gelu`` default, Hugging Face GPT-2's ``gelu_new``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.utils import layer_param_name
+from megatron.mpu.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron.mpu.random import param_seed
+
+
+class ParallelMLP(nn.Module):
+    """MLP of one transformer layer.
+
+    Args:
+        config: ``hidden_size``, ``ffn_size``, ``swiglu``, ``add_bias_linear``, ``init_method_std``, ``num_layers``.
+        layer_number: global 0-based layer index (names/seeds ``layers.{i}.mlp.*``).
+        seed: the run's seed.
+        sequence_parallel: input and output ``[s/p, b, h]``.
+        params_dtype, device: of the parameters.
+
+    The forward returns ``(output, bias)``: ``dense_4h_to_h``'s bias is not added (bias-dropout-add does it).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layer_number: int,
+        seed: int,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+
+        def seed_of(suffix: str) -> int | None:
+            if not config.layout_invariant_init:
+                return None
+            return param_seed(seed, layer_param_name(layer_number, f"mlp.{suffix}"))
+
+        ffn = config.ffn_size
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size,
+            2 * ffn if self.swiglu else ffn,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            init_method=init_method_normal(config.init_method_std),
+            stride=2 if self.swiglu else 1,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            init_seed=seed_of("dense_h_to_4h.weight"),
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            skip_bias_add=True,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            init_seed=seed_of("dense_4h_to_h.weight"),
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s(/p), b, h] -> (output [s(/p), b, h], bias [h] or None)``."""
+        inter, _ = self.dense_h_to_4h(hidden_states)  # [s(/p), b, h] -> [s, b, fp] (or [s, b, 2fp])
+        if self.swiglu:
+            gate, up = torch.chunk(inter, 2, dim=-1)  # [s, b, 2fp] -> 2 x [s, b, fp]
+            inter = F.silu(gate) * up
+        else:
+            inter = F.gelu(inter, approximate="tanh")
+        return self.dense_4h_to_h(inter)  # [s, b, fp] -> [s(/p), b, h]

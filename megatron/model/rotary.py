@@ -1,0 +1,52 @@
+"""Rotary position embeddings (RoPE), half-split convention of GPT-NeoX / Hugging Face LLaMA.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``np`` local heads, ``hn`` head dim, ``d`` rotated dims (= hn).
+
+    inv_freq[i] = theta ** (-2i / d)                 i = 0 .. d/2-1
+    angle[b, s, :] = cat(pos[b, s] * inv_freq, pos[b, s] * inv_freq)        (fp32)
+    rope(x) = x * cos(angle) + rotate_half(x) * sin(angle),   rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
+
+The tables are computed from ``position_ids`` inside the model (never sent between pipeline stages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """``[d/2]`` fp32 inverse frequencies ``theta ** (-2i/d)`` (same arithmetic as HF LLaMA)."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+    return 1.0 / (theta**exponent)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for ``position_ids``.
+
+    Args:
+        position_ids: ``[b, s]`` integer positions.
+        dim: rotated dims per head (even).
+        theta: RoPE base (``--rotary-position-embeddings-theta``).
+        dtype: dtype of the returned tables (the activations' dtype); computed in fp32 first.
+
+    Returns:
+        ``(cos, sin)``, each ``[s, b, 1, d]`` (broadcast over heads).
+    """
+    inv_freq = rotary_inv_freq(dim, theta, device=position_ids.device)
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [b, s] -> [b, s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d/2] -> [b, s, d]
+    emb = emb.transpose(0, 1)[:, :, None, :]  # [b, s, d] -> [s, b, 1, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x2, x1)`` on the last dim, where ``x1, x2`` are its halves."""
+    x1, x2 = x.chunk(2, dim=-1)  # [..., d] -> 2 x [..., d/2]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[s, b, np, hn]`` by the tables ``[s, b, 1, hn]`` (half-split convention)."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,190 @@
+"""Pre-LN transformer layer and the encoder stack (layers + final norm), Megatron names.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size; activations are ``[s, b, h]``, or
+``[s/p, b, h]`` between TP regions under sequence parallelism.
+
+    x -> input_layernorm -> self_attention -> (+bias, dropout) + x
+      -> post_attention_layernorm -> mlp -> (+bias, dropout) + x
+
+Bias-dropout-add: the row-parallel bias is replicated over TP; under sequence parallelism each rank adds it to its
+own sequence slice, so its gradient must be summed over TP. ``RowParallelLinear`` (``skip_bias_add=True``) already
+returns it wrapped in ``copy_to_tensor_model_parallel_region`` in that case, so it is added here as returned.
+Hidden dropout uses the default RNG when activations are replicated over TP (all TP ranks draw the same mask) and
+the model-parallel tracker fork under sequence parallelism (each rank owns different tokens), as in Megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.attention import ParallelAttention
+from megatron.model.mlp import ParallelMLP
+from megatron.model.norms import build_norm
+from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+def bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    p: float,
+    training: bool,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """``residual + dropout(x + bias)``; all ``[s(/p), b, h]``, bias ``[h]`` as ``RowParallelLinear`` returns it.
+
+    ``sequence_parallel`` selects the dropout RNG: the tracker fork (tokens differ per TP rank) or the default.
+    """
+    if bias is not None:
+        x = x + bias
+    if training and p > 0.0:
+        rng = get_cuda_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
+        with rng:
+            x = F.dropout(x, p=p, training=True)
+    return residual + x
+
+
+class ParallelTransformerLayer(nn.Module):
+    """One pre-LN decoder layer (state-dict keys ``input_layernorm``, ``self_attention``,
+    ``post_attention_layernorm``, ``mlp``).
+
+    Args:
+        config: model config.
+        layer_number: global 0-based index (the same on every pipeline layout; names and seeds use it).
+        seed: the run's seed (parameter values = f(seed, global name)).
+        sequence_parallel: Megatron SP (effective only with TP > 1; the caller decides).
+        params_dtype, device: of the parameters.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layer_number: int,
+        seed: int,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        common = {"params_dtype": params_dtype, "device": device}
+        norm_kw = {
+            "eps": config.layernorm_epsilon,
+            "sequence_parallel": sequence_parallel,
+            **common,
+        }
+        layer_kw = {
+            "layer_number": layer_number,
+            "seed": seed,
+            "sequence_parallel": sequence_parallel,
+            **common,
+        }
+        self.input_layernorm = build_norm(config.normalization, config.hidden_size, **norm_kw)
+        self.self_attention = ParallelAttention(config, **layer_kw)
+        self.post_attention_layernorm = build_norm(
+            config.normalization, config.hidden_size, **norm_kw
+        )
+        self.mlp = ParallelMLP(config, **layer_kw)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: Rotary | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[s(/p), b, h] -> [s(/p), b, h]``; ``rotary`` = (cos, sin) ``[s, b, 1, hn]`` or None."""
+        bda = {
+            "p": self.hidden_dropout,
+            "training": self.training,
+            "sequence_parallel": self.sequence_parallel,
+        }
+        attn_out, attn_bias = self.self_attention(
+            self.input_layernorm(hidden_states), rotary, attention_mask
+        )
+        hidden_states = bias_dropout_add(attn_out, attn_bias, hidden_states, **bda)
+        mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden_states))
+        return bias_dropout_add(mlp_out, mlp_bias, hidden_states, **bda)
+
+
+class ParallelTransformer(nn.Module):
+    """The encoder of ``GPTModel``: ``layers.{i}`` and ``final_layernorm``.
+
+    Args:
+        config: model config (``recompute_granularity == "full"`` checkpoints chunks of ``recompute_num_layers``
+            layers with ``mpu.random.checkpoint``, which restores the CPU/CUDA and tracker RNG states).
+        seed, sequence_parallel, params_dtype, device: as :class:`ParallelTransformerLayer`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        seed: int,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.recompute = config.recompute_granularity == "full"
+        self.recompute_num_layers = max(1, config.recompute_num_layers)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(
+                config,
+                layer_number=i,
+                seed=seed,
+                sequence_parallel=sequence_parallel,
+                params_dtype=params_dtype,
+                device=device,
+            )
+            for i in range(config.num_layers)
+        )
+        self.final_layernorm = build_norm(
+            config.normalization,
+            config.hidden_size,
+            eps=config.layernorm_epsilon,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+        )
+
+    def _run_chunk(
+        self,
+        start: int,
+        end: int,
+        rotary: Rotary | None,
+        attention_mask: torch.Tensor | None,
+    ):
+        def run(hidden: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[start:end]:
+                hidden = layer(hidden, rotary, attention_mask)
+            return hidden
+
+        return run
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: Rotary | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[s(/p), b, h] -> [s(/p), b, h]``: all layers, then the final norm."""
+        num = len(self.layers)
+        step = self.recompute_num_layers if (self.recompute and self.training) else num
+        for start in range(0, num, max(step, 1)):
+            run = self._run_chunk(start, min(start + step, num), rotary, attention_mask)
+            if self.recompute and self.training:
+                hidden_states = checkpoint(run, False, hidden_states)
+            else:
+                hidden_states = run(hidden_states)
+        return self.final_layernorm(hidden_states)
