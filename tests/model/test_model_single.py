@@ -18,29 +18,29 @@ V = 100  # true vocab; padded to 128 at TP=1 with the default --make-vocab-size-
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=16,
-        vocab_size=V,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
+    base = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 16,
+        "vocab_size": V,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+    }
     base.update(kw)
     return ModelConfig(**base)
 
 
-LLAMA_KW = dict(
-    normalization="rmsnorm",
-    swiglu=True,
-    use_rotary_position_embeddings=True,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-    num_key_value_heads=2,
-    ffn_hidden_size=96,
-    rotary_position_embeddings_theta=5000.0,
-)
+LLAMA_KW = {
+    "normalization": "rmsnorm",
+    "swiglu": True,
+    "use_rotary_position_embeddings": True,
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+    "num_key_value_heads": 2,
+    "ffn_hidden_size": 96,
+    "rotary_position_embeddings_theta": 5000.0,
+}
 
 
 def _batch(b: int = 2, s: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +64,9 @@ def _gpt2_state_dict(hf, cfg: ModelConfig, padded: int) -> dict[str, torch.Tenso
     hn = h // n
     sd = hf.state_dict()
     out = {
-        "language_model.embedding.word_embeddings.weight": _pad_rows(sd["transformer.wte.weight"], padded),
+        "language_model.embedding.word_embeddings.weight": _pad_rows(
+            sd["transformer.wte.weight"], padded
+        ),
         "language_model.embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
         "language_model.encoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
         "language_model.encoder.final_layernorm.bias": sd["transformer.ln_f.bias"],
@@ -97,7 +99,9 @@ def _llama_state_dict(hf, cfg: ModelConfig, padded: int) -> dict[str, torch.Tens
     r = n // g
     sd = hf.state_dict()
     out = {
-        "language_model.embedding.word_embeddings.weight": _pad_rows(sd["model.embed_tokens.weight"], padded),
+        "language_model.embedding.word_embeddings.weight": _pad_rows(
+            sd["model.embed_tokens.weight"], padded
+        ),
         "language_model.output_layer.weight": _pad_rows(sd["lm_head.weight"], padded),
         "language_model.encoder.final_layernorm.weight": sd["model.norm.weight"],
     }
@@ -226,7 +230,9 @@ def test_sdpa_and_reference_attention_agree_and_are_causal() -> None:
     # GQA: query head i uses K/V group i // (n / g)
     k_full = k.detach().repeat_interleave(n // gq, dim=2)
     v_full = v.detach().repeat_interleave(n // gq, dim=2)
-    torch.testing.assert_close(sdpa_attention(q.detach(), k_full, v_full), a.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        sdpa_attention(q.detach(), k_full, v_full), a.detach(), rtol=0, atol=1e-6
+    )
 
 
 def test_rope_matches_hugging_face_half_split() -> None:
@@ -283,7 +289,9 @@ def test_names_init_and_padding() -> None:
     sd_a, sd_b = a.state_dict(), b.state_dict()
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)  # f(seed, name) only
     c = GPTModel(cfg, seed=6).state_dict()
-    assert not torch.equal(sd_a["language_model.output_layer.weight"], c["language_model.output_layer.weight"])
+    assert not torch.equal(
+        sd_a["language_model.output_layer.weight"], c["language_model.output_layer.weight"]
+    )
     expected = {
         "language_model.embedding.word_embeddings.weight",
         "language_model.embedding.position_embeddings.weight",
@@ -305,9 +313,14 @@ def test_names_init_and_padding() -> None:
     }
     assert set(sd_a) == expected
     # padded rows are zero, norms ones, biases zero; output layers use std / sqrt(2L)
-    for name in ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"):
+    for name in (
+        "language_model.embedding.word_embeddings.weight",
+        "language_model.output_layer.weight",
+    ):
         assert sd_a[name].shape == (128, 64) and not sd_a[name][V:].any() and sd_a[name][:V].all()
-    assert torch.equal(sd_a["language_model.encoder.layers.0.input_layernorm.weight"], torch.ones(64))
+    assert torch.equal(
+        sd_a["language_model.encoder.layers.0.input_layernorm.weight"], torch.ones(64)
+    )
     assert not sd_a["language_model.encoder.layers.1.mlp.dense_4h_to_h.bias"].any()
     std_out = sd_a["language_model.encoder.layers.0.mlp.dense_4h_to_h.weight"].std().item()
     std_in = sd_a["language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"].std().item()
