@@ -1,0 +1,137 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering the ``[s, b, v]`` logits.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``p`` TP size, ``v`` (padded) vocab, ``vp = v/p``.
+
+Per token, with the logits ``z`` split over the TP ranks by vocabulary (rank r owns columns
+``[r*vp, (r+1)*vp)``)::
+
+    m = max_j z_j                       local max, all-reduce MAX
+    Z = sum_j exp(z_j - m)              local sum, all-reduce SUM
+    z_t - m                             picked by the rank owning the target, all-reduce SUM (others add 0)
+    loss = log Z - (z_t - m)
+
+Label smoothing ``alpha`` (Megatron's semantics): the target class gets probability ``1 - alpha`` and each of
+the other ``v - 1`` classes ``alpha / (v - 1)``, i.e.
+``loss = (1 - a') * nll - a' * mean_j log p_j`` with ``a' = alpha * v / (v - 1)``. This equals PyTorch's
+``F.cross_entropy(..., label_smoothing=a')``. Here ``v`` is the GLOBAL vocab size (``sum_j log p_j`` is
+all-reduced), so the loss does not depend on ``p``; upstream Megatron uses the per-rank ``vp`` there, which makes
+its smoothed loss change with the TP degree (a known upstream bug, not reproduced). The average runs over every
+column passed in, padded-vocabulary columns included.
+
+Backward: ``d loss / d z = softmax(z) - q`` (q the smoothed target distribution), times the incoming grad.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.mpu.mappings import all_reduce_max_, all_reduce_sum_
+from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size, resolve_group
+from megatron.mpu.utils import VocabUtility
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        logits = vocab_parallel_logits.float()  # [s, b, vp], fp32 (a copy unless already fp32)
+        logits_max = all_reduce_max_(logits.max(dim=-1).values, group)  # [s, b]
+        logits = logits - logits_max.unsqueeze(-1)  # new tensor; the caller's logits are untouched
+        vp = logits.size(-1)
+        world = group_world_size(group)
+        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            vp, group_rank(group), world
+        )
+        vocab_size = vp * world
+
+        not_mine = (target < first) | (target >= last)  # [s, b]
+        local_target = (target - first).masked_fill(not_mine, 0)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(
+            -1
+        )  # [s, b, vp] -> [s, b]
+        predicted = all_reduce_sum_(predicted.masked_fill(not_mine, 0.0), group)
+
+        exp_logits = logits.exp()  # [s, b, vp]
+        sum_exp = all_reduce_sum_(exp_logits.sum(dim=-1), group)  # [s, b]
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - predicted  # [s, b]
+
+        smoothing = 0.0
+        if label_smoothing > 0:
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            # sum_j log p_j = sum_j (z_j - m) - v * log Z
+            sum_log_probs = all_reduce_sum_(logits.sum(dim=-1), group) - vocab_size * log_sum_exp
+            loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab_size
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # [s, b, vp]
+        ctx.smoothing, ctx.vocab_size, ctx.input_dtype = (
+            smoothing,
+            vocab_size,
+            vocab_parallel_logits.dtype,
+        )
+        ctx.save_for_backward(softmax, not_mine, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, not_mine, local_target = ctx.saved_tensors
+        grad = softmax.clone()  # [s, b, vp]
+        owned = (~not_mine).to(grad.dtype) * (1.0 - ctx.smoothing)  # [s, b]
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.unsqueeze(-1))
+        if ctx.smoothing > 0:
+            grad.sub_(ctx.smoothing / ctx.vocab_size)
+        grad.mul_(grad_output.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy loss from vocabulary-parallel logits.
+
+    Args:
+        vocab_parallel_logits: ``[s, b, vp]``, this TP rank's vocabulary columns (any float dtype; math in fp32).
+            Callers mask padded-vocabulary columns themselves if they must not count.
+        target: ``[s, b]`` integer ids in ``[0, v)``, identical on every TP rank.
+        label_smoothing: ``alpha`` in ``[0, 1)``; see the module docstring for the exact semantics.
+        group: the TP group (default: the one from parallel_state).
+
+    Returns:
+        ``[s, b]`` fp32 loss; the caller reduces it (e.g. masked mean). Backward gives the logits' grad in
+        their dtype.
+
+    Raises:
+        ValueError: shapes disagree, ``label_smoothing`` outside ``[0, 1)``, or a target outside ``[0, v)``.
+    """
+    group = resolve_group(group)
+    if target.shape != vocab_parallel_logits.shape[:-1]:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must equal the logits shape "
+            f"without its last (vocab) dim, {tuple(vocab_parallel_logits.shape[:-1])}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: label_smoothing ({label_smoothing}) must be in [0, 1)"
+        )
+    vocab_size = vocab_parallel_logits.size(-1) * group_world_size(group)
+    if label_smoothing > 0 and vocab_size < 2:
+        raise ValueError(
+            "vocab_parallel_cross_entropy: label smoothing needs a vocabulary of at least 2"
+        )
+    if target.numel() and bool(((target < 0) | (target >= vocab_size)).any()):
+        bad = target[(target < 0) | (target >= vocab_size)][0]
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target id {int(bad)} is outside the vocabulary [0, {vocab_size}); "
+            "check the labels and the padded vocab size"
+        )
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)

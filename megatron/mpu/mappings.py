@@ -1,0 +1,285 @@
+"""Every torch.distributed collective of Trident: autograd-aware region functions and plain helpers.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size (ranks in the group), ``v`` vocab.
+
+Region functions (Megatron's names) move activations in and out of tensor-parallel regions; each one's backward
+is the adjoint of its forward. All take ``group=None`` meaning the TP group (see
+:func:`megatron.mpu.parallel_state.resolve_group`) and are no-ops on a group of one rank. Last-dim splits and
+gathers are the TP layout of hidden/vocab features; first-dim ones the sequence-parallel layout of ``[s, b, h]``.
+
+Plain helpers (no autograd) serve the cross-entropy, broadcast_data, and activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size, resolve_group
+
+# torch 2.13 renamed the "tensor" collectives; keep working on the older names (setup.py allows torch >= 2.1).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:
+    if x.size(dim) % world != 0:
+        raise ValueError(
+            f"{what}: dimension {dim} of a tensor of shape {tuple(x.shape)} is not divisible by the "
+            f"tensor-model-parallel size {world}; pad the sequence / hidden size to a multiple of {world}"
+        )
+    return x.size(dim) // world
+
+
+# --- private collectives (each returns a new tensor; the input is never modified) ---------------------------
+
+
+def _reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if group_world_size(group) == 1:
+        return x
+    out = x.clone()
+    dist.all_reduce(out, group=group)  # [...] -> [...] summed over the group
+    return out
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_world_size(group)
+    if world == 1:
+        return x
+    chunk = _check_divisible(x, -1, world, "split along the last dimension")
+    rank = group_rank(group)
+    return x[..., rank * chunk : (rank + 1) * chunk].contiguous()  # [..., h] -> [..., h/p]
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)  # p x [..., h/p] -> [..., h]
+
+
+def _split_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_world_size(group)
+    if world == 1:
+        return x
+    chunk = _check_divisible(x, 0, world, "split along the sequence dimension")
+    rank = group_rank(group)
+    return x[rank * chunk : (rank + 1) * chunk].contiguous()  # [s, b, h] -> [s/p, b, h]
+
+
+def _gather_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((world * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)  # [s/p, b, h] -> [s, b, h]
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_world_size(group)
+    if world == 1:
+        return x
+    chunk = _check_divisible(x, 0, world, "reduce-scatter along the sequence dimension")
+    x = x.contiguous()
+    out = torch.empty((chunk, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x, group=group)  # [s, b, h] -> [s/p, b, h] summed over the group
+    return out
+
+
+# --- autograd functions ------------------------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a view, so a Parameter input is fine
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return _reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup | None, tensor_parallel_output_grad: bool
+    ) -> torch.Tensor:
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_first(grad, ctx.group), None
+
+
+# --- public region functions -------------------------------------------------------------------------------
+
+
+def copy_to_tensor_model_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: identity; backward: all-reduce (sum) over the TP group. Also for Parameters (SP norm weights)."""
+    return _CopyToRegion.apply(x, resolve_group(group))
+
+
+def reduce_from_tensor_model_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: all-reduce (sum) over the TP group; backward: identity."""
+    return _ReduceFromRegion.apply(x, resolve_group(group))
+
+
+def scatter_to_tensor_model_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: split the last dim, keep this rank's chunk ``[..., h] -> [..., h/p]``; backward: all-gather (last dim)."""
+    return _ScatterToRegion.apply(x, resolve_group(group))
+
+
+def gather_from_tensor_model_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: all-gather (last dim) ``[..., h/p] -> [..., h]``; backward: split (last dim)."""
+    return _GatherFromRegion.apply(x, resolve_group(group))
+
+
+def scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: split dim 0, keep this rank's chunk ``[s, b, h] -> [s/p, b, h]``; backward: all-gather (dim 0)."""
+    return _ScatterToSequenceRegion.apply(x, resolve_group(group))
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, tensor_parallel_output_grad: bool = True, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: all-gather (dim 0) ``[s/p, b, h] -> [s, b, h]``; backward: reduce-scatter (dim 0), or split if the flag is False.
+
+    ``tensor_parallel_output_grad=True`` when the gathered tensor feeds a TP region (each rank's grad is a
+    partial sum); ``False`` when the consumer is replicated (every rank already holds the full grad).
+    """
+    return _GatherFromSequenceRegion.apply(x, resolve_group(group), tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """forward: reduce-scatter (dim 0) ``[s, b, h] -> [s/p, b, h]``; backward: all-gather (dim 0)."""
+    return _ReduceScatterToSequenceRegion.apply(x, resolve_group(group))
+
+
+# --- plain helpers (no autograd) ---------------------------------------------------------------------------
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """In place: sum ``tensor`` over the group (default TP); returns it."""
+    group = resolve_group(group)
+    if group_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_max_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """In place: element-wise max of ``tensor`` over the group (default TP); returns it."""
+    group = resolve_group(group)
+    if group_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def broadcast_(
+    tensor: torch.Tensor, src_group_rank: int = 0, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """In place: overwrite ``tensor`` with the one of group rank ``src_group_rank`` (default TP group)."""
+    group = resolve_group(group)
+    if group_world_size(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return tensor
+
+
+def all_gather_first_dim(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0, in group-rank order (no autograd)."""
+    return _gather_first(tensor, resolve_group(group))
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order (default TP group)."""
+    group = resolve_group(group)
+    if group_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def communication_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where tensors must live for collectives on ``group``: the current CUDA device for NCCL, else CPU."""
+    group = resolve_group(group)
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,245 @@
+"""Seeds and RNG streams of tensor parallelism, and activation checkpointing that replays them exactly.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size.
+
+Two random streams per process, on CPU and CUDA alike:
+
+* the default generators (``torch.manual_seed``): identical on the ranks of a TP group, used for dropout on
+  replicated activations (e.g. after a row-parallel all-reduce);
+* the tracker's ``"model-parallel-rng"`` stream (``seed + 2718 + tp_rank``): different on every TP rank, used
+  under ``get_cuda_rng_tracker().fork()`` for dropout on sharded activations (attention probabilities of the
+  local heads) and for the optional per-shard weight init.
+
+A tracker state covers the CPU default generator and, when CUDA is available, the current CUDA device's
+generator, so ``fork()`` is device-agnostic (the name ``CudaRNGStatesTracker`` is kept for Megatron users).
+
+``param_seed(seed, name)`` gives each parameter its own seed from its global name; the TP layers use it for the
+layout-invariant init (see :mod:`megatron.mpu.layers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from megatron.mpu.mappings import all_gather_first_dim
+from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size, resolve_group
+from megatron.mpu.utils import split_tensor_into_1d_equal_chunks
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+TENSOR_MODEL_PARALLEL_SEED_OFFSET = 2718
+"""The tracker stream of TP rank r is seeded with ``seed + 2718 + r`` (Megatron's offset)."""
+
+RNGState = dict[str, torch.Tensor]
+"""``{"cpu": state}`` plus ``"cuda": state`` when CUDA is available."""
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for the parameter called ``name`` (global state-dict name) under the run seed ``seed``.
+
+    sha256 of ``"<seed>:<name>"``: the same on every process, platform and Python version, and independent of
+    the layout (TP / PP / DP), so a parameter's initial value depends only on ``(seed, name)``.
+
+    Raises:
+        ValueError: ``seed`` is not an int or ``name`` is empty.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"param_seed: seed must be an int, got {seed!r}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"param_seed: name must be a non-empty parameter name, got {name!r}")
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def _get_rng_state() -> RNGState:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: RNGState) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _seeded_state(seed: int) -> RNGState:
+    state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+    if torch.cuda.is_available():
+        saved = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(seed)
+        state["cuda"] = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(saved)
+    return state
+
+
+class RNGStatesTracker:
+    """Named RNG streams that can be swapped in around a block of code (``fork``).
+
+    Invariant: a name and a seed are each added at most once until ``reset``.
+    """
+
+    def __init__(self) -> None:
+        self.states: dict[str, RNGState] = {}
+        self.seeds: set[int] = set()
+
+    def reset(self) -> None:
+        """Forget every stream."""
+        self.states = {}
+        self.seeds = set()
+
+    def get_states(self) -> dict[str, RNGState]:
+        """A copy of every stream's state (for checkpoints)."""
+        return {name: dict(state) for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, RNGState]) -> None:
+        """Replace every stream's state (from :meth:`get_states`)."""
+        self.states = {name: dict(state) for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        """Create the stream ``name`` seeded with ``seed`` (the current streams are not disturbed).
+
+        Raises:
+            ValueError: ``name`` or ``seed`` was already added.
+        """
+        if seed in self.seeds:
+            raise ValueError(f"RNG tracker: seed {seed} is already used by another stream")
+        if name in self.states:
+            raise ValueError(f"RNG tracker: stream {name!r} already exists; call reset() first")
+        self.seeds.add(seed)
+        self.states[name] = _seeded_state(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Run the block on stream ``name``; the default generators continue where they were afterwards.
+
+        Raises:
+            RuntimeError: ``name`` was never added (call ``model_parallel_cuda_manual_seed`` first).
+        """
+        if name not in self.states:
+            raise RuntimeError(
+                f"RNG stream {name!r} does not exist; call megatron.mpu.model_parallel_cuda_manual_seed(seed) "
+                "after initialize_model_parallel (or pass init_seed to the layer)"
+            )
+        saved = _get_rng_state()
+        _set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng_state()
+            _set_rng_state(saved)
+
+
+CudaRNGStatesTracker = RNGStatesTracker
+_RNG_STATE_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron's name; CPU and CUDA alike)."""
+    return _RNG_STATE_TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed: int, group: ProcessGroup | None = None) -> None:
+    """Seed the default generators with ``seed`` and the tracker stream with ``seed + 2718 + tp_rank``.
+
+    Args:
+        seed: identical on the ranks of a TP group (Megatron adds ``100 * pp_rank`` before calling this).
+        group: the TP group; None = the default one (a world of 1 without torch.distributed).
+    """
+    tp_rank = group_rank(resolve_group(group))
+    torch.manual_seed(seed)
+    _RNG_STATE_TRACKER.reset()
+    _RNG_STATE_TRACKER.add(
+        _MODEL_PARALLEL_RNG_TRACKER_NAME, seed + TENSOR_MODEL_PARALLEL_SEED_OFFSET + tp_rank
+    )
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Forward without keeping activations; backward replays the forward on the saved RNG states."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        run_function: Callable[..., Any],
+        distribute_saved_activations: bool,
+        group: ProcessGroup | None,
+        *args: Any,
+    ) -> Any:
+        ctx.run_function = run_function
+        ctx.distribute = distribute_saved_activations
+        ctx.group = group
+        ctx.rng_state = _get_rng_state()
+        ctx.tracker_states = _RNG_STATE_TRACKER.get_states()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        tensors = [a if torch.is_tensor(a) else None for a in args]
+        ctx.arg_is_tensor = [t is not None for t in tensors]
+        ctx.plain_args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        if distribute_saved_activations:
+            # keep 1/p of the first input; backward all-gathers it back ([numel] -> [numel/p])
+            first = args[0].detach()
+            ctx.first_shape = first.shape
+            tensors[0] = split_tensor_into_1d_equal_chunks(
+                first, group_rank(group), group_world_size(group)
+            ).clone()
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "activation checkpointing works with .backward() only, not torch.autograd.grad()"
+            )
+        saved = iter(ctx.saved_tensors)
+        args = [
+            next(saved) if is_t else plain for is_t, plain in zip(ctx.arg_is_tensor, ctx.plain_args)
+        ]
+        if ctx.distribute:
+            args[0] = all_gather_first_dim(args[0], ctx.group)[: ctx.first_shape.numel()]
+            args[0] = args[0].view(ctx.first_shape)
+        inputs = [
+            a.detach().requires_grad_(rg) if torch.is_tensor(a) else a
+            for a, rg in zip(args, ctx.requires_grad)
+        ]
+        current_rng, current_tracker = _get_rng_state(), _RNG_STATE_TRACKER.get_states()
+        _set_rng_state(ctx.rng_state)
+        _RNG_STATE_TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*inputs)
+        finally:
+            _set_rng_state(current_rng)
+            _RNG_STATE_TRACKER.set_states(current_tracker)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [a.grad if torch.is_tensor(a) else None for a in inputs]
+        return (None, None, None, *input_grads)
+
+
+def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+    """Run ``function(*args)`` without storing its activations; recompute them in backward.
+
+    The CPU/CUDA default RNG states and the tracker streams are saved before the forward and restored for the
+    recomputation, so dropout masks (replicated or forked) are identical in both passes. With
+    ``distribute_saved_activations`` each TP rank keeps only ``1/p`` of ``args[0]`` (flattened; its numel must be
+    divisible by ``p``) and the full tensor is all-gathered over the TP group in backward.
+
+    Returns:
+        whatever ``function`` returns (a tensor or a tuple of tensors).
+    """
+    group = resolve_group(None) if distribute_saved_activations else None
+    if distribute_saved_activations and not torch.is_tensor(args[0] if args else None):
+        raise ValueError(
+            "checkpoint(distribute_saved_activations=True) needs a tensor as first argument"
+        )
+    return CheckpointFunction.apply(function, distribute_saved_activations, group, *args)
