@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     tokenizer_kwargs = {
         "tokenizer_type": args.tokenizer_type,
         "vocab_file": args.vocab_file,
@@ -94,12 +94,18 @@ def main(argv: list[str] | None = None) -> int:
             log_interval=args.log_interval,
             skip_bad_lines=args.skip_bad_lines,
         )
-    except (PreprocessError, ValueError, FileNotFoundError) as e:
+    except (
+        PreprocessError,
+        ValueError,
+        OSError,
+    ) as e:  # OSError: missing files, permissions, disk full
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: no output written (temporary files removed)", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     tokens = ", ".join(f"{k} {v:,}" for k, v in summary.tokens.items())
     print(
         f"done: {summary.docs:,} documents, {summary.num_bytes / 1e6:.2f} MB, tokens: {tokens}, "
