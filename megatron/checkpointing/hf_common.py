@@ -1,0 +1,115 @@
+"""Helpers shared by the Hugging Face converters: config normalization and strict key bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+
+def config_to_dict(hf_config: Any) -> dict[str, Any]:
+    """A plain dict from a ``transformers`` config object or a ``config.json`` dict."""
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    to_dict = getattr(hf_config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    raise ValueError(
+        f"hf_config must be a dict (config.json) or a transformers config, got {type(hf_config).__name__}."
+    )
+
+
+def require(cfg: Mapping[str, Any], key: str, model: str) -> Any:
+    """``cfg[key]``, or a ValueError naming the missing config.json field."""
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"the {model} config.json has no '{key}'; is this a {model} checkpoint?")
+    return cfg[key]
+
+
+class StrictKeys:
+    """Takes tensors out of an HF state dict by name and reports what was missing or left unused.
+
+    Args:
+        state_dict: the HF state dict (not modified).
+        prefix: the model prefix to strip when every key carries it (``transformer.`` / ``model.``); a state dict
+            of the bare base model (``GPT2Model``, ``LlamaModel``) works too.
+        ignore_suffixes: non-weight buffers that old checkpoints carry (causal-mask buffers, rotary ``inv_freq``).
+        model: name used in messages.
+    """
+
+    def __init__(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        prefix: str,
+        ignore_suffixes: Iterable[str] = (),
+        model: str,
+    ) -> None:
+        self._model = model
+        ignore = tuple(ignore_suffixes)
+        self._sd: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if ignore and key.endswith(ignore):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"{model} state dict entry '{key}' is a {type(value).__name__}, not a tensor."
+                )
+            self._sd[key[len(prefix) :] if key.startswith(prefix) else key] = value
+        self._used: set[str] = set()
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` (without prefix) is present."""
+        return key in self._sd
+
+    def take(self, key: str) -> torch.Tensor:
+        """The fp32 tensor at ``key`` (without prefix); ValueError naming the key when it is missing."""
+        if key not in self._sd:
+            near = sorted(self._sd)[:5]
+            raise ValueError(
+                f"{self._model} state dict has no '{key}' (first keys: {near}); the checkpoint does not match "
+                f"its config.json or is not a {self._model} model."
+            )
+        self._used.add(key)
+        return self._sd[key].detach().to(torch.float32)
+
+    def check_all_used(self) -> None:
+        """ValueError listing tensors the conversion did not consume (an unsupported architecture variant)."""
+        unused = sorted(set(self._sd) - self._used)
+        if unused:
+            raise ValueError(
+                f"{self._model} state dict has {len(unused)} tensors this converter does not map "
+                f"(e.g. {unused[:5]}); the checkpoint uses a variant Trident does not support."
+            )
+
+
+class MegatronKeys:
+    """Callable lookup into a full Megatron state dict (fp32) that remembers which keys were read.
+
+    Exporters call it per tensor and finish with :meth:`check_all_used`, so a state dict that does not match the
+    ``ModelConfig`` (e.g. an output layer in a tied model) is an error instead of silently dropped weights.
+    """
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self._sd = dict(state_dict)
+        self._used: set[str] = set()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self._sd:
+            raise ValueError(
+                f"Megatron state dict has no '{key}'; pass the full (TP- and PP-merged) model whose "
+                "ModelConfig you gave."
+            )
+        self._used.add(key)
+        return self._sd[key].detach().to(torch.float32)
+
+    def check_all_used(self) -> None:
+        """ValueError listing keys the export did not read (state dict and ModelConfig disagree)."""
+        unused = sorted(set(self._sd) - self._used)
+        if unused:
+            raise ValueError(
+                f"Megatron state dict has {len(unused)} tensors the ModelConfig does not account for "
+                f"(e.g. {unused[:5]}); check --num-layers, --untie-embeddings-and-output-weights and "
+                "--disable-bias-linear."
+            )

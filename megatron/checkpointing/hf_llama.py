@@ -1,0 +1,251 @@
+"""Hugging Face LLaMA (``LlamaForCausalLM``, GQA included) <-> Megatron full (TP=1) state dict.
+
+``q_proj``/``k_proj``/``v_proj`` become the per-K/V-group fused QKV (see :mod:`megatron.checkpointing.layout`);
+``gate_proj``/``up_proj`` become ``dense_h_to_4h = [gate; up]``; ``o_proj`` -> ``self_attention.dense``,
+``down_proj`` -> ``dense_4h_to_h``. HF's q/k rows are already in the rotate-half ("half-split") RoPE convention our
+model uses, so no permutation is applied (the golden logits test proves it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
+from megatron.checkpointing.layout import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    WORD_EMBEDDINGS,
+    fuse_qkv,
+    layer_prefix,
+    padded_vocab_size,
+    repad_vocab,
+    split_qkv,
+)
+from megatron.config.model import ModelConfig
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    """RoPE base from transformers 4 (``rope_theta``/``rope_scaling``) or 5 (``rope_parameters``) configs."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = (
+        params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    )
+    if rope_type != "default":
+        raise ValueError(
+            f"LLaMA config uses rope_type '{rope_type}' (scaled RoPE); Trident implements plain RoPE only."
+        )
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _check_llama_config(cfg: Mapping[str, Any]) -> None:
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json model_type is '{model_type}'; this converter reads 'llama'.")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(
+            f"LLaMA hidden_act '{act}' is not supported; Trident's --swiglu uses SiLU."
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key, False):
+            raise ValueError(
+                f"LLaMA config {key}=True is not supported (Trident's LLaMA preset has no linear biases)."
+            )
+
+
+def llama_hf_to_megatron(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    padded_vocab: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Convert an HF LLaMA state dict into Megatron's full (TP=1) fp32 state dict.
+
+    Args:
+        hf_state_dict: ``LlamaForCausalLM`` (``model.*`` + ``lm_head.weight``) or ``LlamaModel`` state dict.
+        hf_config: its ``config.json`` dict or ``LlamaConfig``.
+        padded_vocab: rows of the Megatron embedding/output layer; default Megatron's padding at TP=1.
+        make_vocab_size_divisible_by: used for the default padding and recorded in the returned config.
+
+    Returns:
+        ``(state_dict, model_config)`` with rmsnorm, swiglu, RoPE, no biases, GQA groups from
+        ``num_key_value_heads``; ``vocab_size`` in the config is the true vocabulary.
+    """
+    cfg = config_to_dict(hf_config)
+    _check_llama_config(cfg)
+    h = int(require(cfg, "hidden_size", "LLaMA"))
+    n = int(require(cfg, "num_attention_heads", "LLaMA"))
+    g = int(cfg.get("num_key_value_heads") or n)
+    hn = int(cfg.get("head_dim") or h // n)
+    layers = int(require(cfg, "num_hidden_layers", "LLaMA"))
+    ffn = int(require(cfg, "intermediate_size", "LLaMA"))
+    vocab = int(require(cfg, "vocab_size", "LLaMA"))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    pad = padded_vocab or padded_vocab_size(vocab, make_vocab_size_divisible_by)
+
+    keys = StrictKeys(
+        hf_state_dict, prefix="model.", ignore_suffixes=(".rotary_emb.inv_freq",), model="LLaMA"
+    )
+    out: dict[str, torch.Tensor] = {
+        WORD_EMBEDDINGS: repad_vocab(keys.take("embed_tokens.weight"), vocab, pad)
+    }
+    for i in range(layers):
+        src, dst = f"layers.{i}.", layer_prefix(i) + "."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}{norm}.weight"] = keys.take(f"{src}{norm}.weight").clone()
+        out[f"{dst}self_attention.query_key_value.weight"] = fuse_qkv(
+            keys.take(f"{src}self_attn.q_proj.weight"),
+            keys.take(f"{src}self_attn.k_proj.weight"),
+            keys.take(f"{src}self_attn.v_proj.weight"),
+            num_heads=n,
+            num_groups=g,
+            head_dim=hn,
+        )
+        out[f"{dst}self_attention.dense.weight"] = keys.take(
+            f"{src}self_attn.o_proj.weight"
+        ).clone()
+        out[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat(
+            [keys.take(f"{src}mlp.gate_proj.weight"), keys.take(f"{src}mlp.up_proj.weight")]
+        )  # [ffn, h] + [ffn, h] -> [2*ffn, h] = [gate; up]
+        out[f"{dst}mlp.dense_4h_to_h.weight"] = keys.take(f"{src}mlp.down_proj.weight").clone()
+    out[f"{FINAL_NORM}.weight"] = keys.take("norm.weight").clone()
+    if keys.has("lm_head.weight"):
+        lm_head = keys.take("lm_head.weight")
+        if not tied:
+            out[OUTPUT_LAYER] = repad_vocab(lm_head, vocab, pad)
+        elif not torch.equal(lm_head, keys.take("embed_tokens.weight")):
+            raise ValueError(
+                "LLaMA config says tie_word_embeddings=True but lm_head.weight differs from embed_tokens."
+            )
+    elif not tied:
+        raise ValueError(
+            "LLaMA config says tie_word_embeddings=False but lm_head.weight is missing."
+        )
+    keys.check_all_used()
+
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    model_config = ModelConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=n,
+        num_key_value_heads=g,
+        kv_channels=hn if hn * n != h else None,
+        ffn_hidden_size=ffn,
+        seq_length=max_pos,
+        max_position_embeddings=max_pos,
+        normalization="rmsnorm",
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        swiglu=True,
+        use_rotary_position_embeddings=True,
+        rotary_position_embeddings_theta=_rope_theta(cfg),
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=not tied,
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        vocab_size=vocab,
+    )
+    return out, model_config
+
+
+def _check_exportable(m: ModelConfig) -> None:
+    problems = []
+    if m.normalization != "rmsnorm":
+        problems.append("--normalization must be rmsnorm")
+    if not m.swiglu:
+        problems.append("--swiglu must be on")
+    if not m.use_rotary_position_embeddings:
+        problems.append("--use-rotary-position-embeddings must be on")
+    if m.add_bias_linear:
+        problems.append("--disable-bias-linear must be on")
+    if problems:
+        raise ValueError(
+            "this model cannot be exported as HF LLaMA: "
+            + "; ".join(problems)
+            + ". Export GPT-2-style models with megatron_to_gpt2_hf."
+        )
+
+
+def megatron_to_llama_hf(
+    full_state_dict: Mapping[str, torch.Tensor],
+    model_config: ModelConfig,
+    true_vocab_size: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Convert Megatron's full (TP=1) state dict into an HF ``LlamaForCausalLM`` state dict and config.
+
+    Args:
+        full_state_dict: Megatron names, merged over TP and PP.
+        model_config: the LLaMA-shaped architecture (rmsnorm, swiglu, RoPE, no biases).
+        true_vocab_size: the tokenizer's vocabulary; padding rows beyond it are dropped.
+
+    Returns:
+        ``(hf_state_dict, config_dict)``: ``model.*`` (+ ``lm_head.weight`` when untied) fp32 contiguous tensors
+        and a ``config.json`` dict readable by transformers 4 and 5.
+    """
+    _check_exportable(model_config)
+    m = model_config
+    n, g, hn, ffn = m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_size
+    take = MegatronKeys(full_state_dict)
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": repad_vocab(
+            take(WORD_EMBEDDINGS), true_vocab_size, true_vocab_size
+        )
+    }
+    for i in range(m.num_layers):
+        src, dst = layer_prefix(i) + ".", f"model.layers.{i}."
+        q, k, v = split_qkv(
+            take(f"{src}self_attention.query_key_value.weight"),
+            num_heads=n,
+            num_groups=g,
+            head_dim=hn,
+        )
+        out[f"{dst}self_attn.q_proj.weight"] = q
+        out[f"{dst}self_attn.k_proj.weight"] = k
+        out[f"{dst}self_attn.v_proj.weight"] = v
+        out[f"{dst}self_attn.o_proj.weight"] = take(f"{src}self_attention.dense.weight").clone()
+        gate_up = take(f"{src}mlp.dense_h_to_4h.weight")
+        if gate_up.shape[0] != 2 * ffn:
+            raise ValueError(
+                f"{src}mlp.dense_h_to_4h.weight has {gate_up.shape[0]} rows; --swiglu with "
+                f"--ffn-hidden-size {ffn} needs {2 * ffn}."
+            )
+        out[f"{dst}mlp.gate_proj.weight"] = gate_up[:ffn].clone()
+        out[f"{dst}mlp.up_proj.weight"] = gate_up[ffn:].clone()
+        out[f"{dst}mlp.down_proj.weight"] = take(f"{src}mlp.dense_4h_to_h.weight").clone()
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight").clone()
+    out["model.norm.weight"] = take(f"{FINAL_NORM}.weight").clone()
+    if m.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = repad_vocab(take(OUTPUT_LAYER), true_vocab_size, true_vocab_size)
+    take.check_all_used()
+
+    theta = m.rotary_position_embeddings_theta
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": true_vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": ffn,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": n,
+        "num_key_value_heads": g,
+        "head_dim": hn,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_positions,
+        "rms_norm_eps": m.layernorm_epsilon,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": m.attention_dropout,
+        "initializer_range": m.init_method_std,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+    }
+    return out, config

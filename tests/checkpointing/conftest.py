@@ -1,0 +1,74 @@
+"""Tiny random Hugging Face models, built offline from configs (no downloads), shared by the checkpoint tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 101  # not a multiple of 128: exercises vocabulary padding (-> 128 at TP 1)
+
+
+def make_gpt2(*, activation: str = "gelu", tied: bool = True, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function=activation,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    # HF initializes biases and LN to 0/1; randomize them so a swapped bias or norm cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def make_llama(
+    *, heads: int = 4, kv_heads: int = 2, tied: bool = False, seed: int = 0, hidden: int = 32
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def gpt2_model():
+    return make_gpt2()
+
+
+@pytest.fixture(scope="session")
+def llama_model():
+    return make_llama()
