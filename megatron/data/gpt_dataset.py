@@ -209,11 +209,12 @@ def build_index_mappings(
     *,
     data_cache_path: str | None = None,
     use_cpp: bool | None = None,
-) -> tuple[dict[str, np.ndarray], str]:
-    """Cached ``doc_idx``/``sample_idx``/``shuffle_idx`` for one dataset split, plus its description.
+) -> tuple[dict[str, np.ndarray], str, str | None]:
+    """Cached ``doc_idx``/``sample_idx``/``shuffle_idx`` for one dataset split, its description and cache dir.
 
     Lookup: ``{dirname(data_prefix)}/index-cache/`` then ``data_cache_path``; a miss builds into the last of them
-    (every rank may build; writes are atomic). Arrays come back memory-mapped read-only.
+    (every rank may build; writes are atomic). Arrays come back memory-mapped read-only; the cache directory is
+    None when none was writable (arrays then live in memory).
 
     Raises:
         ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``, or a request
@@ -263,8 +264,8 @@ def build_index_mappings(
         return arrays
 
     check = _index_checker(len(documents), num_epochs, len(sizes), total)
-    arrays, _ = load_or_build(directories, desc, GPT_INDEX_NAMES, build, check)
-    return arrays, desc
+    arrays, cache_dir = load_or_build(directories, desc, GPT_INDEX_NAMES, build, check)
+    return arrays, desc, cache_dir
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -312,7 +313,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.data_prefix = data_prefix
         self.indexed_dataset = indexed_dataset
         self.seq_length = int(seq_length)
-        arrays, self.desc = build_index_mappings(
+        arrays, self.desc, self.cache_dir = build_index_mappings(
             name,
             data_prefix,
             documents,

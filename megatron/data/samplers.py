@@ -17,8 +17,8 @@ gradient is the same. A position becomes a dataset index:
 * ``single`` (:class:`MegatronPretrainingSampler`, Megatron's default): index = position.
 * ``cyclic`` (:class:`MegatronPretrainingRandomSampler`): ``index = perm_e[position % L]`` with epoch
   ``e = position // L``, epoch length ``L = total - total % G`` and ``perm_e`` the first ``L`` entries of
-  ``torch.randperm(total)`` from a generator seeded with ``seed * 2**32 + e`` (``e`` alone when ``seed == 0``, as
-  Megatron). ``data_sharding=True`` selects Megatron's per-rank buckets instead, which are NOT DP-invariant.
+  ``torch.randperm(total)`` from a generator seeded with :func:`epoch_generator_seed` (``e`` itself when
+  ``seed == 0``, as Megatron). ``data_sharding=True`` selects Megatron's per-rank buckets instead, which are NOT DP-invariant.
 
 Resume: build the loader with the ``consumed_samples`` stored in the checkpoint; the first batch is the one the
 interrupted run would have drawn next. There is no other loader state.
@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -129,8 +130,11 @@ class MegatronPretrainingSampler:
 
 
 def epoch_generator_seed(seed: int, epoch: int) -> int:
-    """Generator seed of the cyclic sampler's epoch ``epoch`` (``epoch`` itself when ``seed == 0``, as Megatron)."""
-    return ((seed & 0xFFFFFFFF) << 32) + epoch
+    """Generator seed of the cyclic sampler's epoch: ``epoch`` when ``seed == 0`` (Megatron's choice), else a
+    32-bit hash of ``(seed, epoch)`` (torch's CPU generator keeps only 32 bits of a seed)."""
+    if seed == 0:
+        return epoch
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch]).generate_state(1)[0])
 
 
 class MegatronPretrainingRandomSampler:
