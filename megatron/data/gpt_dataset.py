@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.index_cache import load_or_build
+from megatron.data.index_cache import cache_file_paths, load_or_build
 from megatron.log import log_rank_0
 
 logger = logging.getLogger(__name__)
@@ -328,6 +328,21 @@ class GPTDataset(torch.utils.data.Dataset):
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers started with "spawn" re-map the cached index files instead of receiving copies.
+        state = self.__dict__.copy()
+        if self.cache_dir is not None:
+            for name in GPT_INDEX_NAMES:
+                state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.cache_dir is not None:
+            paths = cache_file_paths(self.cache_dir, self.desc, GPT_INDEX_NAMES)
+            for name in GPT_INDEX_NAMES:
+                setattr(self, name, np.load(paths[name], mmap_mode="r", allow_pickle=False))
 
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1

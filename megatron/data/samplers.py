@@ -251,7 +251,6 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     seed: int = 0,
     data_sharding: bool = False,
-    pin_memory: bool | None = None,
 ) -> torch.utils.data.DataLoader | None:
     """A DataLoader yielding this DP rank's micro-batches from ``consumed_samples`` on (None for no dataset).
 
@@ -270,7 +269,8 @@ def build_pretraining_data_loader(
         num_workers: ``--num-workers``.
         seed: data seed for ``cyclic``.
         data_sharding: Megatron's per-rank buckets for ``cyclic`` (not DP-invariant).
-        pin_memory: default: when CUDA is available.
+
+    Batches are pinned when CUDA is available (as Megatron's ``pin_memory=True``).
 
     Raises:
         ValueError: bad batch layout, consumed_samples out of range, or an unknown loader type.
@@ -304,8 +304,9 @@ def build_pretraining_data_loader(
         raise ValueError(
             f"--dataloader-type {dataloader_type!r} is not supported; use 'single' or 'cyclic'."
         )
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
     )

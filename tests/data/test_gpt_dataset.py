@@ -10,6 +10,7 @@ import hashlib
 import logging
 import math
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -276,6 +277,13 @@ def test_cache_files_follow_megatron_naming_and_are_reused(corpus, tmp_path) -> 
     assert isinstance(again.sample_idx, np.memmap) and not again.sample_idx.flags.writeable
     assert {n: (cache / n).stat().st_mtime_ns for n in names} == before
     assert np.array_equal(again.shuffle_idx, ds.shuffle_idx)
+    # Pickled (spawned loader workers) by cache path, not by value; the copy re-maps the same files.
+    blob = pickle.dumps(again)
+    assert len(blob) < again.sample_idx.nbytes
+    clone = pickle.loads(blob)
+    assert isinstance(clone.shuffle_idx, np.memmap) and np.array_equal(
+        clone[5]["text"], again[5]["text"]
+    )
     # With --data-cache-path and no cache beside the data, the arrays go to --data-cache-path.
     other = tmp_path / "elsewhere"
     make_ds(prefix, documents, 301, 16, 1234, cache=str(other))
