@@ -9,6 +9,7 @@ from megatron.checkpointing.hf_llama import llama_hf_to_megatron, megatron_to_ll
 from megatron.checkpointing.layout import fuse_qkv, padded_vocab_size, repad_vocab, split_qkv
 from megatron.checkpointing.reshard import (
     merge_tp_shards,
+    pad_vocab_for_tp,
     shard_state_dict,
     split_layers_for_pp,
     tp_partition,
@@ -27,6 +28,7 @@ __all__ = [
     "megatron_to_gpt2_hf",
     "megatron_to_llama_hf",
     "merge_tp_shards",
+    "pad_vocab_for_tp",
     "padded_vocab_size",
     "repad_vocab",
     "shard_state_dict",

@@ -6,8 +6,9 @@ per-head interleave ``[q_h; k_h; v_h]`` (see :mod:`megatron.checkpointing.layout
 rows to the padded vocabulary on import and stripped on export.
 
 Activation: HF's ``activation_function`` ``"gelu"`` is the exact erf GeLU and ``"gelu_new"`` (GPT-2's default) the
-tanh approximation. Our model's GeLU variant is recorded in :data:`MEGATRON_GELU`; importing a checkpoint whose
-activation differs logs a warning (logits then differ by ~1e-3), and export writes the variant our model used.
+tanh approximation. Our model computes the tanh approximation (:data:`MEGATRON_GELU`), so standard GPT-2
+checkpoints convert exactly; importing one with ``"gelu"`` logs a warning (logits then differ by ~1e-3), and export
+writes ``"gelu_new"``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from megatron.config.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_GELU = "gelu"
-"""HF ``activation_function`` name of the GeLU megatron/model computes (``"gelu"`` = erf, ``"gelu_new"`` = tanh)."""
+MEGATRON_GELU = "gelu_new"
+"""HF ``activation_function`` of megatron/model's GeLU: the tanh approximation (``megatron/model/mlp.py``)."""
 
 _GELU_ALIASES = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
 

@@ -28,6 +28,7 @@ from megatron.config.model import ModelConfig
 
 __all__ = [
     "merge_tp_shards",
+    "pad_vocab_for_tp",
     "padded_vocab_size",
     "repad_vocab",
     "shard_state_dict",
@@ -69,6 +70,35 @@ def tp_partition(key: str, model_config: ModelConfig) -> tuple[int, int] | None:
         f"don't know how '{key}' is tensor-parallel sharded; it is not a Megatron GPT parameter name "
         "(see megatron/checkpointing/reshard.py for the known ones)."
     )
+
+
+def pad_vocab_for_tp(
+    full_sd: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int
+) -> dict[str, torch.Tensor]:
+    """Re-pad the vocab tensors of a full state dict to the padded vocabulary a TP=``tp`` model allocates.
+
+    ``megatron.model`` pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's rule),
+    so a full state dict saved at one TP size has to be re-padded before :func:`shard_state_dict` for another
+    (and to ``tp=1`` for export). True rows are kept verbatim; padding rows become zero.
+
+    Args:
+        full_sd: full state dict (any current padding >= ``model_config.vocab_size``).
+        model_config: ``vocab_size`` (true vocabulary, must be set) and ``make_vocab_size_divisible_by``.
+        tp: target TP size.
+
+    Returns:
+        A new dict; vocab tensors re-padded, every other entry the same tensor object.
+    """
+    _check_tp(tp)
+    if model_config.vocab_size <= 0:
+        raise ValueError(
+            "model_config.vocab_size is not set; it must be the tokenizer's true vocabulary to re-pad."
+        )
+    rows = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by, tp)
+    return {
+        k: repad_vocab(t, model_config.vocab_size, rows) if k.endswith(_VOCAB) else t
+        for k, t in full_sd.items()
+    }
 
 
 def _check_tp(tp: int, tp_rank: int | None = None) -> None:

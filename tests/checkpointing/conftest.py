@@ -8,7 +8,7 @@ import torch
 VOCAB = 101  # not a multiple of 128: exercises vocabulary padding (-> 128 at TP 1)
 
 
-def make_gpt2(*, activation: str = "gelu", tied: bool = True, seed: int = 0):
+def make_gpt2(*, activation: str = "gelu_new", tied: bool = True, seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
