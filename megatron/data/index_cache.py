@@ -137,8 +137,8 @@ def load_or_build(
 ) -> tuple[Arrays, str | None]:
     """Return cached arrays from the first directory holding a valid set, else build, save and return them.
 
-    Lookup follows Megatron: ``directories`` in order; a miss everywhere builds into the last one; an invalid set
-    is rebuilt where it was found. Safe to call from any number of processes at once (see module docstring).
+    Lookup follows Megatron: ``directories`` in order, the first valid set wins; otherwise the arrays are built
+    and written where the first partial or invalid set was found, else into the last directory. Safe to call from any number of processes at once (see module docstring).
 
     Args:
         directories: cache directories to look in (non-empty).
@@ -151,15 +151,17 @@ def load_or_build(
         ``(arrays, directory)``: memory-mapped arrays and the cache directory they came from, or the in-memory
         arrays and None when no directory could be written.
     """
-    target = directories[-1]
+    target = None
     for directory in directories:
         paths = cache_file_paths(directory, desc, names)
         found = load_cached(paths, desc, check)
         if found is not None:
             return found, directory
-        if os.path.isfile(paths["desc"]) or any(os.path.isfile(paths[n]) for n in names):
-            target = directory  # a broken or partial set: repair it where it is
-            break
+        if target is None and any(os.path.isfile(p) for p in paths.values()):
+            target = (
+                directory  # a broken or partial set (or one being written): complete it where it is
+            )
+    target = directories[-1] if target is None else target
     arrays = build()
     paths = cache_file_paths(target, desc, names)
     try:

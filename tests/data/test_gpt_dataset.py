@@ -573,3 +573,17 @@ def test_build_dataset_index_tool_prebuilds_what_the_trainer_loads(
         == 1
     )
     assert "not found" in capsys.readouterr().err
+
+
+def test_a_broken_set_beside_the_data_does_not_hide_a_valid_one(corpus, tmp_path) -> None:
+    prefix, _ = corpus
+    documents = np.arange(0, 60, dtype=np.int32)
+    other = tmp_path / "shared-cache"
+    ds = make_ds(prefix, documents, 100, 8, 2, cache=str(other))
+    assert ds.cache_dir == str(other)
+    h = hashlib.md5(ds.desc.encode()).hexdigest()
+    beside = tmp_path / "index-cache"
+    beside.mkdir(exist_ok=True)
+    (beside / f"{h}.dsc").write_text(ds.desc)  # a lone .dsc, e.g. from an interrupted copy
+    again = make_ds(prefix, documents, 100, 8, 2, cache=str(other))
+    assert again.cache_dir == str(other) and os.listdir(beside) == [f"{h}.dsc"]
