@@ -91,7 +91,14 @@ def parse_data_path(
                 f"{flag} 0.3 data/a_text_document 0.7 data/b_text_document."
             ) from None
         prefixes.append(p)
-    return prefixes, [float(x) for x in normalize_weights(weights, f"{flag} weights")]
+    normalized = [float(x) for x in normalize_weights(weights, f"{flag} weights")]
+    for w, p in zip(weights, prefixes):
+        if w == 0:
+            raise ValueError(
+                f"{flag}: weight 0 for {p!r}; remove it from the blend (Megatron's greedy blending would still "
+                "draw from it when the other datasets are exactly on target)."
+            )
+    return prefixes, normalized
 
 
 def _open_indexed(prefix: str, flag: str) -> MMapIndexedDataset:
@@ -180,6 +187,41 @@ def _whole_file_dataset(
     )
 
 
+def _blended_split_datasets(
+    prefixes: Sequence[str],
+    weights: Sequence[float],
+    data_cfg: DataConfig,
+    counts: Sequence[int],
+    seq_length: int,
+    seed: int,
+    use_cpp: bool | None,
+) -> tuple[Any, Any, Any]:
+    """``--data-path W1 P1 W2 P2 ...``: split every prefix, then blend each split (Megatron's sizes)."""
+    per_dataset = [[num_blend_samples(w, n) for n in counts] for w in weights]
+    parts = [
+        _split_datasets(p, data_cfg, n, seq_length, seed, use_cpp)
+        for p, n in zip(prefixes, per_dataset)
+    ]
+    blends: list[Any] = []
+    for i in range(3):
+        members = [(part[i], w, n[i]) for part, w, n in zip(parts, weights, per_dataset)]
+        members = [m for m in members if m[0] is not None]
+        size = sum(m[2] for m in members)
+        if size == 0:
+            blends.append(None)
+            continue
+        blends.append(
+            BlendableDataset(
+                [m[0] for m in members],
+                [m[1] for m in members],
+                size,
+                data_cfg.data_cache_path,
+                use_cpp=use_cpp,
+            )
+        )
+    return blends[0], blends[1], blends[2]
+
+
 def build_train_valid_test_datasets(
     data_cfg: DataConfig,
     *,
@@ -239,29 +281,9 @@ def build_train_valid_test_datasets(
                 logger, "building GPT datasets from %s (split %s)", prefixes[0], data_cfg.split
             )
             return tuple(_split_datasets(prefixes[0], data_cfg, counts, seq_length, seed, use_cpp))  # type: ignore[return-value]
-        per_dataset = [[num_blend_samples(w, n) for n in counts] for w in weights]
-        parts = [
-            _split_datasets(p, data_cfg, n, seq_length, seed, use_cpp)
-            for p, n in zip(prefixes, per_dataset)
-        ]
-        blends: list[Any] = []
-        for i in range(3):
-            members = [(part[i], w, n[i]) for part, w, n in zip(parts, weights, per_dataset)]
-            members = [m for m in members if m[0] is not None]
-            size = sum(m[2] for m in members)
-            if size == 0:
-                blends.append(None)
-                continue
-            blends.append(
-                BlendableDataset(
-                    [m[0] for m in members],
-                    [m[1] for m in members],
-                    size,
-                    data_cfg.data_cache_path,
-                    use_cpp=use_cpp,
-                )
-            )
-        return tuple(blends)  # type: ignore[return-value]
+        return _blended_split_datasets(
+            prefixes, weights, data_cfg, counts, seq_length, seed, use_cpp
+        )
     out = []
     for i, (name, values) in enumerate(zip(SPLIT_NAMES, separate)):
         flag = f"--{name}-data-path"

@@ -491,6 +491,7 @@ def test_mock_data_is_deterministic() -> None:
         (["--data-path", "0.5", "A", "0.5"], ValueError, "one PREFIX or pairs"),
         (["--data-path", "A", "0.5", "B", "0.5"], ValueError, "'A' is not a weight"),
         (["--data-path", "0", "A", "0", "B"], ValueError, "sum to more than 0"),
+        (["--data-path", "0", "A", "1", "B"], ValueError, "weight 0 for 'A'; remove it"),
         (["--data-path", "-1", "A", "2", "B"], ValueError, "non-negative"),
         (["--data-path", "MISSING"], FileNotFoundError, r"--data-path: dataset prefix .*MISSING"),
         (["--data-path", "1", "EXISTS", "1", "MISSING"], FileNotFoundError, "MISSING.bin"),
