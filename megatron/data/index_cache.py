@@ -96,7 +96,11 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def load_cached(
-    paths: dict[str, str], desc: str, check: Callable[[Arrays], str | None]
+    paths: dict[str, str],
+    desc: str,
+    check: Callable[[Arrays], str | None],
+    *,
+    warn: bool = True,
 ) -> Arrays | None:
     """Memory-map a complete, valid cache set, or return None (missing) / log and return None (invalid).
 
@@ -104,6 +108,7 @@ def load_cached(
         paths: from :func:`cache_file_paths`.
         desc: the expected description (must equal the ``.dsc`` text).
         check: returns None when the arrays are consistent, else a reason.
+        warn: log a warning for an invalid set.
     """
     if not all(os.path.isfile(p) for p in paths.values()):
         return None
@@ -121,6 +126,8 @@ def load_cached(
         if reason is not None:
             raise ValueError(reason)
     except (OSError, ValueError, EOFError, UnicodeDecodeError) as exc:
+        if not warn:
+            return None
         logger.warning(
             "index cache %s is incomplete or corrupted (%s); rebuilding it.", paths["desc"], exc
         )
@@ -164,6 +171,12 @@ def load_or_build(
     target = directories[-1] if target is None else target
     arrays = build()
     paths = cache_file_paths(target, desc, names)
+    # Another rank may have finished the same build meanwhile: then skip the redundant write.
+    done = (
+        load_cached(paths, desc, check) if all(os.path.isfile(p) for p in paths.values()) else None
+    )
+    if done is not None:
+        return done, target
     try:
         os.makedirs(target, exist_ok=True)
         for name in names:
