@@ -180,7 +180,7 @@ class CheckpointFunction(torch.autograd.Function):
         tensors = [a if torch.is_tensor(a) else None for a in args]
         ctx.arg_is_tensor = [t is not None for t in tensors]
         ctx.plain_args = [None if torch.is_tensor(a) else a for a in args]
-        ctx.requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
         if distribute_saved_activations:
             # keep 1/p of the first input; backward all-gathers it back ([numel] -> [numel/p])
             first = args[0].detach()
@@ -206,7 +206,7 @@ class CheckpointFunction(torch.autograd.Function):
             args[0] = args[0].view(ctx.first_shape)
         inputs = [
             a.detach().requires_grad_(rg) if torch.is_tensor(a) else a
-            for a, rg in zip(args, ctx.requires_grad)
+            for a, rg in zip(args, ctx.input_requires_grad)
         ]
         current_rng, current_tracker = _get_rng_state(), _RNG_STATE_TRACKER.get_states()
         _set_rng_state(ctx.rng_state)

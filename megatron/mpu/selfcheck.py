@@ -183,8 +183,14 @@ def compare_column_parallel_linear(
             shard(ref.weight.grad, 0, rank, world, stride),
             True,
         ),
+        # sum over s*b tokens of [s*b, o/p] vs [s*b, o]: CPU sum kernels vectorize by width, so the rounding
+        # of the column sums may differ (seen at p = 4) although no rank-to-rank reduction is involved
         Comparison(
-            name, "bias grad", layer.bias.grad, shard(ref.bias.grad, 0, rank, world, stride), True
+            name,
+            "bias grad",
+            layer.bias.grad,
+            shard(ref.bias.grad, 0, rank, world, stride),
+            world == 1,
         ),
     ]
 
