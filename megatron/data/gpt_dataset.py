@@ -188,7 +188,10 @@ def _index_checker(num_docs: int, num_epochs: int, num_seqs: int, total: int) ->
             )
         if shuffle_idx.shape != (total,) or shuffle_idx.dtype not in (np.uint32, np.int64):
             return f"shuffle_idx {shuffle_idx.dtype}{shuffle_idx.shape}, expected ({total},)"
-        if len(doc_idx) and (int(doc_idx.min()) < 0 or int(doc_idx.max()) >= num_seqs):
+        probe = doc_idx[
+            :: max(1, len(doc_idx) // 4096)
+        ]  # a strided probe: no full read of big caches
+        if len(probe) and (int(probe.min()) < 0 or int(probe.max()) >= num_seqs):
             return "doc_idx holds ids outside the dataset"
         if tuple(sample_idx[0]) != (0, 0) or not 0 <= int(sample_idx[-1, 0]) < len(doc_idx):
             return "sample_idx end rows are out of range"
