@@ -239,6 +239,20 @@ class MegatronPretrainingRandomSampler:
             yield indices[start : start + self.micro_batch_size]
 
 
+class EndlessBatchSampler:
+    """Re-iterates a per-epoch batch sampler forever (Megatron's ``cyclic_iter`` around the loader, built in)."""
+
+    def __init__(self, sampler: MegatronPretrainingRandomSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from self.sampler
+
+
 def build_pretraining_data_loader(
     dataset: Any,
     consumed_samples: int,
@@ -255,8 +269,9 @@ def build_pretraining_data_loader(
     """A DataLoader yielding this DP rank's micro-batches from ``consumed_samples`` on (None for no dataset).
 
     Each batch is the default collation of the items: ``{"text": int64[micro_batch_size, seq_length + 1], ...}``.
-    The trainer draws ``global_batch_size // (micro_batch_size * data_parallel_size)`` batches per step; with
-    ``cyclic`` it re-iterates the loader at each epoch end (e.g. ``itertools.chain.from_iterable(repeat(loader))``).
+    The trainer draws ``global_batch_size // (micro_batch_size * data_parallel_size)`` batches per step. A
+    ``single`` loader ends after the dataset's last full micro-step; a ``cyclic`` loader never ends (each epoch
+    is a fresh permutation, see :class:`EndlessBatchSampler`).
 
     Args:
         dataset: map-style dataset or None.
@@ -289,16 +304,18 @@ def build_pretraining_data_loader(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
         )
     elif dataloader_type == "cyclic":
-        batch_sampler = MegatronPretrainingRandomSampler(
-            dataset,
-            len(dataset),
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-            data_sharding,
-            global_batch_size=global_batch_size,
-            seed=seed,
+        batch_sampler = EndlessBatchSampler(
+            MegatronPretrainingRandomSampler(
+                dataset,
+                len(dataset),
+                consumed_samples,
+                micro_batch_size,
+                data_parallel_rank,
+                data_parallel_size,
+                data_sharding,
+                global_batch_size=global_batch_size,
+                seed=seed,
+            )
         )
     else:
         raise ValueError(

@@ -231,7 +231,26 @@ def test_data_loader_yields_this_ranks_micro_batches() -> None:
         dataloader_type="cyclic",
         seed=2,
     )
-    assert next(iter(cyclic))["text"].shape == (2, 17)
+    # The cyclic loader runs across epoch ends: an epoch is 64 samples, i.e. 16 micro-batches of 2 on rank 0;
+    # each epoch gives rank 0 32 distinct samples, in a different order each time.
+    indices = list(itertools.islice(iter(cyclic.batch_sampler), 48))
+    epochs = [sum(indices[k : k + 16], []) for k in (0, 16, 32)]
+    assert all(len(set(e)) == 32 for e in epochs) and epochs[0] != epochs[1] != epochs[2]
+    # (The sampler is stateful, as Megatron's: its consumed count advanced, so read batches from a fresh loader.)
+    fresh = build_pretraining_data_loader(
+        ds,
+        0,
+        micro_batch_size=2,
+        global_batch_size=8,
+        data_parallel_rank=0,
+        data_parallel_size=2,
+        dataloader_type="cyclic",
+        seed=2,
+    )
+    drawn = list(itertools.islice(iter(fresh), 48))
+    for k in (0, 17, 47):
+        expected = np.stack([ds[i]["text"] for i in indices[k]])
+        assert np.array_equal(drawn[k]["text"].numpy(), expected)
     assert (
         build_pretraining_data_loader(
             None,
