@@ -23,10 +23,13 @@ on every stage), so ``GPTModelPipe`` and ``GPTModel`` start from identical weigh
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -58,7 +61,9 @@ PipeActivation = tuple[torch.Tensor, torch.Tensor]
 class _VocabInfo:
     """What the logits need besides the weight (kept on the modules that produce logits)."""
 
-    def __init__(self, vocab_size: int, tp_rank: int, tp_size: int, sequence_parallel: bool):
+    def __init__(
+        self, vocab_size: int, tp_rank: int, tp_size: int, sequence_parallel: bool
+    ) -> None:
         self.vocab_size = vocab_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -74,7 +79,7 @@ class _VocabInfo:
 class EmbeddingPipe(Embedding):
     """:class:`Embedding` taking and returning pipe tuples; also the tied output layer (``_tied_logits``)."""
 
-    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs) -> None:
+    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.vocab_info = vocab_info
 
@@ -92,7 +97,7 @@ def _tied_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     """:class:`ParallelTransformerLayer` on pipe tuples; RoPE tables from ``position_ids`` (never sent)."""
 
-    def __init__(self, config: ModelConfig, **kwargs) -> None:
+    def __init__(self, config: ModelConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.rope = config.use_rotary_position_embeddings
         self.head_dim = config.head_dim
@@ -124,7 +129,7 @@ class RMSNormPipe(RMSNorm):
 class LMHeadPipe(nn.Module):
     """Untied output layer (``lm_head``, column-parallel ``[vp, h]``): ``[s(/p), b, h] -> [s, b, vp]``."""
 
-    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs) -> None:
+    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs: Any) -> None:
         super().__init__()
         self.vocab_info = vocab_info
         self.lm_head = build_output_layer(config, tp_rank=vocab_info.tp_rank, **kwargs)
@@ -172,7 +177,9 @@ def pipe_loss_fn(
     return loss_func(per_token.transpose(0, 1), loss_mask)  # [s, b] -> [b, s] -> scalar
 
 
-def _checkpoint_chunk(function, hidden: torch.Tensor, *rest: torch.Tensor) -> PipeActivation:
+def _checkpoint_chunk(
+    function: Callable[..., PipeActivation], hidden: torch.Tensor, *rest: torch.Tensor
+) -> PipeActivation:
     """Activation checkpointing of a chunk of transformer layers on ``(hidden, position_ids)``.
 
     Only ``hidden`` is saved and differentiated; ``position_ids`` (no gradient) is passed through. Uses
@@ -209,7 +216,7 @@ def pipe_to_megatron_name(key: str, num_layers: int) -> str:
     raise ValueError(f"{key!r} is not a GPTModelPipe parameter of a {num_layers}-layer model.")
 
 
-def _check_topology(topology, tp_rank: int, tp_size: int) -> None:
+def _check_topology(topology: ProcessTopology, tp_rank: int, tp_size: int) -> None:
     rank = dist.get_rank()
     coord = topology.get_coord(rank)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -251,7 +258,7 @@ class GPTModelPipe(PipelineModule):
         config: ModelConfig,
         *,
         seed: int,
-        topology,
+        topology: ProcessTopology,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         sequence_parallel: bool = False,

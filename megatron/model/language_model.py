@@ -103,7 +103,7 @@ class Embedding(nn.Module):
         """
         x = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h]
         if self.position_embeddings is not None:
-            lo, hi = int(position_ids.min()), int(position_ids.max())
+            lo, hi = torch.stack([position_ids.min(), position_ids.max()]).tolist()  # one sync
             if lo < 0 or hi >= self.max_positions:
                 raise ValueError(
                     f"position ids span [{lo}, {hi}] but the learned position table has "

@@ -16,6 +16,7 @@ the model-parallel tracker fork under sequence parallelism (each rank owns diffe
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +165,7 @@ class ParallelTransformer(nn.Module):
         end: int,
         rotary: Rotary | None,
         attention_mask: torch.Tensor | None,
-    ):
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(hidden: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
                 hidden = layer(hidden, rotary, attention_mask)

@@ -279,7 +279,11 @@ def test_recompute_and_dropout_rng() -> None:
         torch.testing.assert_close(loss, results[0][0], rtol=0, atol=0)
         for n, g in grads.items():
             torch.testing.assert_close(g, results[0][1][n], rtol=0, atol=1e-7, msg=n)
-    # dropout is active: eval mode gives another loss
+    # dropout is really active (else the comparison above proves nothing): eval mode gives another loss
+    with torch.no_grad():
+        ids, pos = _batch()
+        eval_loss = loss_func(model.eval()(ids, pos, labels=ids), torch.ones(2, 16))
+    assert abs(eval_loss.item() - results[0][0].item()) > 1e-3
     get_cuda_rng_tracker().reset()
 
 
