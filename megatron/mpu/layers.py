@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from megatron.mpu.mappings import (
     all_gather_first_dim,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    linear_with_sequence_parallel_input,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
@@ -245,16 +245,15 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_`` ``[s, b, h]`` (``[s/p, b, h]`` with SP) -> ``(output, bias if skip_bias_add else None)``."""
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(
-                input_, True, self.group
-            )  # [s/p, b, h] -> [s, b, h]
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel and self.world_size > 1:
+            # all-gather [s/p, b, h] -> [s, b, h] inside the matmul, keeping only the local input for backward
+            output = linear_with_sequence_parallel_input(input_, self.weight, bias, self.group)
         else:
             x = copy_to_tensor_model_parallel_region(
                 input_, self.group
             )  # [s, b, h]; bwd all-reduce
-        bias = None if self.skip_bias_add else self.bias
-        output = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, o/p]
+            output = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, o/p]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.group)  # -> [s, b, o]
             output = _to_master_order(output, self.world_size, self.stride)

@@ -177,6 +177,40 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first(grad, ctx.group), None
 
 
+class _LinearWithSequenceParallelInput(torch.autograd.Function):
+    """All-gather on s fused with the matmul: keeps only the local ``[s/p, b, h]`` input for backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        total = _gather_first(x, group)  # [s/p, b, h] -> [s, b, h], not kept
+        return torch.nn.functional.linear(total, weight, bias)  # [s, b, h] -> [s, b, o/p]
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            full = grad.matmul(weight)  # [s, b, o/p] @ [o/p, h] -> [s, b, h] (partial over TP)
+            grad_input = _reduce_scatter_first(full, ctx.group)  # -> [s/p, b, h]
+        grad_2d = grad.reshape(-1, grad.size(-1))  # [s*b, o/p]
+        if ctx.needs_input_grad[1]:
+            total = _gather_first(x, ctx.group)  # gathered again: [s/p, b, h] -> [s, b, h]
+            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))  # [o/p, h]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0)  # [o/p]
+        return grad_input, grad_weight, grad_bias, None
+
+
 # --- public region functions -------------------------------------------------------------------------------
 
 
@@ -231,6 +265,21 @@ def reduce_scatter_to_sequence_parallel_region(
 ) -> torch.Tensor:
     """forward: reduce-scatter (dim 0) ``[s, b, h] -> [s/p, b, h]``; backward: all-gather (dim 0)."""
     return _ReduceScatterToSequenceRegion.apply(x, resolve_group(group))
+
+
+def linear_with_sequence_parallel_input(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """forward: all-gather ``x`` (dim 0) then ``x W^T + b``; backward: re-gather ``x`` for the weight grad, reduce-scatter (dim 0) the input grad.
+
+    Same values as ``F.linear(gather_from_sequence_parallel_region(x), weight, bias)`` but saves only the local
+    ``[s/p, b, h]`` input for backward instead of the gathered ``[s, b, h]`` (one more all-gather in backward),
+    as Megatron's column-parallel layers do under sequence parallelism.
+    """
+    return _LinearWithSequenceParallelInput.apply(x, weight, bias, resolve_group(group))
 
 
 # --- plain helpers (no autograd) ---------------------------------------------------------------------------

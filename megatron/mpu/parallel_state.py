@@ -140,9 +140,12 @@ class ParallelState:
     def _ranks(self, kind: str) -> list[int]:
         ranks = self.grid.group_of(kind, self.rank)
         if ranks is None:
+            holders = {
+                "embedding": "only the first and last pipeline stages are; check is_rank_in_embedding_group()",
+                "position_embedding": "only the first pipeline stage is; check is_pipeline_first_stage()",
+            }.get(kind, "see rank_grid()")
             raise RuntimeError(
-                f"rank {self.rank} is in no {kind.replace('_', '-')} group (only the first and last pipeline "
-                "stages are); check is_rank_in_embedding_group() first"
+                f"rank {self.rank} is in no {kind.replace('_', '-')} group ({holders})"
             )
         return ranks
 

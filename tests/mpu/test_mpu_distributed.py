@@ -104,6 +104,24 @@ def _check_validation_in_groups(group: dist.ProcessGroup) -> None:
         mpu.checkpoint(lambda a: a, True, None)
 
 
+def _check_sequence_parallel_column_keeps_only_the_local_input(group: dist.ProcessGroup) -> None:
+    p = dist.get_world_size(group)
+    layer = ColumnParallelLinear(16, 24, sequence_parallel=True, init_seed=3, group=group)
+    x = torch.randn(8 // p, 2, 16, requires_grad=True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = layer(x)  # [s/p, b, h] -> [s, b, o/p]
+    assert out.shape == (8, 2, 24 // p)
+    assert (8 // p, 2, 16) in saved and (8, 2, 16) not in saved, (
+        saved
+    )  # the gathered input is not kept
+
+
 def _block(x: torch.Tensor, col: ColumnParallelLinear, row: RowParallelLinear) -> torch.Tensor:
     with mpu.get_cuda_rng_tracker().fork():
         h = F.dropout(col(x)[0], p=0.5)  # [s, b, o/p]: sharded, forked stream (differs per TP rank)
@@ -188,6 +206,7 @@ def _tp2_worker() -> int:
     n = _assert_matches_reference(group, 2)
     _check_shards_are_slices_of_the_tp1_weight(group, solo)
     _check_validation_in_groups(group)
+    _check_sequence_parallel_column_keeps_only_the_local_input(group)
     _check_rng_and_checkpoint(group)
     _check_broadcast_data(group)
     # a replicated parameter is counted on TP rank 0 only; a TP one everywhere

@@ -314,3 +314,27 @@ def test_broadcast_data_world_of_one() -> None:
 def test_selfcheck_cli_rejects_impossible_degrees(caplog: pytest.LogCaptureFixture) -> None:
     assert selfcheck.main(["--world-size", "4", "--tp", "3", "--pp", "1"]) == 2
     assert "world size must be divisible by tensor x pipeline = 3" in caplog.text
+
+
+@pytest.mark.gpu
+def test_cuda_tp1_parity_and_checkpoint_replays_cuda_dropout() -> None:
+    # Same as the CPU tests, on the CUDA generator and cuBLAS kernels (a world of 1: no reduction anywhere,
+    # and the layer and the reference run the same kernels on the same numbers).
+    for c in selfcheck.all_comparisons(None, device="cuda"):
+        if not c.check.startswith("vocab_parallel_cross_entropy"):
+            assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
+    col = ColumnParallelLinear(8, 16, init_seed=1, device="cuda")
+    row = RowParallelLinear(16, 8, input_is_parallel=True, init_seed=2, device="cuda")
+    x0 = torch.randn(4, 2, 8, device="cuda")
+    results = []
+    for use_checkpoint in (False, True):
+        mpu.model_parallel_cuda_manual_seed(5)
+        for p in (*col.parameters(), *row.parameters()):
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        y = mpu.checkpoint(_block, False, x, col, row) if use_checkpoint else _block(x, col, row)
+        y.sum().backward()
+        results.append((y.detach(), x.grad, col.weight.grad.clone(), torch.rand(3, device="cuda")))
+    for plain, ckpt in zip(*results):
+        assert torch.equal(plain, ckpt)
+    assert (results[0][0] == 0).any()
