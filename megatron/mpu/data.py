@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron.mpu.mappings import broadcast_, communication_device
-from megatron.mpu.parallel_state import ProcessGroup, group_rank, resolve_group
+from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size, resolve_group
 
 _MAX_DIMS = 8
 _ERROR = -1  # first size entry when the source rank found bad data: every rank raises, none hangs
@@ -50,7 +50,8 @@ def broadcast_data(
         group: the TP group (default from parallel_state; without torch.distributed a world of 1).
 
     Returns:
-        ``{key: tensor}`` on every rank, on the communication device (CUDA for NCCL, else CPU).
+        ``{key: tensor}`` on every rank, on the communication device (CUDA for NCCL, else CPU); in a group of
+        one rank, ``data``'s own tensors.
 
     Raises:
         ValueError: on TP rank 0 when ``data`` lacks a key or has a wrong dtype; the other ranks raise
@@ -59,6 +60,13 @@ def broadcast_data(
     group = resolve_group(group)
     if not keys:
         return {}
+    if (
+        group_world_size(group) == 1
+    ):  # nothing to send: validate and keep the tensors where they are
+        _, problem = _sizes_on_source(keys, data, datatype)
+        if problem is not None:
+            raise ValueError(f"broadcast_data: {problem}")
+        return {key: data[key] for key in keys}  # type: ignore[index]
     device = communication_device(group)
     is_source = group_rank(group) == 0
     problem = None
