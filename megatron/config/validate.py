@@ -26,9 +26,12 @@ def _check_positive(cfg: TridentConfig) -> None:
         ("--pipeline-model-parallel-size", cfg.parallel.pipeline_model_parallel_size),
         ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
         ("--log-interval", cfg.logging.log_interval),
+        ("--eval-interval", t.eval_interval),
     ):
         if value < 1:
             raise ValueError(f"{flag} ({value}) must be a positive integer.")
+    if t.eval_iters < 0:
+        raise ValueError(f"--eval-iters ({t.eval_iters}) must be >= 0 (0 disables evaluation).")
     for flag, value in (
         ("--attention-dropout", m.attention_dropout),
         ("--hidden-dropout", m.hidden_dropout),

@@ -5,12 +5,13 @@ from the same files). The sampler (``megatron.data.samplers``) keys the order to
 ``k`` is sample positions ``[k*G, (k+1)*G)`` whatever the DP size, so every layout trains on the same samples in
 the same steps.
 
-Sample counts are Megatron's: train = train iters x G; valid = (train iters // eval interval + 1) x eval iters x G;
-test = eval iters x G.
+Sample counts are Megatron's (``megatron.data.builders.get_train_valid_test_num_samples``): train = train iters x G;
+valid = (train iters // eval interval + 1) x eval iters x G; test = eval iters x G.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,11 +43,35 @@ def check_data_flags(cfg: TridentConfig) -> None:
             "no tokenizer: give --tokenizer-type (GPT2BPETokenizer, SentencePieceTokenizer, "
             "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer) or --vocab-size N (NullTokenizer)."
         )
+    _check_data_files(cfg)
     if d.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
         raise ValueError(
             "--reset-attention-mask needs per-sample attention masks, which the pipeline engine does not "
             "carry; drop the flag or use --pipeline-model-parallel-size 1."
         )
+
+
+def _check_data_files(cfg: TridentConfig) -> None:
+    """Every --*data-path prefix has its .bin and .idx (FileNotFoundError naming the flag and the files)."""
+    from megatron.data.builders import parse_data_path
+
+    d = cfg.data
+    for flag, values in (
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    ):
+        if not values or d.mock_data:
+            continue
+        prefixes, _ = parse_data_path(values, flag)
+        for prefix in prefixes:
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise FileNotFoundError(
+                    f"{flag} {prefix}: missing {', '.join(missing)}; give the prefix that "
+                    "tools/preprocess_data.py wrote (without .bin/.idx)."
+                )
 
 
 def build_run_tokenizer(cfg: TridentConfig) -> Any:
@@ -58,29 +83,29 @@ def build_run_tokenizer(cfg: TridentConfig) -> Any:
     return build_tokenizer(cfg.data)
 
 
-def sample_counts(cfg: TridentConfig, train_iters: int, global_batch: int) -> tuple[int, int, int]:
-    """(train, valid, test) sample counts (Megatron's formula, see the module docstring)."""
-    t = cfg.training
-    evals = (train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
-    return train_iters * global_batch, evals * global_batch, t.eval_iters * global_batch
-
-
 def build_datasets(
-    cfg: TridentConfig, tokenizer: Any, counts: tuple[int, int, int]
+    cfg: TridentConfig, tokenizer: Any, *, train_iters: int, global_batch: int
 ) -> tuple[Any, Any, Any]:
-    """(train, valid, test) datasets (None where there is none)."""
-    from megatron.data.mock_dataset import MockGPTDataset
+    """(train, valid, test) datasets with Megatron's sample counts (None where there is none)."""
+    from megatron.data.builders import (
+        build_train_valid_test_datasets,
+        get_train_valid_test_num_samples,
+    )
 
-    if cfg.data.mock_data:
-        s, seed, v = cfg.model.seq_length, cfg.training.seed, tokenizer.vocab_size
-        return tuple(
-            MockGPTDataset(n, s, v, seed + i, name=name) if n > 0 else None
-            for i, (n, name) in enumerate(zip(counts, ("train", "valid", "test")))
-        )  # type: ignore[return-value]
-    from megatron.data.builders import build_train_valid_test_datasets
-
+    t = cfg.training
+    counts = get_train_valid_test_num_samples(
+        train_iters=train_iters,
+        train_samples=None,
+        global_batch_size=global_batch,
+        eval_interval=t.eval_interval,
+        eval_iters=t.eval_iters,
+    )
     return build_train_valid_test_datasets(
-        cfg.data, list(counts), cfg.model.seq_length, cfg.training.seed
+        cfg.data,
+        seq_length=cfg.model.seq_length,
+        seed=t.seed,
+        train_valid_test_num_samples=counts,
+        vocab_size=tokenizer.vocab_size,
     )
 
 
@@ -127,8 +152,9 @@ def build_iterators(
     from megatron.training.ds_config import global_batch_size
 
     gbs = global_batch_size(cfg, world_size)
-    counts = sample_counts(cfg, train_iters, gbs)
-    train_ds, valid_ds, _ = build_datasets(cfg, tokenizer, counts)
+    train_ds, valid_ds, _ = build_datasets(
+        cfg, tokenizer, train_iters=train_iters, global_batch=gbs
+    )
     common = {
         "micro_batch_size": cfg.training.micro_batch_size,
         "global_batch_size": gbs,

@@ -104,6 +104,15 @@ def _owned_entries(cfg: TridentConfig, world_size: int) -> list[tuple[str, Any, 
             ("fp16.hysteresis", t.hysteresis, f"--hysteresis ({t.hysteresis})"),
             ("fp16.min_loss_scale", t.min_loss_scale, f"--min-loss-scale ({t.min_loss_scale})"),
         ]
+    if uses_pipeline_engine(cfg) and cfg.parallel.sequence_parallel_enabled:
+        # DeepSpeed's pipe engine sends 1/TP of an activation per TP rank and all-gathers it on the receiver, which
+        # assumes the activation is identical over TP. Under sequence parallelism every TP rank holds a different
+        # sequence shard, so partitioning would mix shards: send whole tensors instead.
+        why = "--sequence-parallel with --pipeline-model-parallel-size > 1 (True)"
+        entries += [
+            ("pipeline.pipe_partitioned", False, why),
+            ("pipeline.grad_partitioned", False, why),
+        ]
     if t.optimizer == "sgd":
         entries.append(
             ("zero_allow_untested_optimizer", True, "--optimizer sgd (ZeRO accepts SGD only so)")

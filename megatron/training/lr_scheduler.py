@@ -122,7 +122,13 @@ def train_samples_and_iters(t: TrainingConfig, global_batch: int) -> tuple[int, 
     if t.train_iters is not None:
         return t.train_iters * global_batch, t.train_iters
     if t.train_samples is not None:
-        return t.train_samples, math.ceil(t.train_samples / global_batch)
+        # Megatron: train_iters = train_samples // global batch (a partial last batch is not trained).
+        if t.train_samples < global_batch:
+            raise ValueError(
+                f"--train-samples ({t.train_samples}) is less than one global batch ({global_batch}); "
+                "train at least one batch."
+            )
+        return t.train_samples, t.train_samples // global_batch
     raise ValueError("give --train-iters or --train-samples (how long to train).")
 
 

@@ -53,6 +53,8 @@ class Preflight:
     world_size: int
     device_type: str
     ds_config: dict[str, Any]
+    tokenizer: Any
+    """The run's tokenizer (its files are read here, so a missing one fails before any group exists)."""
 
 
 @dataclass
@@ -82,7 +84,10 @@ def preflight(cfg: TridentConfig) -> Preflight:
     check_data_flags(cfg)
     train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
     ds_config = build_ds_config(cfg, world_size)
-    return Preflight(world_size=world_size, device_type=dev, ds_config=ds_config)
+    tokenizer = build_run_tokenizer(cfg)
+    return Preflight(
+        world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer
+    )
 
 
 def pretrain(cfg: TridentConfig) -> TrainResult:
@@ -106,7 +111,7 @@ def _run(cfg: TridentConfig, pre: Preflight, device: Any) -> TrainResult:
     gbs = global_batch_size(cfg, world)
     gas = gradient_accumulation_steps(cfg, world)
     _, train_iters = train_samples_and_iters(cfg.training, gbs)
-    tokenizer = build_run_tokenizer(cfg)
+    tokenizer = pre.tokenizer
     start = time.perf_counter()
     bundle = build_engine(
         cfg, pre.ds_config, true_vocab=tokenizer.vocab_size, device=device, world_size=world

@@ -1,0 +1,154 @@
+"""LAYOUT PARITY: the per-iteration lm loss of 20 iterations is the same on every (TP, PP, DP) layout.
+
+Same flags, seed, data and global batch (8); dropout 0; fp32 on CPU. Every run is the real thing:
+``megatron.training.pretrain(cfg)`` on spawned ranks with real gloo groups and the real DeepSpeed engine
+(``DeepSpeedEngine`` at PP = 1, ``PipelineEngine`` at PP > 1), reading the losses it logs. The vocabulary (300 with
+NullTokenizer, --vocab-size 299) pads to 384 at TP = 1 and 512 at TP = 2/4, so padding must not matter.
+
+Tolerance 1e-5 relative at every iteration: layouts differ only in the order of floating-point reductions
+(all-reduce over TP/DP, micro-batch accumulation), about 1e-7 in fp32 here. bf16 vs fp32: 1e-2.
+
+Default run: the (1,1,1) baselines (GPT-2 and LLaMA presets, cached per module), (2,2,2) ZeRO-1 with sequence
+parallelism, (1,1,2) ZeRO-3, LLaMA (GQA) at (2,1,1), and bf16 at (1,1,1). The full matrix is ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.model.presets import GPT2_FLAGS, LLAMA_FLAGS
+from megatron.testing import run_distributed
+
+ITERS = 20
+RTOL = 1e-5
+BF16_RTOL = 1e-2
+
+SIZES = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+]  # fmt: skip
+TRAIN = [
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", str(ITERS),
+    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234",
+    "--mock-data", "--vocab-size", "299",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1", "--log-level", "WARNING",
+]  # fmt: skip
+PRESET = {
+    "gpt2": GPT2_FLAGS + SIZES,
+    "llama": LLAMA_FLAGS + SIZES + ["--num-key-value-heads", "2", "--ffn-hidden-size", "128"],
+}
+
+
+def _argv(preset: str, tp: int, pp: int, *extra: str) -> list[str]:
+    return [
+        *PRESET[preset],
+        *TRAIN,
+        "--tensor-model-parallel-size", str(tp),
+        "--pipeline-model-parallel-size", str(pp),
+        *extra,
+    ]  # fmt: skip
+
+
+def _train_many(argvs: list[list[str]]) -> list[list[float]]:
+    """Run ``pretrain`` once per argv, one after the other, in this rank's process; the losses of each."""
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+
+    out = []
+    for argv in argvs:
+        result = pretrain(parse_args(argv))
+        assert result.exit_code == 0 and result.iteration == ITERS
+        out.append(result.losses)
+    return out
+
+
+def _layouts(world: int, argvs: list[list[str]]) -> list[list[float]]:
+    """Train every argv on ``world`` ranks (one spawn); check all ranks report the same losses."""
+    per_rank = run_distributed(_train_many, world, argvs, init_process_group=False, timeout=900)
+    for r, losses in enumerate(per_rank):
+        assert losses == per_rank[0], f"rank {r} logged other losses than rank 0"
+    return per_rank[0]
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == ITERS
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def baselines() -> dict[str, list[float]]:
+    gpt2, llama, bf16 = _layouts(
+        1,
+        [_argv("gpt2", 1, 1), _argv("llama", 1, 1), _argv("gpt2", 1, 1, "--bf16")],
+    )
+    # The run must learn something, or parity would be vacuous.
+    assert gpt2[-1] < gpt2[0] - 0.05 and llama[-1] < llama[0] - 0.05
+    return {"gpt2": gpt2, "llama": llama, "gpt2-bf16": bf16}
+
+
+def test_parity_default_subset(baselines: dict[str, list[float]]) -> None:
+    """(2,2,2) ZeRO-1 + SP, and on 2 ranks: (1,1,2) ZeRO-3 and the LLaMA/GQA preset at (2,1,1)."""
+    (z1sp,) = _layouts(8, [_argv("gpt2", 2, 2, "--zero-stage", "1", "--sequence-parallel")])
+    z3, llama_tp2 = _layouts(
+        2, [_argv("gpt2", 1, 1, "--zero-stage", "3"), _argv("llama", 2, 1, "--sequence-parallel")]
+    )
+    diffs = {
+        "(2,2,2) zero1 sp": _max_rel(z1sp, baselines["gpt2"]),
+        "(1,1,2) zero3": _max_rel(z3, baselines["gpt2"]),
+        "llama (2,1,1) sp": _max_rel(llama_tp2, baselines["llama"]),
+    }
+    assert all(d < RTOL for d in diffs.values()), diffs
+
+
+def test_bf16_close_to_fp32(baselines: dict[str, list[float]]) -> None:
+    d = _max_rel(baselines["gpt2-bf16"], baselines["gpt2"])
+    assert d < BF16_RTOL, d
+    assert baselines["gpt2-bf16"] != baselines["gpt2"]  # it really ran in bf16
+
+
+# ---------------------------------------------------------------- full matrix (-m slow)
+
+LAYOUTS = [
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 1, 2),
+    (2, 2, 1),
+    (2, 1, 2),
+    (1, 2, 2),
+    (2, 2, 2),
+    (4, 1, 1),
+    (1, 4, 1),
+]
+
+
+def _matrix(tp: int, pp: int, dp: int) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every run of one layout: both presets, SP on/off (TP > 1), each ZeRO stage DeepSpeed allows."""
+    runs = []
+    stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+    for preset in ("gpt2", "llama"):
+        for sp in (False, True) if tp > 1 else (False,):
+            for zero in stages:
+                if preset == "llama" and zero in (0, 2):
+                    continue  # LLaMA: one stage of each engine family (1, and 3 without PP) is enough
+                extra = ["--zero-stage", str(zero)] + (["--sequence-parallel"] if sp else [])
+                name = f"{preset} ({tp},{pp},{dp}) zero{zero}{' sp' if sp else ''}"
+                runs.append((name, _argv(preset, tp, pp, *extra)))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}_pp{t[1]}_dp{t[2]}")
+def test_parity_full_matrix(
+    layout: tuple[int, int, int], baselines: dict[str, list[float]]
+) -> None:
+    tp, pp, dp = layout
+    runs = _matrix(tp, pp, dp)
+    results = _layouts(tp * pp * dp, [argv for _, argv in runs])
+    diffs = {
+        name: _max_rel(losses, baselines[name.split()[0]])
+        for (name, _), losses in zip(runs, results)
+    }
+    bad = {k: v for k, v in diffs.items() if v >= RTOL}
+    assert not bad, f"layouts off by more than {RTOL}: {bad} (all: {diffs})"
