@@ -30,7 +30,7 @@ _trident_install() {
   if [ -n "$TORCH_SPEC" ]; then "${pip[@]}" "$TORCH_SPEC" 2>&1 | { grep -v 'is ignored' || true; }; fi
   "${pip[@]}" -r "$TRIDENT_ROOT/requirements.txt" 2>&1 | { grep -v 'is ignored' || true; }
   "${pip[@]}" --no-build-isolation --no-deps -e "$TRIDENT_ROOT" 2>&1 | { grep -v 'is ignored' || true; }
-  "$TRIDENT_VENV/bin/python" -c "import torch, deepspeed, megatron" \
+  DS_ACCELERATOR=cpu "$TRIDENT_VENV/bin/python" -c "import torch, deepspeed, megatron" \
     || { echo "[setup] ERROR: the venv at $TRIDENT_VENV cannot import torch/deepspeed/megatron" >&2; return 1; }
   _trident_fingerprint >"$TRIDENT_VENV/.trident-stamp"
   echo "[setup] done in $((SECONDS - t0)) s"

