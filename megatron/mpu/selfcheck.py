@@ -463,21 +463,28 @@ def run_selfcheck(world_size: int, tp: int, pp: int) -> tuple[bool, str]:
         for check, quantity, exact, ok, err in rows:
             prev = worst.get((check, quantity), (exact, True, 0.0))
             worst[(check, quantity)] = (exact, prev[1] and ok, max(prev[2], err))
+    by_check: dict[str, list[tuple[str, bool, bool, float]]] = {}
+    for (check, quantity), (exact, ok, err) in worst.items():
+        by_check.setdefault(check, []).append((quantity, exact, ok, err))
     grid = rank_grid(world_size, tp, pp)
     lines = [
         f"mpu self-check: world {world_size}, tp {tp}, pp {pp}, dp {grid.data_parallel_size} "
-        f"(gloo, {time.monotonic() - start:.1f} s); tolerance {RTOL:g} relative where a reduction is involved",
-        f"{'check':<72} {'quantity':<20} {'mode':<6} {'worst err':>10}  result",
+        f"(gloo, {time.monotonic() - start:.1f} s). exact: bit-identical to the reference; "
+        f"rtol: a reduction over ranks on the path, max error / max value <= {RTOL:g}",
+        f"{'check':<86} {'exact':>5} {'rtol':>5} {'worst rtol':>10}  result",
     ]
-    for (check, quantity), (exact, ok, err) in worst.items():
-        mode = "exact" if exact else "rtol"
-        lines.append(
-            f"{check:<72} {quantity:<20} {mode:<6} {err:>10.2e}  {'PASS' if ok else 'FAIL'}"
-        )
+    for check, items in by_check.items():
+        n_exact = sum(1 for _, exact, _, _ in items if exact)
+        n_rtol = len(items) - n_exact
+        worst_rtol = max((err for _, exact, _, err in items if not exact), default=0.0)
+        failed = [q for q, _, ok, _ in items if not ok]
+        result = "PASS" if not failed else f"FAIL ({', '.join(failed)})"
+        lines.append(f"{check:<86} {n_exact:>5} {n_rtol:>5} {worst_rtol:>10.1e}  {result}")
     passed = all(ok for _, ok, _ in worst.values())
     n_fail = sum(not ok for _, ok, _ in worst.values())
+    summary = "ALL PASS" if passed else f"{n_fail} FAILED"
     lines.append(
-        f"{'ALL PASS' if passed else f'{n_fail} FAILED'} ({len(worst)} checks x {world_size} ranks)"
+        f"{summary}: {len(worst)} quantities in {len(by_check)} checks, on each of {world_size} ranks"
     )
     return passed, "\n".join(lines)
 
