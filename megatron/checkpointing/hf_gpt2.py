@@ -201,6 +201,9 @@ def megatron_to_gpt2_hf(
     full_state_dict: Mapping[str, torch.Tensor],
     model_config: ModelConfig,
     true_vocab_size: int,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Convert Megatron's full (TP=1) state dict into an HF ``GPT2LMHeadModel`` state dict and config.
 
@@ -208,6 +211,8 @@ def megatron_to_gpt2_hf(
         full_state_dict: Megatron names, merged over TP and PP (padded vocabulary rows allowed).
         model_config: the architecture it was trained with (GPT-2 shape: layernorm, GeLU, learned positions).
         true_vocab_size: the tokenizer's vocabulary; padding rows beyond it are dropped.
+        bos_token_id, eos_token_id: the tokenizer's special ids for ``config.json`` (e.g. 50256 for GPT-2's
+            ``<|endoftext|>``); None writes null instead of transformers' model-specific defaults.
 
     Returns:
         ``(hf_state_dict, config_dict)``: ``transformer.*`` fp32 contiguous tensors (``lm_head.weight`` only when
@@ -265,6 +270,8 @@ def megatron_to_gpt2_hf(
         "layer_norm_epsilon": m.layernorm_epsilon,
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
         "scale_attn_weights": True,
     }
     return out, config

@@ -177,6 +177,9 @@ def megatron_to_llama_hf(
     full_state_dict: Mapping[str, torch.Tensor],
     model_config: ModelConfig,
     true_vocab_size: int,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Convert Megatron's full (TP=1) state dict into an HF ``LlamaForCausalLM`` state dict and config.
 
@@ -184,6 +187,8 @@ def megatron_to_llama_hf(
         full_state_dict: Megatron names, merged over TP and PP.
         model_config: the LLaMA-shaped architecture (rmsnorm, swiglu, RoPE, no biases).
         true_vocab_size: the tokenizer's vocabulary; padding rows beyond it are dropped.
+        bos_token_id, eos_token_id: the tokenizer's special ids for ``config.json`` (e.g. 50256 for GPT-2's
+            ``<|endoftext|>``); None writes null instead of transformers' model-specific defaults.
 
     Returns:
         ``(hf_state_dict, config_dict)``: ``model.*`` (+ ``lm_head.weight`` when untied) fp32 contiguous tensors
@@ -247,5 +252,7 @@ def megatron_to_llama_hf(
         "attention_dropout": m.attention_dropout,
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
     }
     return out, config

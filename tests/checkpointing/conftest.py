@@ -6,6 +6,9 @@ import pytest
 import torch
 
 VOCAB = 101  # not a multiple of 128: exercises vocabulary padding (-> 128 at TP 1)
+# HF's 0.02 keeps a 32-wide model almost linear (erf vs tanh GeLU differ by < 1e-6 in the logits); 0.25 makes
+# pre-activations O(1) so a wrong activation, gate/up order or norm epsilon shows up far above the tolerance.
+INIT_STD = 0.25
 
 
 def make_gpt2(*, activation: str = "gelu_new", tied: bool = True, seed: int = 0):
@@ -25,6 +28,7 @@ def make_gpt2(*, activation: str = "gelu_new", tied: bool = True, seed: int = 0)
         tie_word_embeddings=tied,
         bos_token_id=0,
         eos_token_id=0,
+        initializer_range=INIT_STD,
     )
     model = GPT2LMHeadModel(config).eval()
     # HF initializes biases and LN to 0/1; randomize them so a swapped bias or norm cannot hide.
@@ -55,6 +59,7 @@ def make_llama(
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=None,
+        initializer_range=INIT_STD,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
