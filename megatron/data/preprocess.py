@@ -3,7 +3,7 @@
 Pipeline, streaming and order-preserving::
 
     input files (.jsonl / .jsonl.gz, globs)            main process
-      -> chunks of raw lines (<= 512 lines / 2 MB)     read lazily, never a whole file
+      -> chunks of raw lines (<= 128 lines / 256 KB)   read lazily, never a whole file
       -> workers: json.loads, validate, batch-encode   Encoder.encode: one tokenizer batch call per key and chunk
          -> per key: flat token array (dtype), sequence sizes, sequences per document
       -> main: MMapIndexedDatasetBuilder.add_documents (numpy tofile), in input order
@@ -29,6 +29,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,8 +49,8 @@ from megatron.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CHUNK_LINES = 512
-CHUNK_BYTES = 2 * 1024 * 1024
+CHUNK_LINES = 128
+CHUNK_BYTES = 256 * 1024
 
 
 class PreprocessError(ValueError):
@@ -276,6 +277,20 @@ def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_e
     _WORKER_ENCODER = Encoder(tokenizer_kwargs, keys, append_eod)
 
 
+def _adopt_encoder(encoder: Encoder) -> None:
+    """Fork initializer: reuse the parent's already-loaded tokenizer (inherited, never pickled)."""
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _pool_setup(encoder: Encoder, init: tuple[Any, ...]) -> tuple[Any, Any, tuple[Any, ...]]:
+    """(context, initializer, initargs): fork when safe, which skips re-importing and re-loading the tokenizer in
+    every worker; spawn when the process has other Python threads (forking those can deadlock) or no fork."""
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return multiprocessing.get_context("fork"), _adopt_encoder, (encoder,)
+    return multiprocessing.get_context("spawn"), _init_worker, init
+
+
 def _encode_in_worker(chunk: Chunk) -> ChunkResult:
     if _WORKER_ENCODER is None:
         raise RuntimeError("preprocessing worker used before its initializer ran")
@@ -290,10 +305,8 @@ def _results(
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
-    ctx = multiprocessing.get_context(
-        "spawn"
-    )  # no fork of a process that may hold tokenizer threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
+    ctx, initializer, initargs = _pool_setup(encoder, init)
+    with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
         pending: collections.deque[Any] = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
@@ -343,7 +356,7 @@ def preprocess(
 ) -> Summary:
     """Tokenize JSONL ``inputs`` into one mmap dataset per key (``{output_prefix}_{key}_document.bin/.idx``).
 
-    ``chunk_lines`` (default ``min(512, max(16, log_interval))``) is the number of lines sent to a worker at a
+    ``chunk_lines`` (default ``min(128, max(16, log_interval))``) is the number of lines sent to a worker at a
     time; it changes speed and progress granularity, never the output. Outputs appear only when the run succeeds (temporary names, then rename); on any error or interrupt the
     temporary files are removed.
 
