@@ -53,9 +53,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         not_mine = (target < first) | (target >= last)  # [s, b]
         local_target = (target - first).masked_fill(not_mine, 0)
-        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(
-            -1
-        )  # [s, b, vp] -> [s, b]
+        # [s, b, vp] -> [s, b]: the target's logit (0 where another rank owns it, fixed below)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = all_reduce_sum_(predicted.masked_fill(not_mine, 0.0), group)
 
         exp_logits = logits.exp()  # [s, b, vp]

@@ -160,10 +160,8 @@ def _to_master_order(x: torch.Tensor, world: int, stride: int) -> torch.Tensor:
     if stride == 1 or world == 1:
         return x
     chunk = x.size(-1) // (world * stride)
-    x = x.unflatten(-1, (world, stride, chunk)).transpose(
-        -3, -2
-    )  # [..., o] -> [..., stride, p, chunk]
-    return x.flatten(-3)  # -> [..., o]
+    # [..., o] -> [..., p, stride, chunk] -> [..., stride, p, chunk] -> [..., o]
+    return x.unflatten(-1, (world, stride, chunk)).transpose(-3, -2).flatten(-3)
 
 
 def _to_partition_order(x: torch.Tensor, world: int, stride: int) -> torch.Tensor:
@@ -171,10 +169,8 @@ def _to_partition_order(x: torch.Tensor, world: int, stride: int) -> torch.Tenso
     if stride == 1 or world == 1:
         return x
     chunk = x.size(-1) // (world * stride)
-    x = x.unflatten(-1, (stride, world, chunk)).transpose(
-        -3, -2
-    )  # [..., h] -> [..., p, stride, chunk]
-    return x.flatten(-3)  # -> [..., h]
+    # [..., h] -> [..., stride, p, chunk] -> [..., p, stride, chunk] -> [..., h]
+    return x.unflatten(-1, (stride, world, chunk)).transpose(-3, -2).flatten(-3)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -250,9 +246,8 @@ class ColumnParallelLinear(torch.nn.Module):
             # all-gather [s/p, b, h] -> [s, b, h] inside the matmul, keeping only the local input for backward
             output = linear_with_sequence_parallel_input(input_, self.weight, bias, self.group)
         else:
-            x = copy_to_tensor_model_parallel_region(
-                input_, self.group
-            )  # [s, b, h]; bwd all-reduce
+            # [s, b, h] unchanged; backward all-reduces the input grad
+            x = copy_to_tensor_model_parallel_region(input_, self.group)
             output = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, o/p]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.group)  # -> [s, b, o]
@@ -337,9 +332,8 @@ class RowParallelLinear(torch.nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # [s, b, h] -> [s, b, h/p]
         partial = F.linear(x, self.weight)  # [s, b, h/p] -> [s, b, o] (partial sum)
         if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(
-                partial, self.group
-            )  # -> [s/p, b, o]
+            # [s, b, o] partial sums -> [s/p, b, o] summed
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, self.group)  # -> [s, b, o]
         bias = self.bias
@@ -436,9 +430,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight)  # [b, s] -> [b, s, h]
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(
-            partial, self.group
-        )  # sum over TP: [b, s, h]
+        # [b, s, h], summed over TP: one rank's row plus zeros
+        return reduce_from_tensor_model_parallel_region(partial, self.group)
 
 
 def gather_full_parameter(param: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
