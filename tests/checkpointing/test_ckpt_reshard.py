@@ -91,7 +91,8 @@ def test_shards_mean_what_megatron_layers_compute() -> None:
     for shard in shards:
         a, b = (x @ shard[L0 + "mlp.dense_h_to_4h.weight"].t()).chunk(2, dim=-1)
         out += (F.silu(a) * b) @ shard[L0 + "mlp.dense_4h_to_h.weight"].t()
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    # fp32 and the sum over ranks reorders the reduction over ffn: ~1e-6 of values up to ~10 (init std 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
     # Vocab: rank r holds rows [r*vp, (r+1)*vp) of the padded (256-row) embedding.
     assert torch.equal(shards[0][EMB][:VOCAB], sd["model.embed_tokens.weight"])
