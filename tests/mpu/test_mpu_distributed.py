@@ -102,6 +102,16 @@ def _check_validation_in_groups(group: dist.ProcessGroup) -> None:
         mpu.scatter_to_tensor_model_parallel_region(torch.zeros(2, p + 1), group)
     with pytest.raises(ValueError, match="needs a tensor as first argument"):
         mpu.checkpoint(lambda a: a, True, None)
+    with pytest.raises(
+        ValueError,
+        match=rf"split along the sequence dimension: dimension 0 of a tensor of shape \({p + 1}, 2\)",
+    ):
+        mpu.scatter_to_sequence_parallel_region(torch.zeros(p + 1, 2), group)
+    with pytest.raises(
+        ValueError,
+        match=rf"reduce-scatter along the sequence dimension: dimension 0 .* size {p}; pad the sequence",
+    ):
+        mpu.reduce_scatter_to_sequence_parallel_region(torch.zeros(p + 1, 2), group)
 
 
 def _check_sequence_parallel_column_keeps_only_the_local_input(group: dist.ProcessGroup) -> None:

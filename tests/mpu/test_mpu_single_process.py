@@ -297,6 +297,8 @@ def test_utils() -> None:
     assert mpu.VocabUtility.vocab_range_from_per_partition_vocab_size(16, 3, 4) == (48, 64)
     with pytest.raises(ValueError, match="not divisible by 4"):
         mpu.VocabUtility.vocab_range_from_global_vocab_size(50, 0, 4)
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
+        mpu.VocabUtility.vocab_range_from_per_partition_vocab_size(16, 4, 4)
 
 
 def test_broadcast_data_world_of_one() -> None:
