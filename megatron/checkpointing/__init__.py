@@ -7,6 +7,12 @@ Pure functions over ``{name: tensor}`` dicts of the full (TP=1, PP=1) model; the
 from megatron.checkpointing.hf_gpt2 import gpt2_hf_to_megatron, megatron_to_gpt2_hf
 from megatron.checkpointing.hf_llama import llama_hf_to_megatron, megatron_to_llama_hf
 from megatron.checkpointing.layout import fuse_qkv, padded_vocab_size, repad_vocab, split_qkv
+from megatron.checkpointing.pipe_layout import (
+    megatron_to_pipe_layers,
+    pipe_layer_file_name,
+    pipe_layer_key,
+    pipe_layers_to_megatron,
+)
 from megatron.checkpointing.reshard import (
     merge_tp_shards,
     pad_vocab_for_tp,
@@ -27,9 +33,13 @@ __all__ = [
     "load_state_dict_file",
     "megatron_to_gpt2_hf",
     "megatron_to_llama_hf",
+    "megatron_to_pipe_layers",
     "merge_tp_shards",
     "pad_vocab_for_tp",
     "padded_vocab_size",
+    "pipe_layer_file_name",
+    "pipe_layer_key",
+    "pipe_layers_to_megatron",
     "repad_vocab",
     "shard_state_dict",
     "split_layers_for_pp",

@@ -145,3 +145,31 @@ def test_pp_split_matches_deepspeed_type_transformer() -> None:
         ValueError, match=r"--num-layers \(2\) must be >= --pipeline-model-parallel-size \(4\)"
     ):
         split_layers_for_pp(2, 4)
+
+
+def test_pipe_layer_files_match_gpt_model_pipe_names() -> None:
+    from megatron.checkpointing.pipe_layout import (
+        megatron_to_pipe_layers,
+        pipe_layer_file_name,
+        pipe_layer_key,
+        pipe_layers_to_megatron,
+    )
+    from megatron.model import pipe_to_megatron_name
+
+    for model, convert in (
+        (make_gpt2(), gpt2_hf_to_megatron),
+        (make_llama(), llama_hf_to_megatron),
+    ):
+        full, cfg = convert(model.state_dict(), model.config)
+        layers = megatron_to_pipe_layers(full, cfg.num_layers)
+        expected = {1, 2, 3, 4} | ({5} if cfg.untie_embeddings_and_output_weights else set())
+        assert set(layers) == expected
+        for idx, sd in layers.items():
+            for local, t in sd.items():
+                # the model's own GPTModelPipe -> Megatron name mapping agrees with ours
+                mg = pipe_to_megatron_name(f"{idx}.{local}", cfg.num_layers)
+                assert full[mg] is t
+        _assert_same(pipe_layers_to_megatron(layers, cfg.num_layers), full)
+    assert pipe_layer_file_name(3, 1) == "layer_03-model_01-model_states.pt"
+    with pytest.raises(ValueError, match="not a parameter of a 2-layer GPT model"):
+        pipe_layer_key("language_model.encoder.layers.2.input_layernorm.weight", 2)
