@@ -399,3 +399,101 @@ def test_interrupted_run_leaves_no_output(tmp_path: Path) -> None:
         for leftover in tmp_path.glob("*.tmp"):
             leftover.unlink()
         time.sleep(0.05)
+
+
+def test_sentencepiece_and_hf_tokenizers_through_the_tools(
+    tmp_path: Path, bpe: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"text": v} for _, v in TOPICS[:30]]
+    src = _write_jsonl(tmp_path / "c.jsonl", rows)
+    argv = [
+        "--input",
+        str(src),
+        "--type",
+        "sentencepiece",
+        "--vocab-size",
+        "400",
+        "--output-dir",
+        str(tmp_path / "sp"),
+    ]
+    assert train_tokenizer.main(argv) == 0
+    model = str(tmp_path / "sp" / "tokenizer.model")
+    hf_dir = str(Path(bpe[3]).parent)
+    for kind, tok_args in (
+        ("GPTSentencePieceTokenizer", ["--tokenizer-model", model]),
+        ("SentencePieceTokenizer", ["--tokenizer-model", model]),
+        ("HFTokenizer", ["--tokenizer-model", hf_dir]),
+    ):
+        prefix = tmp_path / kind
+        rc, err = _run(
+            capsys,
+            [
+                "--input",
+                str(src),
+                "--tokenizer-type",
+                kind,
+                *tok_args,
+                "--append-eod",
+                "--output-prefix",
+                str(prefix),
+            ],
+        )
+        assert rc == 0, err
+        tok = build_tokenizer(tokenizer_type=kind, tokenizer_model=tok_args[1])
+        ds = MMapIndexedDataset(f"{prefix}_text_document")
+        assert ds.dtype == np.uint16
+        for i in (0, len(rows) - 1):
+            assert ds[i].tolist() == tok.tokenize(rows[i]["text"]) + [tok.eod]
+
+
+def test_spawned_workers_give_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With another Python thread alive, workers are spawned (fresh interpreters that load the tokenizer
+    # themselves) instead of forked: the output must not change.
+    import threading
+
+    from megatron.data import preprocess as lib
+
+    methods = []
+    real_setup = lib._pool_setup
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        setup = real_setup(*args)
+        methods.append(setup[0].get_start_method())
+        return setup
+
+    monkeypatch.setattr(lib, "_pool_setup", spy)
+    src = _write_jsonl(
+        tmp_path / "n.jsonl", [{"text": " ".join(map(str, range(i % 50)))} for i in range(400)]
+    )
+    kwargs = {"tokenizer_type": "NullTokenizer", "vocab_size": 60}
+    outputs = []
+    for prefix in ("forked", "spawned"):
+        stop = threading.Event()
+        thread = threading.Thread(target=stop.wait)
+        if prefix == "spawned":
+            thread.start()
+        try:
+            preprocess(
+                [str(src)],
+                json_keys=["text"],
+                output_prefix=str(tmp_path / prefix),
+                tokenizer_kwargs=kwargs,
+                append_eod=True,
+                workers=2,
+                chunk_lines=16,
+            )
+        finally:
+            stop.set()
+            if thread.is_alive():
+                thread.join()
+        outputs.append(
+            [Path(f"{tmp_path / prefix}_text_document{e}").read_bytes() for e in (".bin", ".idx")]
+        )
+    assert methods == ["fork", "spawn"]
+    assert outputs[0] == outputs[1]
+    single = MMapIndexedDataset(str(tmp_path / "spawned_text_document"))
+    assert single.sizes.tolist() == [
+        i % 50 + 1 for i in range(400) if i % 50
+    ]  # empty docs: no sequence
