@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel, loss_func
+from megatron.model.checkpoint_info import param_layout
 from megatron.testing import run_distributed
 
 V = 100
@@ -83,6 +85,12 @@ def _one_case(cfg: ModelConfig, tp: int, pp: int, sp: bool, interval: int) -> di
 
     before = full_params()
     pipe_names = [n for n, _ in model.named_parameters()]
+    layouts = {
+        n: (True, p.partition_dim, p.partition_stride)
+        if getattr(p, "tensor_model_parallel", False)
+        else (False, -1, 1)
+        for n, p in model.named_parameters()
+    }
     config = {
         "train_batch_size": MBS * GAS,
         "train_micro_batch_size_per_gpu": MBS,
@@ -108,6 +116,7 @@ def _one_case(cfg: ModelConfig, tp: int, pp: int, sp: bool, interval: int) -> di
         "init": {n: t.numpy() for n, t in before.items()},
         "grads": grads,
         "pipe_names": pipe_names,
+        "layouts": layouts,
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
     }
@@ -141,9 +150,23 @@ CASES = [
 ]
 
 
+SLOW_CASES = [
+    ("gpt2-tied-pp4", GPT2, 1, 4, False, 0),
+    ("llama-gqa-untied-pp4-ckpt2", LLAMA, 1, 4, False, 2),
+    ("gpt2-tied-tp4-pp1-sp", GPT2, 4, 1, True, 0),
+]
+
+
 def test_pipe_train_batch_matches_gpt_model() -> None:
     per_rank = run_distributed(_pipe_worker, 4, CASES, timeout=300)
     for i, case in enumerate(CASES):
+        _check_case(*case, [r[i] for r in per_rank])
+
+
+@pytest.mark.slow
+def test_pipe_more_layouts_match_gpt_model() -> None:
+    per_rank = run_distributed(_pipe_worker, 4, SLOW_CASES, timeout=400)
+    for i, case in enumerate(SLOW_CASES):
         _check_case(*case, [r[i] for r in per_rank])
 
 
@@ -154,9 +177,12 @@ def _check_case(name, cfg, tp, pp, sp, interval, results) -> None:
     for res in results:
         # DeepSpeed averages the micro-batch losses and broadcasts the result to every stage
         assert abs(res["loss"] - ref_loss) <= 1e-6 * abs(ref_loss), (name, res["loss"], ref_loss)
-        if res["stage"] == pp - 1 and not cfg.untie_embeddings_and_output_weights:
+        if pp > 1 and res["stage"] == pp - 1 and not cfg.untie_embeddings_and_output_weights:
             # the tied copy on the last stage holds only the word embeddings
             assert "tied_modules.embed.position_embeddings.weight" not in res["pipe_names"]
+        for pipe_name, layout in res["layouts"].items():
+            # universal-checkpoint patterns classify the pipeline names like the layers' TP attributes
+            assert param_layout(pipe_name, cfg) == layout, (name, pipe_name)
         for n, init in res["init"].items():
             seen[n] = seen.get(n, 0) + 1
             want = ref_params[n]
@@ -173,4 +199,5 @@ def _check_case(name, cfg, tp, pp, sp, interval, results) -> None:
     assert set(seen) == set(ref_params), set(ref_params) ^ set(seen)
     if not cfg.untie_embeddings_and_output_weights:
         # the word embeddings exist on both end stages (x TP ranks): both carry the all-reduced tied grad
-        assert seen["language_model.embedding.word_embeddings.weight"] == 2 * tp
+        copies = 2 if pp > 1 else 1
+        assert seen["language_model.embedding.word_embeddings.weight"] == copies * tp

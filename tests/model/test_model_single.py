@@ -256,6 +256,19 @@ def test_rope_matches_hugging_face_half_split() -> None:
     torch.testing.assert_close(ours_k, k_hf, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", [{}, LLAMA_KW], ids=["gpt2", "llama"])
+def test_whole_model_is_causal(kw: dict) -> None:
+    """Changing token k changes the logits at positions >= k only."""
+    model = GPTModel(_cfg(**kw), seed=2).eval()
+    ids, pos = _batch()
+    ids2 = ids.clone()
+    ids2[:, 9] = (ids2[:, 9] + 1) % V
+    with torch.no_grad():
+        a, b = model(ids, pos), model(ids2, pos)
+    assert torch.equal(a[:, :9], b[:, :9])
+    assert (a[:, 9:, :V] - b[:, 9:, :V]).abs().amax(-1).min() > 0
+
+
 def test_recompute_and_dropout_rng() -> None:
     """Full and selective recomputation give the same loss and grads as none, with dropout on."""
     results = []
@@ -334,6 +347,26 @@ def test_names_init_and_padding() -> None:
     d = GPTModel(dataclasses.replace(cfg, make_vocab_size_divisible_by=256), seed=5)
     assert d.padded_vocab_size == 256
     torch.testing.assert_close(d(ids, pos, labels=ids), a(ids, pos, labels=ids), rtol=0, atol=0)
+
+
+def _attr_layout(p: torch.Tensor) -> tuple[bool, int, int]:
+    if not getattr(p, "tensor_model_parallel", False):
+        return False, -1, 1
+    return True, p.partition_dim, p.partition_stride
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA_KW], ids=["gpt2", "llama"])
+def test_checkpoint_layout_patterns_match_the_layers(kw: dict) -> None:
+    """The name patterns for universal checkpoints agree with the TP attributes the layers set."""
+    from megatron.model.checkpoint_info import param_layout, universal_checkpoint_info
+
+    cfg = _cfg(**kw)
+    model = GPTModel(cfg, seed=1)
+    for name, p in model.named_parameters():
+        assert param_layout(name, cfg) == _attr_layout(p), name
+    info = universal_checkpoint_info(cfg, model.padded_vocab_size)
+    assert info["original_vocab_size"] == V and info["padded_vocab_size"] == 128
+    assert ("parameter_with_2_sub_params_cat_dim_0" in info) == cfg.swiglu
 
 
 def test_helpers_presets_and_errors() -> None:
