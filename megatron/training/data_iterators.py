@@ -33,11 +33,24 @@ def check_data_flags(cfg: TridentConfig) -> None:
         ValueError: no data source, or no way to know the vocabulary.
     """
     d = cfg.data
-    if not (d.mock_data or d.data_path or d.train_data_path):
+    given = [
+        flag
+        for flag, on in (
+            ("--mock-data", d.mock_data),
+            ("--data-path", bool(d.data_path)),
+            ("--train/valid/test-data-path", bool(d.train_data_path or d.valid_data_path or d.test_data_path)),
+        )
+        if on
+    ]
+    if not given:
         raise ValueError(
             "no training data: give --data-path PREFIX (from tools/preprocess_data.py), --train-data-path, "
             "or --mock-data for synthetic tokens."
         )
+    if len(given) > 1:
+        raise ValueError(f"give exactly one data source; got {' and '.join(given)}.")
+    if (d.valid_data_path or d.test_data_path) and not d.train_data_path:
+        raise ValueError("--valid-data-path/--test-data-path need --train-data-path too.")
     if d.tokenizer_type is None and d.vocab_size is None:
         raise ValueError(
             "no tokenizer: give --tokenizer-type (GPT2BPETokenizer, SentencePieceTokenizer, "
@@ -62,7 +75,7 @@ def _check_data_files(cfg: TridentConfig) -> None:
         ("--valid-data-path", d.valid_data_path),
         ("--test-data-path", d.test_data_path),
     ):
-        if not values or d.mock_data:
+        if not values:
             continue
         prefixes, _ = parse_data_path(values, flag)
         for prefix in prefixes:

@@ -24,6 +24,7 @@ from megatron.config import TridentConfig, validate
 from megatron.log import global_rank
 from megatron.model import padded_vocab_size
 from megatron.training import initialize
+from megatron.training.checkpoint_hooks import CheckpointHooks, check_checkpoint_flags
 from megatron.training.data_iterators import build_iterators, build_run_tokenizer, check_data_flags
 from megatron.training.ds_config import (
     build_ds_config,
@@ -70,7 +71,7 @@ class TrainResult:
     """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
 
 
-def preflight(cfg: TridentConfig) -> Preflight:
+def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = None) -> Preflight:
     """Every user-input check, before any process group exists (identical on every rank).
 
     Raises:
@@ -82,6 +83,7 @@ def preflight(cfg: TridentConfig) -> Preflight:
     dev = initialize.device_type(cfg)
     validate(cfg, world_size=world_size, device_type=dev)
     check_data_flags(cfg)
+    check_checkpoint_flags(cfg.checkpoint.save, cfg.checkpoint.load, checkpoint_hooks)
     train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
@@ -90,21 +92,28 @@ def preflight(cfg: TridentConfig) -> Preflight:
     )
 
 
-def pretrain(cfg: TridentConfig) -> TrainResult:
+def pretrain(cfg: TridentConfig, *, checkpoint_hooks: CheckpointHooks | None = None) -> TrainResult:
     """Train ``cfg`` on this rank (every rank of the job calls it); see the module docstring.
+
+    Args:
+        cfg: the run's config (``megatron.config.parse_args``).
+        checkpoint_hooks: save/load implementation (``checkpoint_hooks.CheckpointHooks``); required for
+            --save/--load.
 
     Raises:
         ValueError / FileNotFoundError: from :func:`preflight`, before any process group is created.
     """
-    pre = preflight(cfg)
+    pre = preflight(cfg, checkpoint_hooks)
     device = initialize.init_distributed(cfg)
     try:
-        return _run(cfg, pre, device)
+        return _run(cfg, pre, device, checkpoint_hooks)
     finally:
         mpu.destroy_model_parallel()
 
 
-def _run(cfg: TridentConfig, pre: Preflight, device: Any) -> TrainResult:
+def _run(
+    cfg: TridentConfig, pre: Preflight, device: Any, hooks: CheckpointHooks | None
+) -> TrainResult:
     initialize.set_seeds(cfg.training.seed)
     log_zero_upgrade(cfg)
     world = pre.world_size
@@ -136,6 +145,8 @@ def _run(cfg: TridentConfig, pre: Preflight, device: Any) -> TrainResult:
     )
     scheduler = build_lr_scheduler(cfg.training, gbs, bundle.client_optimizer)
     state = TrainState()
+    if hooks is not None and cfg.checkpoint.load:
+        hooks.load(engine, scheduler, state)
     its = build_iterators(
         cfg,
         tokenizer,
@@ -173,6 +184,10 @@ def _run(cfg: TridentConfig, pre: Preflight, device: Any) -> TrainResult:
         exit_duration_in_mins=cfg.training.exit_duration_in_mins,
         exit_signal_handler=cfg.training.exit_signal_handler,
         device=device,
+        save=(lambda st: hooks.save(engine, scheduler, st))
+        if hooks and cfg.checkpoint.save
+        else None,
+        save_interval=cfg.checkpoint.save_interval,
     )
     writer = MetricsWriter(
         cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled=global_rank() == 0

@@ -68,6 +68,8 @@ BAD = [
     ),
     (["--train-iters", "2", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "exclusive"),
     (["--bogus-flag"], "unrecognized arguments"),
+    (["--save", "ckpt"], "--save was given, but"),
+    (["--data-path", "no/such_prefix"], "exactly one data source; got --mock-data and --data-path"),
     (["--train-iters", "2", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
 ]
 
@@ -95,6 +97,17 @@ def test_bad_flags_one_line_exit_2(extra: list[str], pattern: str, monkeypatch, 
     err = capsys.readouterr().err
     errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and re.search(pattern, errors[0]), err
+
+
+def test_missing_data_prefix_is_file_not_found(monkeypatch, capsys) -> None:
+    for k, v in ALONE_IN_4.items():
+        monkeypatch.setenv(k, v)
+    argv = [a for a in _argv([]) if a != "--mock-data"] + ["--data-path", "no/such_prefix"]
+    assert _main()(argv) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert (
+        "error: --data-path no/such_prefix: missing no/such_prefix.bin, no/such_prefix.idx" in err
+    )
 
 
 def test_bad_flag_as_a_process_no_traceback() -> None:

@@ -37,7 +37,10 @@ TRAIN = [
 ]  # fmt: skip
 PRESET = {
     "gpt2": GPT2_FLAGS + SIZES,
-    "llama": LLAMA_FLAGS + SIZES + ["--num-key-value-heads", "2", "--ffn-hidden-size", "128"],
+    # 8 query heads in 4 K/V groups: GQA that still splits over TP = 4.
+    "llama": LLAMA_FLAGS
+    + SIZES
+    + ["--num-attention-heads", "8", "--num-key-value-heads", "4", "--ffn-hidden-size", "128"],
 }
 
 
@@ -77,27 +80,50 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+SGD = ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.3"]
+
+
 @pytest.fixture(scope="module")
 def baselines() -> dict[str, list[float]]:
-    gpt2, llama, bf16 = _layouts(
+    gpt2, llama, bf16, recompute, sgd = _layouts(
         1,
-        [_argv("gpt2", 1, 1), _argv("llama", 1, 1), _argv("gpt2", 1, 1, "--bf16")],
+        [
+            _argv("gpt2", 1, 1),
+            _argv("llama", 1, 1),
+            _argv("gpt2", 1, 1, "--bf16"),
+            _argv("gpt2", 1, 1, "--recompute-granularity", "full"),
+            _argv("gpt2", 1, 1, *SGD),
+        ],
     )
     # The run must learn something, or parity would be vacuous.
     assert gpt2[-1] < gpt2[0] - 0.05 and llama[-1] < llama[0] - 0.05
-    return {"gpt2": gpt2, "llama": llama, "gpt2-bf16": bf16}
+    assert sgd[1:] != gpt2[1:]  # SGD (which barely learns this task in 20 steps) really ran
+    return {"gpt2": gpt2, "llama": llama, "gpt2-bf16": bf16, "recompute": recompute, "sgd": sgd}
 
 
-def test_parity_default_subset(baselines: dict[str, list[float]]) -> None:
-    """(2,2,2) ZeRO-1 + SP, and on 2 ranks: (1,1,2) ZeRO-3 and the LLaMA/GQA preset at (2,1,1)."""
+def test_activation_recompute_is_exact(baselines: dict[str, list[float]]) -> None:
+    assert _max_rel(baselines["recompute"], baselines["gpt2"]) < 1e-6
+
+
+def test_parity_default_subset(baselines: dict[str, list[float]], tmp_path) -> None:
+    """(2,2,2) ZeRO-1 + SP; on 2 ranks: (1,1,2) ZeRO-3, LLaMA/GQA at (2,1,1) + SP, SGD at (1,1,2) ZeRO-2 with
+    the optimizer offloaded to CPU through a user --deepspeed_config."""
     (z1sp,) = _layouts(8, [_argv("gpt2", 2, 2, "--zero-stage", "1", "--sequence-parallel")])
-    z3, llama_tp2 = _layouts(
-        2, [_argv("gpt2", 1, 1, "--zero-stage", "3"), _argv("llama", 2, 1, "--sequence-parallel")]
+    offload = tmp_path / "offload.json"
+    offload.write_text('{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}')
+    z3, llama_tp2, sgd_offload = _layouts(
+        2,
+        [
+            _argv("gpt2", 1, 1, "--zero-stage", "3"),
+            _argv("llama", 2, 1, "--sequence-parallel"),
+            _argv("gpt2", 1, 1, *SGD, "--zero-stage", "2", "--deepspeed_config", str(offload)),
+        ],
     )
     diffs = {
         "(2,2,2) zero1 sp": _max_rel(z1sp, baselines["gpt2"]),
         "(1,1,2) zero3": _max_rel(z3, baselines["gpt2"]),
         "llama (2,1,1) sp": _max_rel(llama_tp2, baselines["llama"]),
+        "sgd (1,1,2) zero2 offload": _max_rel(sgd_offload, baselines["sgd"]),
     }
     assert all(d < RTOL for d in diffs.values()), diffs
 
@@ -135,6 +161,12 @@ def _matrix(tp: int, pp: int, dp: int) -> list[tuple[str, list[str]]]:
                 extra = ["--zero-stage", str(zero)] + (["--sequence-parallel"] if sp else [])
                 name = f"{preset} ({tp},{pp},{dp}) zero{zero}{' sp' if sp else ''}"
                 runs.append((name, _argv(preset, tp, pp, *extra)))
+    if (
+        pp > 1
+    ):  # activation checkpointing inside the pipeline (checkpointable transformer layers only)
+        runs.append(
+            (f"gpt2 ({tp},{pp},{dp}) zero1 ckpt", _argv("gpt2", tp, pp, "--checkpoint-activations"))
+        )
     return runs
 
 
@@ -150,5 +182,7 @@ def test_parity_full_matrix(
         name: _max_rel(losses, baselines[name.split()[0]])
         for (name, _), losses in zip(runs, results)
     }
+    for name, d in diffs.items():
+        print(f"parity {name}: max rel diff {d:.2e}")
     bad = {k: v for k, v in diffs.items() if v >= RTOL}
     assert not bad, f"layouts off by more than {RTOL}: {bad} (all: {diffs})"
