@@ -38,7 +38,10 @@ def check_data_flags(cfg: TridentConfig) -> None:
         for flag, on in (
             ("--mock-data", d.mock_data),
             ("--data-path", bool(d.data_path)),
-            ("--train/valid/test-data-path", bool(d.train_data_path or d.valid_data_path or d.test_data_path)),
+            (
+                "--train/valid/test-data-path",
+                bool(d.train_data_path or d.valid_data_path or d.test_data_path),
+            ),
         )
         if on
     ]

@@ -51,6 +51,8 @@ class TrainState:
     skipped_iterations: int = 0
     history: list[float] = field(default_factory=list)
     """lm loss of every iteration run by this process (for library callers and tests)."""
+    grad_norms: list[float | None] = field(default_factory=list)
+    """grad norm of every iteration run by this process (None where DeepSpeed computed none)."""
     last_valid_loss: float | None = None
     """The latest validation loss."""
     last_eval_iteration: int = -1
@@ -188,6 +190,7 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
             state.iteration += 1
             state.consumed_train_samples += spec.global_batch
             state.history.append(result.loss)
+            state.grad_norms.append(result.grad_norm)
             interval_iters += 1
             if result.skipped:
                 state.skipped_iterations += 1

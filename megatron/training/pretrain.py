@@ -67,6 +67,8 @@ class TrainResult:
     consumed_train_samples: int
     losses: list[float] = field(default_factory=list)
     """lm loss of each iteration run (global-batch mean, same on every rank)."""
+    grad_norms: list[float | None] = field(default_factory=list)
+    """Global grad norm of each iteration (None where DeepSpeed computed none: clipping off)."""
     valid_loss: float | None = None
     """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
 
@@ -203,5 +205,6 @@ def _run(
         iteration=state.iteration,
         consumed_train_samples=state.consumed_train_samples,
         losses=list(state.history),
+        grad_norms=list(state.grad_norms),
         valid_loss=state.last_valid_loss,
     )

@@ -54,22 +54,28 @@ def _argv(preset: str, tp: int, pp: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _train_many(argvs: list[list[str]]) -> list[list[float]]:
-    """Run ``pretrain`` once per argv, one after the other, in this rank's process; the losses of each."""
+def _train_many(argvs: list[list[str]], iters: int = ITERS) -> list[list[float]]:
+    """Run ``pretrain`` once per argv, one after the other, in this rank's process; the losses of each.
+
+    Also checks that every iteration reported a positive grad norm (clipping is on in every run here).
+    """
     from megatron.config import parse_args
     from megatron.training import pretrain
 
     out = []
     for argv in argvs:
         result = pretrain(parse_args(argv))
-        assert result.exit_code == 0 and result.iteration == ITERS
+        assert result.exit_code == 0 and result.iteration == iters
+        assert all(g is not None and g > 0 for g in result.grad_norms), result.grad_norms
         out.append(result.losses)
     return out
 
 
-def _layouts(world: int, argvs: list[list[str]]) -> list[list[float]]:
+def _layouts(world: int, argvs: list[list[str]], iters: int = ITERS) -> list[list[float]]:
     """Train every argv on ``world`` ranks (one spawn); check all ranks report the same losses."""
-    per_rank = run_distributed(_train_many, world, argvs, init_process_group=False, timeout=900)
+    per_rank = run_distributed(
+        _train_many, world, argvs, iters, init_process_group=False, timeout=900
+    )
     for r, losses in enumerate(per_rank):
         assert losses == per_rank[0], f"rank {r} logged other losses than rank 0"
     return per_rank[0]
@@ -126,6 +132,28 @@ def test_parity_default_subset(baselines: dict[str, list[float]], tmp_path) -> N
         "sgd (1,1,2) zero2 offload": _max_rel(sgd_offload, baselines["sgd"]),
     }
     assert all(d < RTOL for d in diffs.values()), diffs
+
+
+def test_lr_schedule_reaches_the_optimizer() -> None:
+    """Warmup makes iteration 1's LR exactly 0: the weights do not move, so iteration 2's loss equals that of a
+    run with --lr 0, and iteration 3's differs (the scheduled LR > 0 reached DeepSpeed's ZeRO-1/3 optimizer)."""
+    short = ["--train-iters", "3", "--lr-warmup-iters", "1", "--lr-decay-style", "constant"]
+    runs = _layouts(
+        2,
+        [
+            _argv("gpt2", 1, 1, "--zero-stage", "1", *short),
+            _argv("gpt2", 1, 1, "--zero-stage", "1", *short, "--lr", "0", "--min-lr", "0"),
+            _argv("gpt2", 1, 2, "--zero-stage", "1", *short),
+        ],
+        iters=3,
+    )
+    warm, frozen, pipe = runs
+    assert warm[1] == pytest.approx(frozen[1], rel=1e-6) and warm[2] != pytest.approx(
+        frozen[2], rel=1e-4
+    )
+    assert pipe[1] == pytest.approx(frozen[1], rel=1e-6) and pipe[2] == pytest.approx(
+        warm[2], rel=1e-5
+    )
 
 
 def test_bf16_close_to_fp32(baselines: dict[str, list[float]]) -> None:
