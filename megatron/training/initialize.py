@@ -37,9 +37,11 @@ def _free_port() -> int:
 def ensure_rendezvous_env(local_rank: int | None = None) -> bool:
     """Make the environment describe a process group; returns True when a world of 1 was set up here.
 
-    With RANK and WORLD_SIZE present (any launcher) only LOCAL_RANK is filled in (from ``--local_rank`` or 0) and
-    MASTER_ADDR/MASTER_PORT get single-node defaults if missing. With none of them: RANK=0, WORLD_SIZE=1,
-    MASTER_ADDR=127.0.0.1 and a free MASTER_PORT.
+    With RANK or WORLD_SIZE present (any launcher) only LOCAL_RANK is filled in (from ``--local_rank`` or 0); the
+    rest must be there. With none of them: RANK=0, WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT.
+
+    Raises:
+        ValueError: a launcher environment lacks one of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
     """
     created = "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
     if created:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -277,3 +278,33 @@ def test_exit_codes_distinct() -> None:
     ]
     assert len(set(codes)) == len(codes) and 1 not in codes
     assert set(exit_codes.EXIT_REASONS) == set(codes)
+
+
+def test_sp_with_pipeline_sends_whole_activations() -> None:
+    cfg = _cfg("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--sequence-parallel")  # fmt: skip
+    ds = build_ds_config(cfg, world_size=4)
+    assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert "pipeline" not in build_ds_config(
+        _cfg("--pipeline-model-parallel-size", "2"), world_size=2
+    )
+    with pytest.raises(ValueError, match="pipeline.pipe_partitioned = false"):
+        build_ds_config(cfg, world_size=4, user={"pipeline": {"pipe_partitioned": True}})
+
+
+def test_rendezvous_env(monkeypatch) -> None:
+    from megatron.training.initialize import ensure_rendezvous_env, world_size_from_env
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert ensure_rendezvous_env() is True
+    assert world_size_from_env() == 1 and int(os.environ["MASTER_PORT"]) > 0
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert ensure_rendezvous_env() is False  # already complete: untouched
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="MASTER_ADDR not set"):
+        ensure_rendezvous_env(local_rank=1)
+    assert os.environ["LOCAL_RANK"] == "1"
