@@ -7,14 +7,18 @@ own (layout-invariant) init merge into the TP=1 model's weights, so our shard ru
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
-from conftest import VOCAB, make_gpt2, make_llama
+from ckpt_models import VOCAB, make_gpt2, make_llama
+from safetensors.torch import save_file
 
 from megatron.checkpointing import (
     compare_logits,
     gpt2_hf_to_megatron,
     llama_hf_to_megatron,
+    load_state_dict_file,
     megatron_to_gpt2_hf,
     megatron_to_llama_hf,
     merge_tp_shards,
@@ -101,11 +105,11 @@ def _tp_worker(cases: dict) -> dict:
     parallel_state.initialize_model_parallel(2, 1)
     rank = parallel_state.get_tensor_model_parallel_rank()
     out = {}
-    for name, (full_np, cfg, tokens_np) in cases.items():
-        full = {k: torch.from_numpy(v) for k, v in full_np.items()}
+    for name, (path, cfg, token_list) in cases.items():
+        full = load_state_dict_file(path)
         model = GPTModel(cfg, seed=11).eval()
         model.load_state_dict(shard_state_dict(full, cfg, 2, rank), strict=True)
-        tokens = torch.from_numpy(tokens_np)
+        tokens = torch.tensor(token_list)
         with torch.no_grad():
             logits = model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0))  # [1, s, vp]
             logits = gather_from_tensor_model_parallel_region(logits)  # [1, s, v]
@@ -118,7 +122,7 @@ def _tp_worker(cases: dict) -> dict:
     return out
 
 
-def test_tp2_shards_load_into_tensor_parallel_model() -> None:
+def test_tp2_shards_load_into_tensor_parallel_model(tmp_path: Path) -> None:
     tokens = torch.tensor([[5, 17, 3, 99, 42, 0, 64, 8, 23]])
     cases, refs = {}, {}
     for name, hf, convert in (
@@ -126,11 +130,11 @@ def test_tp2_shards_load_into_tensor_parallel_model() -> None:
         ("llama", make_llama(heads=4, kv_heads=2), llama_hf_to_megatron),
     ):
         full, cfg = convert(hf.state_dict(), hf.config)
-        cases[name] = (
-            {k: v.numpy() for k, v in pad_vocab_for_tp(full, cfg, 2).items()},
-            cfg,
-            tokens.numpy(),
-        )
+        # weights travel through a file: spawn arguments must stay small (a rank that fails to start
+        # while the parent still writes > 64 KiB of arguments hangs multiprocessing's spawn forever)
+        path = tmp_path / f"{name}.safetensors"
+        save_file(pad_vocab_for_tp(full, cfg, 2), path)
+        cases[name] = (str(path), cfg, tokens.tolist())
         with torch.no_grad():
             refs[name] = (hf(input_ids=tokens).logits, cfg)
     results = run_distributed(_tp_worker, 2, cases, timeout=180)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import VOCAB, make_gpt2, make_llama
+from ckpt_models import VOCAB, make_gpt2, make_llama
 
 from megatron.checkpointing import (
     gpt2_hf_to_megatron,
@@ -19,6 +19,16 @@ L0 = "language_model.encoder.layers.0."
 L1 = "language_model.encoder.layers.1."
 EMB = "language_model.embedding.word_embeddings.weight"
 OUT = "language_model.output_layer.weight"
+
+
+@pytest.fixture(scope="module")
+def gpt2_model():
+    return make_gpt2()
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return make_llama()
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

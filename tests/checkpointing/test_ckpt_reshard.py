@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, make_gpt2, make_llama
+from ckpt_models import VOCAB, make_gpt2, make_llama
 
 from megatron.checkpointing import (
     gpt2_hf_to_megatron,

@@ -1,8 +1,11 @@
-"""Tiny random Hugging Face models, built offline from configs (no downloads), shared by the checkpoint tests."""
+"""Tiny random Hugging Face models, built offline from configs (no downloads), shared by the checkpoint tests.
+
+A plain module with a unique name (not conftest.py): spawned ranks re-import the test modules by name, and
+``conftest`` would resolve to tests/conftest.py when both folders are on sys.path.
+"""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 VOCAB = 101  # not a multiple of 128: exercises vocabulary padding (-> 128 at TP 1)
@@ -67,13 +70,3 @@ def make_llama(
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
-
-
-@pytest.fixture(scope="session")
-def gpt2_model():
-    return make_gpt2()
-
-
-@pytest.fixture(scope="session")
-def llama_model():
-    return make_llama()
