@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from ckpt_models import VOCAB, make_gpt2, make_llama
 from safetensors.torch import save_file
@@ -151,3 +152,25 @@ def test_tp2_shards_load_into_tensor_parallel_model(tmp_path: Path) -> None:
         assert sorted(merged) == sorted(single)
         for k, v in single.items():
             assert torch.equal(merged[k], v), (name, k)
+
+
+def test_compare_logits_reports_divergence() -> None:
+    """Toy models: B equals A except that it prefers token 3 once the sequence is 6 tokens long."""
+    table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0))
+
+    def model_a(tokens: torch.Tensor) -> torch.Tensor:
+        return table[tokens]  # [1, s] -> [1, s, V]
+
+    def model_b(tokens: torch.Tensor) -> torch.Tensor:
+        out = table[tokens].clone()
+        if tokens.shape[1] >= 6:
+            out[0, -1, 3] += 100.0
+        return torch.cat([out, torch.full((*out.shape[:2], 27), -1e9)], dim=-1)  # padded columns
+
+    same = compare_logits(model_a, model_a, [[1, 2]], steps=8)
+    assert same == (0.0, 1.0)
+    diff = compare_logits(model_a, model_b, [[1, 2]], steps=8)
+    assert diff.greedy_agreement == 4 / 8  # tokens 3..6 agree; the 5th generated token differs
+    assert diff.max_abs_dlogit == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="exceeds a model's logit width"):
+        compare_logits(model_a, model_b, [[1]], steps=1, vocab_size=VOCAB + 1)

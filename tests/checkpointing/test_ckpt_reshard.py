@@ -173,3 +173,13 @@ def test_pipe_layer_files_match_gpt_model_pipe_names() -> None:
     assert pipe_layer_file_name(3, 1) == "layer_03-model_01-model_states.pt"
     with pytest.raises(ValueError, match="not a parameter of a 2-layer GPT model"):
         pipe_layer_key("language_model.encoder.layers.2.input_layernorm.weight", 2)
+
+
+def test_padded_vocab_size_is_megatrons_rule() -> None:
+    from megatron.checkpointing import padded_vocab_size
+    from megatron.model import padded_vocab_size as model_padded_vocab_size
+
+    assert [padded_vocab_size(50257, 128, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
+    for vocab in (1, 101, 128, 129, 32000, 50257):
+        for tp in (1, 2, 4, 8):
+            assert padded_vocab_size(vocab, 128, tp) == model_padded_vocab_size(vocab, 128, tp)
