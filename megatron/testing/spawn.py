@@ -10,8 +10,10 @@ at ``timeout`` and reported with the ranks that did not finish.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -37,9 +39,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    payload_path: str,
     init_process_group: bool,
     backend: str,
     env: dict[str, str],
@@ -59,6 +59,10 @@ def _worker(
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
+        # The function and its arguments travel through a file, not the spawn pipe: a child that cannot unpickle
+        # them then fails here (and is reported) instead of leaving the parent blocked writing a large pipe.
+        with open(payload_path, "rb") as f:
+            fn, args, kwargs = pickle.load(f)
         if init_process_group:
             import torch.distributed as dist
 
@@ -120,6 +124,9 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = find_free_port()
+    with tempfile.NamedTemporaryFile(prefix="trident-spawn-", suffix=".pkl", delete=False) as f:
+        pickle.dump((fn, args, kwargs), f)
+        payload_path = f.name
     procs = [
         ctx.Process(
             target=_worker,
@@ -127,9 +134,7 @@ def run_distributed(
                 rank,
                 world_size,
                 port,
-                fn,
-                args,
-                kwargs,
+                payload_path,
                 init_process_group,
                 backend,
                 child_env,
@@ -174,4 +179,5 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
+        os.unlink(payload_path)
     return [values[r] for r in range(world_size)]
