@@ -9,10 +9,21 @@ Not a test: the numbers depend on the machine. See megatron/training/benchmark.p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from megatron.training import benchmark
+
+BUCKET_KEYS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             f"ratio {ours / hf:.2f}x"
         )
     if not a.skip_memory:
+        # DeepSpeed's default reduce bucket (5e8 elements = 1.9 GiB in fp32) is allocated up front by ZeRO-3 and
+        # would dwarf a 50M model; use 5e6-element buckets (a user --deepspeed_config key Trident does not own).
+        ds_json = Path(tempfile.mkdtemp()) / "buckets.json"
+        ds_json.write_text(json.dumps({"zero_optimization": dict.fromkeys(BUCKET_KEYS, 5_000_000)}))
         # ~50M parameters: 8 x 640 (39M in the layers) + 16384 x 640 tied embedding (10.5M).
         rows = benchmark.zero_memory(
             [
+                "--deepspeed_config",
+                str(ds_json),
                 "--num-layers",
                 "8",
                 "--hidden-size",
