@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -61,7 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_MAIN_PID = os.getpid()
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked worker before its initializer ran: die as SIGTERM would
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -29,6 +29,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -271,8 +272,16 @@ def _select(
 _WORKER_ENCODER: Encoder | None = None
 
 
+def _worker_signals() -> None:
+    """Workers leave interrupts to the parent: Ctrl-C is ignored (the parent terminates the pool) and SIGTERM,
+    which Pool.terminate sends, kills at once (a handler inherited from the parent must not run here)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_eod: bool) -> None:
     global _WORKER_ENCODER
+    _worker_signals()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_ENCODER = Encoder(tokenizer_kwargs, keys, append_eod)
 
@@ -280,6 +289,7 @@ def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_e
 def _adopt_encoder(encoder: Encoder) -> None:
     """Fork initializer: reuse the parent's already-loaded tokenizer (inherited, never pickled)."""
     global _WORKER_ENCODER
+    _worker_signals()
     _WORKER_ENCODER = encoder
 
 
@@ -366,6 +376,9 @@ def preprocess(
     """
     if workers < 1:
         raise PreprocessError(f"--workers ({workers}) must be at least 1.")
+    os.environ.setdefault(
+        "TOKENIZERS_PARALLELISM", "false"
+    )  # one thread per process: --workers is the parallelism
     if not json_keys or len(set(json_keys)) != len(json_keys):
         raise PreprocessError(
             f"--json-keys {' '.join(json_keys)} must be non-empty and without repeats."

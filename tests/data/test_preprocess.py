@@ -22,6 +22,7 @@ from tools import merge_datasets, preprocess_data, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPICS = sorted(pydoc_data.topics.topics.items())
+pytestmark = pytest.mark.timeout(120)  # a hung worker pool must fail fast, not stall the suite
 QUIET = [
     "--log-interval",
     "100000000",
