@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -273,8 +272,8 @@ _WORKER_ENCODER: Encoder | None = None
 
 
 def _worker_signals() -> None:
-    """Workers leave interrupts to the parent: Ctrl-C is ignored (the parent terminates the pool) and SIGTERM,
-    which Pool.terminate sends, kills at once (a handler inherited from the parent must not run here)."""
+    """Workers leave interrupts to the parent: Ctrl-C is ignored (the parent terminates the pool, so there is one
+    message, not one traceback per worker) and SIGTERM, which Pool.terminate sends, kills at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -284,21 +283,6 @@ def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_e
     _worker_signals()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_ENCODER = Encoder(tokenizer_kwargs, keys, append_eod)
-
-
-def _adopt_encoder(encoder: Encoder) -> None:
-    """Fork initializer: reuse the parent's already-loaded tokenizer (inherited, never pickled)."""
-    global _WORKER_ENCODER
-    _worker_signals()
-    _WORKER_ENCODER = encoder
-
-
-def _pool_setup(encoder: Encoder, init: tuple[Any, ...]) -> tuple[Any, Any, tuple[Any, ...]]:
-    """(context, initializer, initargs): fork when safe, which skips re-importing and re-loading the tokenizer in
-    every worker; spawn when the process has other Python threads (forking those can deadlock) or no fork."""
-    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
-        return multiprocessing.get_context("fork"), _adopt_encoder, (encoder,)
-    return multiprocessing.get_context("spawn"), _init_worker, init
 
 
 def _encode_in_worker(chunk: Chunk) -> ChunkResult:
@@ -315,8 +299,12 @@ def _results(
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
-    ctx, initializer, initargs = _pool_setup(encoder, init)
-    with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    # spawn, not fork: a forked child of a process with native threads (torch, tokenizer pools) can deadlock
+    # before its initializer runs; each spawned worker loads the tokenizer itself (a fraction of a second).
+    pool = multiprocessing.get_context("spawn").Pool(
+        workers, initializer=_init_worker, initargs=init
+    )
+    try:
         pending: collections.deque[Any] = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
@@ -324,6 +312,10 @@ def _results(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        pool.close()  # clean shutdown: workers exit on the sentinel
+        pool.join()
+    finally:
+        pool.terminate()  # error or interrupt: stop the workers now (a no-op after join)
 
 
 class _Progress:
