@@ -5,12 +5,12 @@
 #   3. data:       tools/preprocess_data.py -> Megatron .bin/.idx
 #   4. training:   pretrain_gpt.py under the deepspeed launcher, TP=2 x PP=2 x DP=1 on 4 CPU processes (gloo)
 #   5. plot:       tools/plot_metrics.py -> loss curve PNG
-# Knobs (environment): MAIN_OUT (default runs/main), MAIN_ITERS (300), MAIN_NPROC (4), MAIN_TP (2), MAIN_PP (2).
+# Knobs (environment): MAIN_OUT (default runs/main), MAIN_ITERS (400), MAIN_NPROC (4), MAIN_TP (2), MAIN_PP (2).
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 cd "$TRIDENT_ROOT"
 OUT=${MAIN_OUT:-runs/main}
-ITERS=${MAIN_ITERS:-300}
+ITERS=${MAIN_ITERS:-400}
 NPROC=${MAIN_NPROC:-4}
 TP=${MAIN_TP:-2}
 PP=${MAIN_PP:-2}
@@ -62,5 +62,7 @@ train = [r for r in recs if "lm_loss" in r]
 print(f"train lm_loss {train[0]['lm_loss']:.3f} (iter {train[0]['iteration']}) -> {train[-1]['lm_loss']:.3f} (iter {train[-1]['iteration']})")
 if val:
     print(f"valid loss    {val[0]['valid_loss']:.3f} (iter {val[0]['iteration']}) -> {val[-1]['valid_loss']:.3f} (iter {val[-1]['iteration']})")
+if len(val) >= 2 and not val[-1]["valid_loss"] < val[0]["valid_loss"]:
+    sys.exit("error: the validation loss did not fall; see the metrics file")
 PY
 echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png"
