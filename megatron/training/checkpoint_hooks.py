@@ -6,7 +6,8 @@ data iterators are built, so ``state.consumed_train_samples`` positions the samp
 
 What a save must contain to resume exactly: the engine (``engine.save_checkpoint``: weights, optimizer, ZeRO
 partitions), ``scheduler.state_dict()``, ``state.iteration``, ``state.consumed_train_samples`` (the sampler's
-position) and the RNG states. Without hooks, --save/--load are refused before any process group is created.
+position) and the RNG states. Without explicit hooks, ``pretrain`` uses
+``megatron.checkpointing.engine_checkpoint.DeepSpeedCheckpointer`` whenever --save or --load is given.
 """
 
 from __future__ import annotations
@@ -23,19 +24,9 @@ class CheckpointHooks(Protocol):
     def load(self, engine: Any, scheduler: OptimizerParamScheduler, state: TrainState) -> None:
         """Restore from --load (if it holds a checkpoint): engine, scheduler, ``state`` fields."""
 
+    def restore_rng(self) -> None:
+        """Restore the loaded RNG states; called after the data iterators exist (creating a DataLoader iterator
+        draws from torch's default generator, so restoring earlier would shift every later dropout mask)."""
+
     def save(self, engine: Any, scheduler: OptimizerParamScheduler, state: TrainState) -> None:
         """Write a checkpoint of the current iteration to --save."""
-
-
-def check_checkpoint_flags(save: str | None, load: str | None, hooks: object | None) -> None:
-    """Refuse --save/--load when no checkpoint implementation is wired in (no silent no-op).
-
-    Raises:
-        ValueError: naming the flag.
-    """
-    if hooks is None and (save or load):
-        flag = "--save" if save else "--load"
-        raise ValueError(
-            f"{flag} was given, but this build of the trainer has no checkpoint save/load wired in yet; "
-            f"drop {flag} (and --save-interval/--load) for now."
-        )

@@ -9,7 +9,8 @@ as consumed, advance the schedule unless the step was skipped, then log (every -
   decides the same) -> ``EXIT_DURATION``;
 * SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``.
 
-Each of them saves a checkpoint first when a save hook is present. Reaching --train-iters returns ``EXIT_OK``.
+Each of them saves a checkpoint first when a save hook is present. Reaching --train-iters returns ``EXIT_OK`` (after
+saving the final iteration, unless --save-interval just did).
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
     sigterm = _SigtermFlag(spec.exit_signal_handler)
     start = time.time()
     interval_start, interval_iters = time.perf_counter(), 0
+    saved, first_iteration = False, state.iteration
     try:
         while state.iteration < spec.train_iters:
             lr = spec.scheduler.get_lr()
@@ -214,6 +216,8 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
                     spec.save(state)
                 logger.info("exiting at iteration %d (exit code %d)", state.iteration, code)
                 return code
+        if spec.save and not saved and state.iteration > first_iteration:
+            spec.save(state)  # Megatron saves the final iteration too
         return EXIT_OK
     finally:
         sigterm.restore()

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron import mpu
+from megatron.checkpointing.engine_checkpoint import DeepSpeedCheckpointer, check_checkpoint_dirs
 from megatron.config import TridentConfig, validate
 from megatron.log import global_rank
 from megatron.model import padded_vocab_size
 from megatron.training import initialize
-from megatron.training.checkpoint_hooks import CheckpointHooks, check_checkpoint_flags
+from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators, build_run_tokenizer, check_data_flags
 from megatron.training.ds_config import (
     build_ds_config,
@@ -73,6 +75,18 @@ class TrainResult:
     """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
 
 
+def _after_first_item(it: Iterator[Any], action: Callable[[], None]) -> Iterator[Any]:
+    """Yield ``it`` unchanged, calling ``action`` once the first item has been produced.
+
+    The loaded RNG states are restored there: the DataLoader draws its base seed from torch's default generator
+    when its iterator is created (lazily, at the first batch), which the uninterrupted run did before any dropout.
+    """
+    for i, item in enumerate(it):
+        if i == 0:
+            action()
+        yield item
+
+
 def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = None) -> Preflight:
     """Every user-input check, before any process group exists (identical on every rank).
 
@@ -85,7 +99,7 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
     dev = initialize.device_type(cfg)
     validate(cfg, world_size=world_size, device_type=dev)
     check_data_flags(cfg)
-    check_checkpoint_flags(cfg.checkpoint.save, cfg.checkpoint.load, checkpoint_hooks)
+    check_checkpoint_dirs(cfg)
     train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
@@ -99,8 +113,8 @@ def pretrain(cfg: TridentConfig, *, checkpoint_hooks: CheckpointHooks | None = N
 
     Args:
         cfg: the run's config (``megatron.config.parse_args``).
-        checkpoint_hooks: save/load implementation (``checkpoint_hooks.CheckpointHooks``); required for
-            --save/--load.
+        checkpoint_hooks: save/load implementation (``checkpoint_hooks.CheckpointHooks``); default: DeepSpeed
+            checkpoints (``megatron.checkpointing.engine_checkpoint.DeepSpeedCheckpointer``) when --save/--load.
 
     Raises:
         ValueError / FileNotFoundError: from :func:`preflight`, before any process group is created.
@@ -146,6 +160,10 @@ def _run(
         padded_vocab,
     )
     scheduler = build_lr_scheduler(cfg.training, gbs, bundle.client_optimizer)
+    if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
+        hooks = DeepSpeedCheckpointer(
+            cfg, true_vocab=tokenizer.vocab_size, padded_vocab=padded_vocab, world_size=world
+        )
     state = TrainState()
     if hooks is not None and cfg.checkpoint.load:
         hooks.load(engine, scheduler, state)
@@ -158,6 +176,8 @@ def _run(
         consumed_train_samples=state.consumed_train_samples,
         for_pipe=bundle.is_pipe,
     )
+    if hooks is not None and cfg.checkpoint.load:
+        its.train = _after_first_item(its.train, hooks.restore_rng)
     if bundle.is_pipe:
         step_fn = lambda: train_step_pipe(engine, its.train)
         eval_one = (lambda: eval_step_pipe(engine, its.valid)) if its.valid else None

@@ -68,7 +68,10 @@ BAD = [
     ),
     (["--train-iters", "2", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "exclusive"),
     (["--bogus-flag"], "unrecognized arguments"),
-    (["--save", "ckpt"], "--save was given, but"),
+    (
+        ["--save", "/proc/no_such_ckpt"],
+        r"--save /proc/no_such_ckpt: the directory cannot be written",
+    ),
     (["--data-path", "no/such_prefix"], "exactly one data source; got --mock-data and --data-path"),
     (["--train-iters", "2", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
 ]

@@ -1,0 +1,314 @@
+"""Training checkpoints through the DeepSpeed engine: save, load, auto-resume, crash-safe pointers.
+
+Layout of ``--save DIR`` (DeepSpeed's, plus Megatron's iteration file)::
+
+    DIR/latest                              tag of the newest COMPLETE checkpoint (DeepSpeed reads it)
+    DIR/latest_checkpointed_iteration.txt   its iteration (Megatron's file)
+    DIR/global_step{N}/                     DeepSpeed's files (mp_rank_XX_model_states.pt, zero_*_optim_states.pt,
+                                            layer_XX-model_YY-model_states.pt with pipelines)
+    DIR/global_step{N}/rng_state_rank{R:05d}.safetensors   per-rank RNG states (``rng.py``)
+    DIR/global_step{N}/trident_meta.json    model config, layout, iteration: written last = completion marker
+
+Save protocol (crash safety): every rank writes its RNG file, then ``engine.save_checkpoint(tag=...,
+save_latest=False)`` (which ends with a barrier over all ranks), then rank 0 writes ``trident_meta.json`` and moves
+both pointers with temp file + ``os.replace``. A process killed at any point leaves the pointers at the previous
+complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
+
+Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
+``consumed_train_tokens``, ``skipped_iterations``, ``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``),
+``trident_model_config`` and DeepSpeed's ``universal_checkpoint_info`` (``megatron/model/checkpoint_info.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
+from megatron.config import ModelConfig, TridentConfig
+from megatron.log import global_rank
+from megatron.model.checkpoint_info import universal_checkpoint_info
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "trident_meta.json"
+META_VERSION = 1
+
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_channels",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "normalization",
+    "swiglu",
+    "use_rotary_position_embeddings",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+)
+"""ModelConfig fields that determine parameter names and shapes (a checkpoint must agree on all of them)."""
+
+
+CRASH_ENV = "TRIDENT_TEST_CRASH_AT"
+"""Fault injection for the crash-safety tests: ``"<point>:<iteration>"`` makes the saving process SIGKILL itself
+at that point of the save of that iteration. Points: ``before_engine_save`` (RNG file written),
+``after_engine_save`` (all DeepSpeed files written), ``after_meta`` (marker written, pointers not moved),
+``after_latest`` (``latest`` moved, iteration file not yet). Unset in normal runs."""
+
+
+def _crash_point(point: str, iteration: int) -> None:
+    if os.environ.get(CRASH_ENV) == f"{point}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tag_for_iteration(iteration: int) -> str:
+    """DeepSpeed's tag name for ``iteration``."""
+    return f"global_step{iteration}"
+
+
+def check_save_dir(save: str) -> None:
+    """Preflight for --save: the directory exists or can be created, and a file can be written in it.
+
+    Raises:
+        ValueError: naming --save, the reason and the fix.
+    """
+    path = Path(save)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".trident_write_test.{os.getpid()}.{global_rank()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"--save {save}: the directory cannot be written ({err.strerror or err}); "
+            "choose a writable directory or fix its permissions."
+        ) from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_complete(load_dir: str | Path, tag: str) -> bool:
+    """True when ``load_dir/tag`` was fully written (its ``trident_meta.json`` exists)."""
+    return (Path(load_dir) / tag / META_FILE).is_file()
+
+
+def find_checkpoint(load_dir: str, load_tag: str | None = None) -> str | None:
+    """The tag to resume from in ``load_dir``: ``load_tag`` if given, else the ``latest`` pointer; None = no checkpoint.
+
+    Raises:
+        FileNotFoundError: --load-tag names a tag that is missing or incomplete.
+        ValueError: ``latest`` points to an incomplete or missing tag (the directory was tampered with).
+    """
+    root = Path(load_dir)
+    if load_tag is not None:
+        if not is_complete(root, load_tag):
+            raise FileNotFoundError(
+                f"--load-tag {load_tag}: {root / load_tag} is not a complete checkpoint "
+                f"(no {META_FILE}); pick a tag listed in {root} or drop --load-tag to use 'latest'."
+            )
+        return load_tag
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8").strip()
+    if not is_complete(root, tag):
+        raise ValueError(
+            f"--load {load_dir}: 'latest' points to {tag!r}, which is not a complete checkpoint "
+            f"(no {root / tag / META_FILE}); fix 'latest' or pass --load-tag with a complete tag."
+        )
+    return tag
+
+
+def read_meta(load_dir: str | Path, tag: str) -> dict[str, Any]:
+    """The ``trident_meta.json`` of a checkpoint (plain JSON, safe to read)."""
+    return json.loads((Path(load_dir) / tag / META_FILE).read_text(encoding="utf-8"))
+
+
+def model_mismatches(saved: dict[str, Any], current: ModelConfig) -> list[str]:
+    """``"field: checkpoint X, flags Y"`` for every :data:`SHAPE_FIELDS` entry that differs."""
+    out = []
+    for name in SHAPE_FIELDS:
+        mine = getattr(current, name)
+        theirs = saved.get(name)
+        if theirs != mine:
+            out.append(f"{name}: checkpoint {theirs!r}, flags {mine!r}")
+    return out
+
+
+def check_model_matches(load_dir: str, tag: str, current: ModelConfig) -> dict[str, Any]:
+    """Read the checkpoint's meta and refuse a model whose shape disagrees with the flags.
+
+    Raises:
+        ValueError: listing every differing field.
+    """
+    meta = read_meta(load_dir, tag)
+    diffs = model_mismatches(meta["model"], current)
+    if diffs:
+        raise ValueError(
+            f"--load {load_dir} (tag {tag}): the checkpoint's model differs from the flags in "
+            f"{len(diffs)} field(s): " + "; ".join(diffs) + ". Pass the checkpoint's model flags "
+            "(or --load another checkpoint)."
+        )
+    return meta
+
+
+class DeepSpeedCheckpointer:
+    """``CheckpointHooks`` implementation over ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+    Args:
+        cfg: the run's config (``checkpoint`` flags; ``model`` for the shape check and the saved config).
+        true_vocab: the tokenizer's vocabulary size (``cfg.model.vocab_size`` may be 0 before it is known).
+        padded_vocab: the run's padded vocabulary (for ``universal_checkpoint_info``).
+        world_size: number of ranks of the run.
+    """
+
+    def __init__(
+        self, cfg: TridentConfig, *, true_vocab: int, padded_vocab: int, world_size: int
+    ) -> None:
+        self.cfg = cfg
+        self.model = dataclasses.replace(cfg.model, vocab_size=true_vocab)
+        self.padded_vocab = padded_vocab
+        self.world_size = world_size
+        self.last_save_seconds: float | None = None
+        self.last_load_seconds: float | None = None
+        self._pending_rng: Path | None = None
+
+    # ------------------------------------------------------------------ save
+    def save(self, engine: Any, scheduler: Any, state: Any) -> None:
+        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring)."""
+        start = time.perf_counter()
+        save_dir = Path(self.cfg.checkpoint.save or "")
+        tag = tag_for_iteration(state.iteration)
+        tag_dir = save_dir / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        marker = tag_dir / META_FILE
+        if global_rank() == 0 and marker.exists():
+            marker.unlink()  # re-saving an iteration: incomplete until this save finishes
+        save_rng_file(tag_dir / rng_file_name(global_rank()))
+        _crash_point("before_engine_save", state.iteration)
+        seq = self.cfg.model.seq_length
+        client_state = {
+            "iteration": int(state.iteration),
+            "consumed_train_samples": int(state.consumed_train_samples),
+            "consumed_train_tokens": int(state.consumed_train_samples) * seq,
+            "skipped_iterations": int(state.skipped_iterations),
+            "lr_scheduler": scheduler.state_dict(),
+            "trident_model_config": dataclasses.asdict(self.model),
+            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(self.model, self.padded_vocab),
+        }
+        # Ends with a barrier over all ranks: after it, every rank's files are written.
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+        _crash_point("after_engine_save", state.iteration)
+        if global_rank() == 0:
+            p = self.cfg.parallel
+            meta = {
+                "version": META_VERSION,
+                "iteration": int(state.iteration),
+                "consumed_train_samples": int(state.consumed_train_samples),
+                "model": dataclasses.asdict(self.model),
+                "padded_vocab_size": self.padded_vocab,
+                "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                "world_size": self.world_size,
+            }
+            _atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+            _crash_point("after_meta", state.iteration)
+            _atomic_write(save_dir / LATEST_FILE, tag)
+            _crash_point("after_latest", state.iteration)
+            _atomic_write(save_dir / ITERATION_FILE, f"{state.iteration}\n")
+        self.last_save_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "saved checkpoint %s at iteration %d in %.2f s",
+                tag_dir,
+                state.iteration,
+                self.last_save_seconds,
+            )
+
+    # ------------------------------------------------------------------ load
+    def restore_rng(self) -> None:
+        """Apply the RNG states found by :meth:`load` (pretrain calls it after building the data iterators)."""
+        if self._pending_rng is not None:
+            load_rng_file(self._pending_rng)
+            self._pending_rng = None
+
+    def load(self, engine: Any, scheduler: Any, state: Any) -> None:
+        """Resume from --load (nothing there: start from scratch with one log line)."""
+        ck = self.cfg.checkpoint
+        load_dir = ck.load or ""
+        tag = find_checkpoint(load_dir, ck.load_tag)
+        if tag is None:
+            if global_rank() == 0:
+                logger.info("no checkpoint in --load %s: starting from scratch", load_dir)
+            return
+        start = time.perf_counter()
+        meta = check_model_matches(load_dir, tag, self.model)
+        finetune = ck.finetune
+        universal = ck.universal_checkpoint
+        _, client = engine.load_checkpoint(
+            load_dir,
+            tag=tag,
+            load_module_strict=True,
+            load_optimizer_states=not (ck.no_load_optim or finetune),
+            load_lr_scheduler_states=False,
+            load_module_only=finetune,
+        )
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
+        if not finetune:
+            state.iteration = int(client["iteration"])
+            state.consumed_train_samples = int(client["consumed_train_samples"])
+            state.skipped_iterations = int(client.get("skipped_iterations", 0))
+            scheduler.load_state_dict(client["lr_scheduler"])
+        same_world = meta.get("world_size") == self.world_size and not universal
+        if not (ck.no_load_rng or finetune):
+            if same_world:
+                self._pending_rng = Path(load_dir) / tag / rng_file_name(global_rank())
+                if not self._pending_rng.is_file():
+                    load_rng_file(self._pending_rng)  # raises the missing-file error now
+            elif global_rank() == 0:
+                logger.info("checkpoint saved on another layout: fresh RNG states")
+        self.last_load_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "loaded checkpoint %s (iteration %d%s) in %.2f s",
+                Path(load_dir) / tag,
+                int(client.get("iteration", 0)),
+                ", --finetune: weights only, iteration 0" if finetune else "",
+                self.last_load_seconds,
+            )
+
+
+def check_checkpoint_dirs(cfg: TridentConfig) -> None:
+    """Preflight (before any process group): --save writable; --save-interval without --save is refused.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    ck = cfg.checkpoint
+    if ck.save:
+        check_save_dir(ck.save)
+    if ck.load_tag and not ck.load:
+        raise ValueError("--load-tag was given without --load; add --load DIR.")
+    if ck.load and ck.load_tag:
+        find_checkpoint(ck.load, ck.load_tag)

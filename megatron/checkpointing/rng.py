@@ -1,0 +1,96 @@
+"""Per-rank RNG states (python, numpy, torch, the mpu tracker) as a safetensors file: no pickle on load.
+
+Every rank writes its own ``rng_state_rank{RANK:05d}.safetensors`` into the checkpoint's tag directory: the
+states differ by rank (the tracker's model-parallel stream is seeded per TP rank; pipeline stages consume dropout
+randomness differently), so one copy per rank is what exact resume needs.
+
+Encoding: tensors ``torch/cpu``, ``torch/cuda`` (when CUDA exists), ``numpy/keys`` (624 x uint32, stored int64),
+``python/state`` (625 ints, int64), ``tracker/<stream>/cpu`` and ``tracker/<stream>/cuda``; the few scalars
+(numpy's position and cached gaussian, python's version) are JSON in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, safe_open, save_file
+
+from megatron.mpu.random import get_cuda_rng_tracker
+
+
+def rng_file_name(rank: int) -> str:
+    """File name of global rank ``rank``'s RNG states inside a tag directory."""
+    return f"rng_state_rank{rank:05d}.safetensors"
+
+
+def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's RNG states as (tensors, JSON-able scalars)."""
+    tensors: dict[str, torch.Tensor] = {"torch/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch/cuda"] = torch.cuda.get_rng_state()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors["numpy/keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
+    py_version, py_state, py_gauss = random.getstate()
+    tensors["python/state"] = torch.tensor(py_state, dtype=torch.int64)
+    for stream, state in get_cuda_rng_tracker().get_states().items():
+        for dev, t in state.items():
+            tensors[f"tracker/{stream}/{dev}"] = t
+    scalars = {
+        "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "python": [py_version, py_gauss],
+    }
+    return {k: v.contiguous().clone() for k, v in tensors.items()}, scalars
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` (the CUDA parts only where CUDA exists)."""
+    torch.set_rng_state(tensors["torch/cpu"])
+    if "torch/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch/cuda"])
+    np_name, np_pos, np_has_gauss, np_gauss = scalars["numpy"]
+    keys = tensors["numpy/keys"].numpy().astype(np.uint32)
+    np.random.set_state((np_name, keys, np_pos, np_has_gauss, np_gauss))
+    py_version, py_gauss = scalars["python"]
+    random.setstate((py_version, tuple(int(x) for x in tensors["python/state"].tolist()), py_gauss))
+    streams: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith("tracker/"):
+            _, stream, dev = key.split("/", 2)
+            streams.setdefault(stream, {})[dev] = t
+    if streams:
+        tracker = get_cuda_rng_tracker()
+        merged = tracker.get_states()
+        for stream, state in streams.items():
+            current = dict(merged.get(stream, {}))
+            current.update(
+                {d: s for d, s in state.items() if d == "cpu" or torch.cuda.is_available()}
+            )
+            merged[stream] = current
+        tracker.set_states(merged)
+
+
+def save_rng_file(path: Path) -> None:
+    """Write this process's RNG states to ``path`` (safetensors)."""
+    tensors, scalars = capture_rng_state()
+    save_file(tensors, str(path), metadata={"trident_rng": json.dumps(scalars)})
+
+
+def load_rng_file(path: Path) -> None:
+    """Restore this process's RNG states from ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (the checkpoint was saved with another world size).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint has no RNG state for this rank (saved with a smaller world?); "
+            "pass --no-load-rng to start with fresh RNG states."
+        )
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    restore_rng_state(load_file(str(path)), json.loads(meta["trident_rng"]))

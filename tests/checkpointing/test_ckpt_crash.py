@@ -1,0 +1,143 @@
+"""Crash safety: ``pretrain_gpt.py`` subprocesses killed with SIGKILL during a save, and stopped by SIGTERM.
+
+The kills are real: the saving process SIGKILLs itself at a named point of the save (``TRIDENT_TEST_CRASH_AT``,
+see ``engine_checkpoint.CRASH_ENV``), or the test sends SIGKILL/SIGTERM from outside at a random moment. After each
+kill the same command is relaunched (auto-resume from --load) and its losses must equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.checkpointing.engine_checkpoint import CRASH_ENV
+from megatron.model.presets import GPT2_FLAGS
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERS = 6
+
+FLAGS = [
+    *GPT2_FLAGS,
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+    "--seed", "7", "--mock-data", "--vocab-size", "299",
+    "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1", "--log-level", "WARNING",
+]  # fmt: skip
+
+
+def _env(crash: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+    env.pop(CRASH_ENV, None)
+    if crash:
+        env[CRASH_ENV] = crash
+    return env
+
+
+def _cmd(ckpt: Path, metrics: Path, iters: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "pretrain_gpt.py"), *FLAGS, "--train-iters", str(iters),
+        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+        "--metrics-file", str(metrics), *extra,
+    ]  # fmt: skip
+
+
+def _losses(path: Path) -> dict[int, float]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def _run(cmd: list[str], crash: str | None = None) -> int:
+    proc = subprocess.run(
+        cmd, env=_env(crash), cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+def _latest(ckpt: Path) -> str:
+    return (ckpt / "latest").read_text()
+
+
+def test_kill9_during_save_then_resume(tmp_path: Path) -> None:
+    """SIGKILL at four points of a save; every relaunch resumes from the newest complete checkpoint, exactly."""
+    straight = tmp_path / "straight.jsonl"
+    _run(_cmd(tmp_path / "ref", straight, ITERS))
+    ref = _losses(straight)
+    assert sorted(ref) == list(range(1, ITERS + 1))
+    ck = tmp_path / "ckpt"
+    steps = [
+        ("after_engine_save:4", "global_step2"),  # all files of step 4 written, no marker: ignored
+        ("after_meta:4", "global_step2"),  # step 4 complete, pointers not moved yet
+        ("before_engine_save:4", "global_step2"),  # RNG file of step 4 only
+        ("after_latest:4", "global_step4"),  # latest moved; the iteration file lags
+        ("before_engine_save:6", "global_step4"),
+        (None, f"global_step{ITERS}"),
+    ]
+    for i, (crash, expected_latest) in enumerate(steps):
+        metrics = tmp_path / f"run{i}.jsonl"
+        code = _run(_cmd(ck, metrics, ITERS), crash)
+        assert code == (0 if crash is None else -signal.SIGKILL)
+        assert _latest(ck) == expected_latest, (crash, _latest(ck))
+        got = _losses(metrics)
+        assert got and all(got[k] == ref[k] for k in got), (crash, got, ref)
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+def _sigterm_once(tmp_path: Path, kill_signal: int) -> tuple[int, Path, Path]:
+    ck = tmp_path / "ckpt"
+    metrics = tmp_path / "first.jsonl"
+    cmd = _cmd(ck, metrics, 10_000, "--save-interval", "1000")
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while len(_losses(metrics)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 0.3))
+    proc.send_signal(kill_signal)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, ck, metrics
+
+
+def test_sigterm_saves_and_exits_5(tmp_path: Path) -> None:
+    code, ck, metrics = _sigterm_once(tmp_path, signal.SIGTERM)
+    assert code == 5
+    done = max(_losses(metrics))
+    assert _latest(ck) == f"global_step{done}"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+    # Relaunch (same flags but a finite length): resumes at done + 1.
+    more = tmp_path / "second.jsonl"
+    _run(_cmd(ck, more, done + 2))
+    assert sorted(_losses(more)) == [done + 1, done + 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attempt", range(3))
+def test_kill9_at_random_moments(tmp_path: Path, attempt: int) -> None:
+    """SIGKILL from outside at a random moment while saving every iteration; the relaunch always resumes."""
+    ck = tmp_path / "ckpt"
+    metrics = tmp_path / "first.jsonl"
+    cmd = _cmd(ck, metrics, 10_000, "--save-interval", "1")
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while len(_losses(metrics)) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 1.0))
+    proc.kill()
+    proc.wait(timeout=60)
+    start = int(_latest(ck).removeprefix("global_step"))
+    more = tmp_path / "second.jsonl"
+    _run(_cmd(ck, more, start + 1, "--save-interval", "1"))
+    assert sorted(_losses(more)) == [start + 1]
