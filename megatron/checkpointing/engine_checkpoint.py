@@ -48,10 +48,10 @@ SHAPE_FIELDS = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
-    "num_key_value_heads",
-    "kv_channels",
-    "ffn_hidden_size",
-    "max_position_embeddings",
+    "num_query_groups",
+    "head_dim",
+    "ffn_size",
+    "max_positions",
     "normalization",
     "swiglu",
     "use_rotary_position_embeddings",
@@ -59,7 +59,8 @@ SHAPE_FIELDS = (
     "untie_embeddings_and_output_weights",
     "vocab_size",
 )
-"""ModelConfig fields that determine parameter names and shapes (a checkpoint must agree on all of them)."""
+"""Resolved ModelConfig values that determine parameter names and shapes (a checkpoint must agree on all of them;
+``max_positions`` only with learned positions)."""
 
 
 CRASH_ENV = "TRIDENT_TEST_CRASH_AT"
@@ -144,12 +145,21 @@ def read_meta(load_dir: str | Path, tag: str) -> dict[str, Any]:
     return json.loads((Path(load_dir) / tag / META_FILE).read_text(encoding="utf-8"))
 
 
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """A ``ModelConfig`` from its saved ``dataclasses.asdict`` form (unknown keys ignored)."""
+    fields = set(ModelConfig.__dataclass_fields__)
+    return ModelConfig(**{k: v for k, v in d.items() if k in fields})
+
+
 def model_mismatches(saved: dict[str, Any], current: ModelConfig) -> list[str]:
-    """``"field: checkpoint X, flags Y"`` for every :data:`SHAPE_FIELDS` entry that differs."""
+    """``"field: checkpoint X, flags Y"`` for every :data:`SHAPE_FIELDS` value that differs."""
+    theirs_cfg = model_config_from_dict(saved)
+    rotary = current.use_rotary_position_embeddings and theirs_cfg.use_rotary_position_embeddings
     out = []
     for name in SHAPE_FIELDS:
-        mine = getattr(current, name)
-        theirs = saved.get(name)
+        if name == "max_positions" and rotary:
+            continue
+        mine, theirs = getattr(current, name), getattr(theirs_cfg, name)
         if theirs != mine:
             out.append(f"{name}: checkpoint {theirs!r}, flags {mine!r}")
     return out
@@ -192,6 +202,8 @@ class DeepSpeedCheckpointer:
         self.last_save_seconds: float | None = None
         self.last_load_seconds: float | None = None
         self._pending_rng: Path | None = None
+        self.extra_meta: dict[str, Any] = {}
+        """Merged into ``trident_meta.json`` (the HF importer sets ``{"weights_only": True, ...}``)."""
 
     # ------------------------------------------------------------------ save
     def save(self, engine: Any, scheduler: Any, state: Any) -> None:
@@ -230,6 +242,7 @@ class DeepSpeedCheckpointer:
                 "tensor_model_parallel_size": p.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                 "world_size": self.world_size,
+                **self.extra_meta,
             }
             _atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
             _crash_point("after_meta", state.iteration)
@@ -263,7 +276,8 @@ class DeepSpeedCheckpointer:
             return
         start = time.perf_counter()
         meta = check_model_matches(load_dir, tag, self.model)
-        finetune = ck.finetune
+        # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
+        finetune = ck.finetune or bool(meta.get("weights_only", False))
         universal = ck.universal_checkpoint
         _, client = engine.load_checkpoint(
             load_dir,

@@ -52,12 +52,16 @@ def test_check_save_dir(tmp_path: Path) -> None:
 
 
 def test_model_mismatches_lists_every_field() -> None:
-    cur = ModelConfig(num_layers=2, hidden_size=32, vocab_size=299)
+    cur = ModelConfig(num_layers=2, hidden_size=32, vocab_size=299, max_position_embeddings=128)
     saved = {**cur.__dict__, "num_layers": 4, "swiglu": True}
     assert model_mismatches(saved, cur) == [
         "num_layers: checkpoint 4, flags 2",
+        "ffn_size: checkpoint 64, flags 128",
         "swiglu: checkpoint True, flags False",
     ]
+    # Defaults resolve: an explicit 4h MLP and kv heads = heads match the implicit ones.
+    explicit = {**cur.__dict__, "ffn_hidden_size": 128, "num_key_value_heads": 4}
+    assert model_mismatches(explicit, cur) == []
     assert model_mismatches({**cur.__dict__, "seq_length": 999}, cur) == []  # not a shape
 
 

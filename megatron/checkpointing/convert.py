@@ -1,0 +1,196 @@
+"""Checkpoint conversions: Trident (DeepSpeed) checkpoint -> Hugging Face directory, with logit verification.
+
+A "Trident checkpoint" is the directory training writes with --save (``engine_checkpoint.py``). Reading its weights
+back needs no pickle execution: DeepSpeed's model-state files hold only tensors and plain containers, so
+``torch.load(weights_only=True)`` reads them.
+
+- PP = 1: ``mp_rank_{tp:02d}_model_states.pt``, key ``module`` (Megatron names);
+- PP > 1: ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (``pipe_layout.py``; the tied head is not saved).
+
+TP shards are merged with ``reshard.merge_tp_shards``; the architecture comes from ``trident_meta.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.engine_checkpoint import (
+    find_checkpoint,
+    model_config_from_dict,
+    read_meta,
+)
+from megatron.checkpointing.hf_gpt2 import megatron_to_gpt2_hf
+from megatron.checkpointing.hf_llama import megatron_to_llama_hf
+from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
+from megatron.checkpointing.reshard import merge_tp_shards, pad_vocab_for_tp
+from megatron.checkpointing.verify import LogitComparison, compare_logits
+from megatron.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]
+"""``progress(what, done, total)``: called as a conversion advances (the CLIs draw a bar)."""
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def _no_progress(what: str, done: int, total: int) -> None:
+    return None
+
+
+def _torch_load_safe(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling refused or corrupt file: one clear message
+        raise ValueError(
+            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); is it a Trident/DeepSpeed checkpoint file?"
+        ) from None
+
+
+def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
+    """The ``ModelConfig`` saved in a checkpoint's ``trident_meta.json``."""
+    return model_config_from_dict(meta["model"])
+
+
+def read_checkpoint_weights(
+    ckpt_dir: str | Path, tag: str | None = None, progress: Progress = _no_progress
+) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """Full (TP = 1, PP = 1) Megatron state dict of a Trident checkpoint, its ``ModelConfig`` and meta.
+
+    The vocabulary rows stay padded (to the saving run's padding); ``ModelConfig.vocab_size`` is the true size.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``ckpt_dir`` or a model-state file is missing.
+        ValueError: a file cannot be read safely, or the checkpoint holds no weights (ZeRO-3 partitions).
+    """
+    root = Path(ckpt_dir)
+    found = find_checkpoint(str(root), tag)
+    if found is None:
+        raise FileNotFoundError(
+            f"{root} holds no Trident checkpoint (no 'latest' file); point at a --save directory or pass --tag."
+        )
+    meta = read_meta(root, found)
+    cfg = model_config_from_meta(meta)
+    tp = int(meta["tensor_model_parallel_size"])
+    pp = int(meta["pipeline_model_parallel_size"])
+    tag_dir = root / found
+    shards: list[dict[str, torch.Tensor]] = []
+    if pp == 1:
+        for r in range(tp):
+            path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing (checkpoint saved at TP = {tp}).")
+            module = _torch_load_safe(path).get("module") or {}
+            if not module:
+                raise ValueError(
+                    f"{path} holds no module weights (ZeRO-3 partitions its parameters); convert it "
+                    "with DeepSpeed's zero_to_fp32.py first or save with --zero-stage <= 2."
+                )
+            shards.append({k: v.float() for k, v in module.items()})
+            progress("reading TP shards", r + 1, tp)
+    else:
+        files = sorted(tag_dir.glob("layer_*-model_*-model_states.pt"))
+        per_rank: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+        for i, path in enumerate(files):
+            m = _LAYER_FILE.search(path.name)
+            if m is None:
+                continue
+            idx, r = int(m.group(1)), int(m.group(2))
+            sd = _torch_load_safe(path)
+            per_rank[r][idx] = {k: v.float() for k, v in sd.items()}
+            progress("reading layer files", i + 1, len(files))
+        for r in range(tp):
+            if not per_rank[r]:
+                raise FileNotFoundError(f"{tag_dir} has no layer files for TP rank {r}.")
+            shards.append(pipe_layers_to_megatron(per_rank[r], cfg.num_layers))
+    full = merge_tp_shards(shards, cfg) if tp > 1 else shards[0]
+    return full, cfg, meta
+
+
+def fixed_prompts(vocab: int, max_positions: int, steps: int) -> tuple[list[list[int]], int]:
+    """Three deterministic prompts (lengths 1, 4, 7) and the decode length that fits ``max_positions``."""
+    g = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 7, 1)]
+    return prompts, max(1, min(steps, max_positions - 7))
+
+
+def megatron_logits_fn(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens [1, s] -> logits [1, s, v]`` of a ``GPTModel`` (TP = 1)."""
+
+    def fn(tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0)  # [1, s]
+        return model(tokens, pos)
+
+    return fn
+
+
+def hf_logits_fn(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens [1, s] -> logits [1, s, V]`` of a transformers causal LM."""
+    return lambda tokens: model(input_ids=tokens).logits
+
+
+def build_megatron_model(full: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.nn.Module:
+    """A TP = 1 ``GPTModel`` (eval mode, fp32) holding ``full`` (re-padded to TP = 1 rows)."""
+    from megatron.model import GPTModel
+
+    model = GPTModel(cfg, seed=0).eval()
+    model.load_state_dict(pad_vocab_for_tp(full, cfg, 1), strict=True)
+    return model
+
+
+def is_llama(cfg: ModelConfig) -> bool:
+    """LLaMA-style (rmsnorm/SwiGLU/RoPE) vs GPT-2-style architecture."""
+    return cfg.swiglu or cfg.normalization == "rmsnorm" or cfg.use_rotary_position_embeddings
+
+
+def export_to_hf(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tag: str | None = None,
+    verify: bool = True,
+    steps: int = 32,
+    progress: Progress = _no_progress,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> LogitComparison | None:
+    """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) from a Trident checkpoint.
+
+    With ``verify``, loads the written directory with transformers (offline) and compares it with the checkpoint
+    run in our ``GPTModel`` on :func:`fixed_prompts` (greedy decodes of ``steps`` tokens).
+
+    Returns:
+        The comparison (None without ``verify``).
+    """
+    from safetensors.torch import save_file
+
+    full, cfg, _ = read_checkpoint_weights(ckpt_dir, tag, progress)
+    export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
+    hf_sd, hf_cfg = export(
+        full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    progress("writing", 1, 1)
+    if not verify:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).float().eval()
+    ours = build_megatron_model(full, cfg)
+    max_pos = cfg.max_position_embeddings or cfg.seq_length
+    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+    with torch.no_grad():
+        return compare_logits(
+            megatron_logits_fn(ours), hf_logits_fn(hf), prompts, n, vocab_size=cfg.vocab_size
+        )

@@ -1,0 +1,1 @@
+"""Checkpoint CLIs (thin argparse wrappers over ``megatron.checkpointing``): HF <-> Trident conversions."""

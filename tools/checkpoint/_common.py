@@ -1,0 +1,59 @@
+"""Shared CLI pieces of the checkpoint tools: progress bar, verification report, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from megatron.checkpointing.verify import LogitComparison
+
+EXIT_OK = 0
+EXIT_INPUT_ERROR = 2
+EXIT_VERIFY_FAILED = 3
+DEFAULT_TOLERANCE = 1e-5
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", action="store_true", help="skip the logit comparison")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="max |delta logit| allowed (fp32 default 1e-5); greedy decodes must also agree fully",
+    )
+    p.add_argument("--verify-steps", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class Bar:
+    """``progress(what, done, total)`` callback drawing a tqdm bar per stage on stderr."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bars: dict[str, Any] = {}
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self._bars.get(what)
+        if bar is None:
+            bar = self._bars[what] = tqdm(total=total, desc=what, file=sys.stderr, leave=True)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+
+def report(result: LogitComparison | None, tolerance: float) -> int:
+    """Print the verification numbers; the exit code (3 when over tolerance or decodes disagree)."""
+    if result is None:
+        print("verification skipped (--no-verify)")
+        return EXIT_OK
+    ok = result.max_abs_dlogit <= tolerance and result.greedy_agreement == 1.0
+    print(
+        f"verify: max |dlogit| = {result.max_abs_dlogit:.3e} (tolerance {tolerance:.1e}), "
+        f"greedy agreement = {result.greedy_agreement:.3f} -> {'OK' if ok else 'FAILED'}"
+    )
+    return EXIT_OK if ok else EXIT_VERIFY_FAILED

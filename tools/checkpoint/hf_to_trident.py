@@ -1,0 +1,47 @@
+"""Hugging Face GPT-2 / LLaMA directory -> Trident checkpoint for a target TP x PP (vocab padded for TP).
+
+    python -m tools.checkpoint.hf_to_trident --hf-dir gpt2/ --save ckpt/ --tp 2 --pp 2 [--no-verify]
+
+Spawns TP x PP local processes that build the model at the target layout inside a DeepSpeed engine and save it,
+so training reads it with ``--load ckpt/`` (it loads like --finetune: weights only, iteration 0).
+Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.checkpointing.hf_import import import_from_hf
+from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--hf-dir", required=True, help="local HF model directory (save_pretrained output)"
+    )
+    p.add_argument("--save", required=True, help="output Trident checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
+    add_verify_args(p)
+    a = p.parse_args(argv)
+    try:
+        result = import_from_hf(
+            a.hf_dir,
+            a.save,
+            tp=a.tp,
+            pp=a.pp,
+            verify=not a.no_verify,
+            steps=a.verify_steps,
+            progress=Bar(not a.no_progress),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp})")
+    return report(result, a.tolerance)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
