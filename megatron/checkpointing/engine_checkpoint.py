@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
+LATEST_UNIVERSAL_FILE = "latest_universal"
 META_FILE = "trident_meta.json"
 META_VERSION = 1
 
@@ -113,7 +115,9 @@ def is_complete(load_dir: str | Path, tag: str) -> bool:
     return (Path(load_dir) / tag / META_FILE).is_file()
 
 
-def find_checkpoint(load_dir: str, load_tag: str | None = None) -> str | None:
+def find_checkpoint(
+    load_dir: str, load_tag: str | None = None, *, universal: bool = False
+) -> str | None:
     """The tag to resume from in ``load_dir``: ``load_tag`` if given, else the ``latest`` pointer; None = no checkpoint.
 
     Raises:
@@ -128,13 +132,18 @@ def find_checkpoint(load_dir: str, load_tag: str | None = None) -> str | None:
                 f"(no {META_FILE}); pick a tag listed in {root} or drop --load-tag to use 'latest'."
             )
         return load_tag
-    latest = root / LATEST_FILE
+    latest = root / (LATEST_UNIVERSAL_FILE if universal else LATEST_FILE)
     if not latest.is_file():
+        if universal and (root / LATEST_FILE).is_file():
+            raise FileNotFoundError(
+                f"--universal-checkpoint: {root} has no {LATEST_UNIVERSAL_FILE}; convert it first with "
+                f"python -m tools.checkpoint.to_universal --load {load_dir}"
+            )
         return None
     tag = latest.read_text(encoding="utf-8").strip()
     if not is_complete(root, tag):
         raise ValueError(
-            f"--load {load_dir}: 'latest' points to {tag!r}, which is not a complete checkpoint "
+            f"--load {load_dir}: '{latest.name}' points to {tag!r}, which is not a complete checkpoint "
             f"(no {root / tag / META_FILE}); fix 'latest' or pass --load-tag with a complete tag."
         )
     return tag
@@ -226,7 +235,9 @@ class DeepSpeedCheckpointer:
             "skipped_iterations": int(state.skipped_iterations),
             "lr_scheduler": scheduler.state_dict(),
             "trident_model_config": dataclasses.asdict(self.model),
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(self.model, self.padded_vocab),
+            UNIVERSAL_CHECKPOINT_INFO: _used_patterns(
+                universal_checkpoint_info(self.model, self.padded_vocab), engine.module
+            ),
         }
         # Ends with a barrier over all ranks: after it, every rank's files are written.
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
@@ -269,16 +280,26 @@ class DeepSpeedCheckpointer:
         """Resume from --load (nothing there: start from scratch with one log line)."""
         ck = self.cfg.checkpoint
         load_dir = ck.load or ""
-        tag = find_checkpoint(load_dir, ck.load_tag)
+        universal = ck.universal_checkpoint
+        tag = find_checkpoint(load_dir, ck.load_tag, universal=universal)
         if tag is None:
             if global_rank() == 0:
                 logger.info("no checkpoint in --load %s: starting from scratch", load_dir)
             return
         start = time.perf_counter()
         meta = check_model_matches(load_dir, tag, self.model)
+        if bool(meta.get("universal", False)) != universal:
+            raise ValueError(
+                f"--load {load_dir} (tag {tag}): "
+                + (
+                    "this is a universal checkpoint; add --universal-checkpoint."
+                    if not universal
+                    else "--universal-checkpoint needs a universal checkpoint; convert this one with "
+                    f"python -m tools.checkpoint.to_universal --load {load_dir}"
+                )
+            )
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
-        universal = ck.universal_checkpoint
         _, client = engine.load_checkpoint(
             load_dir,
             tag=tag,
@@ -313,6 +334,18 @@ class DeepSpeedCheckpointer:
             )
 
 
+def _used_patterns(info: dict[str, Any], module: Any) -> dict[str, Any]:
+    """Keep only the patterns that match a parameter of ``module`` (``ds_to_universal`` asserts every pattern is
+    used; e.g. the pipeline's final-norm pattern never matches ``GPTModel`` names, nor ``output_layer`` when tied)."""
+    names = [n for n, _ in module.named_parameters()]
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if isinstance(value, list) and all(isinstance(p, str) for p in value):
+            value = [p for p in value if any(re.match(p, n) for n in names)]
+        out[key] = value
+    return out
+
+
 def check_checkpoint_dirs(cfg: TridentConfig) -> None:
     """Preflight (before any process group): --save writable; --save-interval without --save is refused.
 
@@ -325,4 +358,4 @@ def check_checkpoint_dirs(cfg: TridentConfig) -> None:
     if ck.load_tag and not ck.load:
         raise ValueError("--load-tag was given without --load; add --load DIR.")
     if ck.load and ck.load_tag:
-        find_checkpoint(ck.load, ck.load_tag)
+        find_checkpoint(ck.load, ck.load_tag, universal=ck.universal_checkpoint)

@@ -1,0 +1,98 @@
+"""Trident checkpoint -> DeepSpeed universal checkpoint (resume at another TP / PP / DP with optimizer state).
+
+``convert_to_universal(ckpt_dir)`` runs DeepSpeed's ``ds_to_universal`` on a complete tag (its client state holds
+``universal_checkpoint_info``, saved by ``engine_checkpoint``) into ``{tag}_universal`` next to it, then:
+
+- adds the other naming scheme for every parameter folder under ``zero/`` (symlinks): ``GPTModel`` (PP = 1) names
+  ``language_model.encoder.layers.0...`` and ``GPTModelPipe`` (PP > 1) names ``2...`` / ``tied_modules.embed...``,
+  so a PP = 1 checkpoint resumes at PP > 1 and back;
+- writes ``trident_meta.json`` (``"universal": true``) and moves ``latest_universal`` atomically.
+
+Training then resumes with ``--load DIR --universal-checkpoint`` (``latest_universal``, or --load-tag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from megatron.checkpointing.engine_checkpoint import (
+    LATEST_UNIVERSAL_FILE,
+    META_FILE,
+    _atomic_write,
+    find_checkpoint,
+    read_meta,
+)
+from megatron.checkpointing.pipe_layout import pipe_layer_key
+from megatron.model.gpt_model_pipe import pipe_to_megatron_name
+
+
+def _aliases(name: str, num_layers: int) -> list[str]:
+    if name.startswith("language_model."):
+        idx, local = pipe_layer_key(name, num_layers)
+        out = [f"{idx}.{local}"]
+        if idx == 1:
+            out.append(f"tied_modules.embed.{local}")
+        return out
+    return [pipe_to_megatron_name(name, num_layers)]
+
+
+def add_name_aliases(universal_dir: Path, num_layers: int) -> int:
+    """Symlink every ``zero/<param>`` folder under its other-scheme names; returns how many were added."""
+    zero = universal_dir / "zero"
+    added = 0
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir() and not p.is_symlink()):
+        try:
+            names = _aliases(folder.name, num_layers)
+        except ValueError:
+            continue  # not a GPT parameter (left as is)
+        for alias in names:
+            target = zero / alias
+            if not target.exists():
+                os.symlink(folder.name, target)
+                added += 1
+    return added
+
+
+def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1) -> str:
+    """Write ``{tag}_universal`` (default tag: ``latest``) and point ``latest_universal`` at it; returns its tag.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint.
+        ValueError: the checkpoint lacks ``universal_checkpoint_info`` (saved by an older Trident).
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    root = Path(ckpt_dir)
+    found = find_checkpoint(str(root), tag)
+    if found is None:
+        raise FileNotFoundError(f"{root} holds no Trident checkpoint (no 'latest' file).")
+    meta = read_meta(root, found)
+    if meta.get("universal"):
+        raise ValueError(f"{root / found} is already a universal checkpoint.")
+    out_tag = f"{found}_universal"
+    out = root / out_tag
+    if out.exists():
+        shutil.rmtree(out)
+    args = argparse.Namespace(
+        input_folder=str(root / found),
+        output_folder=str(out),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    try:
+        ds_to_universal.main(args)
+    except AssertionError as err:
+        raise ValueError(f"ds_to_universal refused {root / found}: {err}") from None
+    add_name_aliases(out, int(meta["model"]["num_layers"]))
+    meta["universal"] = True
+    meta["universal_source_tag"] = found
+    _atomic_write(out / META_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    _atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
+    return out_tag
