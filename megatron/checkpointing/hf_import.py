@@ -13,8 +13,6 @@ and compares it with the source HF model.
 
 from __future__ import annotations
 
-import dataclasses
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from megatron.checkpointing.convert import (
 from megatron.checkpointing.hf_gpt2 import gpt2_hf_to_megatron
 from megatron.checkpointing.hf_llama import llama_hf_to_megatron
 from megatron.checkpointing.layout import padded_vocab_size
+from megatron.checkpointing.rewrite import write_trident_checkpoint
 from megatron.checkpointing.safe_load import load_hf_directory
 from megatron.checkpointing.verify import LogitComparison, compare_logits
 from megatron.config import ModelConfig
@@ -61,65 +60,6 @@ def hf_to_full(
     return full, cfg, config
 
 
-def _rank_writer(
-    full_path: str, model: dict[str, Any], tp: int, pp: int, out_dir: str, source: str
-) -> None:
-    """One rank of the import: model at the target layout, its shard, DeepSpeed engine, save (spawned)."""
-    import deepspeed
-    from safetensors.torch import load_file
-
-    from megatron import mpu
-    from megatron.checkpointing.engine_checkpoint import DeepSpeedCheckpointer
-    from megatron.checkpointing.reshard import shard_state_dict
-    from megatron.config import parse_args
-    from megatron.model.gpt_model_pipe import pipe_to_megatron_name
-    from megatron.training import initialize
-    from megatron.training.ds_config import build_ds_config, global_batch_size, uses_pipeline_engine
-    from megatron.training.loop import TrainState
-    from megatron.training.lr_scheduler import build_lr_scheduler
-    from megatron.training.model_setup import build_model
-    from megatron.training.optimizer import build_optimizer
-
-    model_cfg = ModelConfig(**model)
-    argv = [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-        "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--save", out_dir,
-        "--log-level", "WARNING",
-        *(["--zero-stage", "1"] if pp > 1 else []),
-    ]  # fmt: skip
-    cfg = parse_args(argv)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-    initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
-    world = initialize.world_size_from_env()
-    device = initialize.init_distributed(cfg)
-    try:
-        initialize.set_seeds(cfg.training.seed)
-        vocab = model_cfg.vocab_size
-        module = build_model(cfg, true_vocab=vocab, device=device, world_size=world)
-        full = load_file(full_path)
-        shard = shard_state_dict(full, model_cfg, tp, mpu.get_tensor_model_parallel_rank())
-        is_pipe = uses_pipeline_engine(cfg)
-        own = module.state_dict()
-        new = {
-            k: shard[pipe_to_megatron_name(k, model_cfg.num_layers) if is_pipe else k] for k in own
-        }
-        module.load_state_dict(new, strict=True)
-        optimizer = build_optimizer(module, cfg.training)
-        engine, _, _, _ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizer,
-            mpu=None if is_pipe else mpu,
-            config=build_ds_config(cfg, world),
-        )
-        scheduler = build_lr_scheduler(cfg.training, global_batch_size(cfg, world), optimizer)
-        padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, tp)
-        ckpt = DeepSpeedCheckpointer(cfg, true_vocab=vocab, padded_vocab=padded, world_size=world)
-        ckpt.extra_meta = {"weights_only": True, "converted_from": source}
-        ckpt.save(engine, scheduler, TrainState())
-    finally:
-        mpu.destroy_model_parallel()
-
-
 def import_from_hf(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -136,10 +76,6 @@ def import_from_hf(
     Returns:
         The HF-vs-written-checkpoint comparison (None without ``verify``).
     """
-    from safetensors.torch import save_file
-
-    from megatron.testing import run_distributed
-
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
     full, cfg, _ = hf_to_full(hf_dir, tp)
@@ -148,21 +84,7 @@ def import_from_hf(
             f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
         )
     progress("converting", 1, 3)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "full.safetensors")
-        save_file({k: v.contiguous() for k, v in full.items()}, path)
-        run_distributed(
-            _rank_writer,
-            tp * pp,
-            path,
-            dataclasses.asdict(cfg),
-            tp,
-            pp,
-            str(out_dir),
-            str(hf_dir),
-            init_process_group=False,
-            timeout=timeout,
-        )
+    write_trident_checkpoint(full, cfg, out_dir, tp=tp, pp=pp, source=str(hf_dir), timeout=timeout)
     progress("writing", 2, 3)
     if not verify:
         return None

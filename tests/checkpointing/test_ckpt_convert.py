@@ -19,7 +19,7 @@ from megatron.checkpointing import compare_logits
 from megatron.checkpointing.convert import fixed_prompts, hf_logits_fn
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
-from tools.checkpoint import hf_to_trident, trident_to_hf
+from tools.checkpoint import hf_to_trident, reshard, trident_to_hf
 
 TOL = 1e-5
 MAKERS = {"gpt2": make_gpt2, "llama": make_llama}
@@ -77,8 +77,18 @@ def test_round_trip_gpt2_pp2_and_training_loads_it(tmp_path: Path, capsys) -> No
     assert loaded != fresh  # the imported weights were used
 
 
-def test_round_trip_llama_gqa_tp2(tmp_path: Path, capsys) -> None:
-    _round_trip(tmp_path, "llama", 2, 1, capsys)
+def test_round_trip_llama_gqa_tp2_then_reshard(tmp_path: Path, capsys) -> None:
+    ck = _round_trip(tmp_path, "llama", 2, 1, capsys)
+    # Offline reshard (TP=2, PP=1) -> (TP=1, PP=2): same weights, so the logits agree exactly.
+    dst = tmp_path / "resharded"
+    argv = ["--load", str(ck), "--save", str(dst), "--tp", "1", "--pp", "2", "--no-progress"]
+    assert reshard.main([*argv, "--tolerance", "0"]) == 0
+    assert "max |dlogit| = 0.000e+00" in capsys.readouterr().out
+    meta = json.loads((dst / "global_step0" / "trident_meta.json").read_text())
+    assert (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) == (1, 2)
+    assert sorted(p.name for p in (dst / "global_step0").glob("layer_*"))[0].startswith("layer_01")
+    assert reshard.main(["--load", str(ck), "--save", str(dst), "--tp", "1", "--pp", "9"]) == 2
+    assert "--pp (9) exceeds the model's 2 layers" in capsys.readouterr().err
 
 
 @pytest.mark.slow

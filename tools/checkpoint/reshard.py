@@ -1,0 +1,46 @@
+"""Offline reshard of a Trident checkpoint's weights: (TP, PP) -> (TP', PP') (iteration 0, weights only).
+
+    python -m tools.checkpoint.reshard --load ckpt_tp2pp2/ --save ckpt_tp1pp4/ --tp 1 --pp 4 [--no-verify]
+
+For resuming training WITH optimizer state at another layout use tools/checkpoint/to_universal.py instead.
+Exit codes: 0 done (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.checkpointing.rewrite import reshard_checkpoint
+from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="source Trident checkpoint directory")
+    p.add_argument("--tag", default=None, help="source tag (default: 'latest')")
+    p.add_argument("--save", required=True, help="output Trident checkpoint directory")
+    p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
+    p.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
+    add_verify_args(p)
+    a = p.parse_args(argv)
+    try:
+        result = reshard_checkpoint(
+            a.load,
+            a.save,
+            tp=a.tp,
+            pp=a.pp,
+            tag=a.tag,
+            verify=not a.no_verify,
+            steps=a.verify_steps,
+            progress=Bar(not a.no_progress),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(f"wrote {a.save} (TP={a.tp}, PP={a.pp})")
+    return report(result, a.tolerance)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
