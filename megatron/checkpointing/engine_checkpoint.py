@@ -288,16 +288,7 @@ class DeepSpeedCheckpointer:
             return
         start = time.perf_counter()
         meta = check_model_matches(load_dir, tag, self.model)
-        if bool(meta.get("universal", False)) != universal:
-            raise ValueError(
-                f"--load {load_dir} (tag {tag}): "
-                + (
-                    "this is a universal checkpoint; add --universal-checkpoint."
-                    if not universal
-                    else "--universal-checkpoint needs a universal checkpoint; convert this one with "
-                    f"python -m tools.checkpoint.to_universal --load {load_dir}"
-                )
-            )
+        _check_universal_kind(meta, universal, load_dir, tag)
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
         _, client = engine.load_checkpoint(
@@ -346,16 +337,39 @@ def _used_patterns(info: dict[str, Any], module: Any) -> dict[str, Any]:
     return out
 
 
-def check_checkpoint_dirs(cfg: TridentConfig) -> None:
-    """Preflight (before any process group): --save writable; --save-interval without --save is refused.
+def check_checkpoint_dirs(cfg: TridentConfig, true_vocab: int | None = None) -> None:
+    """Preflight (before any process group), identical on every rank.
+
+    --save must be writable; --load-tag needs --load and must name a complete checkpoint; with ``true_vocab``
+    (the tokenizer's), a checkpoint found in --load must match the model flags (and the --universal-checkpoint
+    flag must match the checkpoint kind). No checkpoint in --load is fine (the run starts from scratch).
 
     Raises:
-        ValueError: naming the flag.
+        ValueError / FileNotFoundError: naming the flag, the problem and the fix.
     """
     ck = cfg.checkpoint
     if ck.save:
         check_save_dir(ck.save)
     if ck.load_tag and not ck.load:
         raise ValueError("--load-tag was given without --load; add --load DIR.")
-    if ck.load and ck.load_tag:
-        find_checkpoint(ck.load, ck.load_tag, universal=ck.universal_checkpoint)
+    if not ck.load:
+        return
+    tag = find_checkpoint(ck.load, ck.load_tag, universal=ck.universal_checkpoint)
+    if tag is not None and true_vocab is not None:
+        meta = check_model_matches(
+            ck.load, tag, dataclasses.replace(cfg.model, vocab_size=true_vocab)
+        )
+        _check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
+
+
+def _check_universal_kind(meta: dict[str, Any], universal: bool, load_dir: str, tag: str) -> None:
+    if bool(meta.get("universal", False)) != universal:
+        raise ValueError(
+            f"--load {load_dir} (tag {tag}): "
+            + (
+                "this is a universal checkpoint; add --universal-checkpoint."
+                if not universal
+                else "--universal-checkpoint needs a universal checkpoint; convert this one with "
+                f"python -m tools.checkpoint.to_universal --load {load_dir}"
+            )
+        )

@@ -99,10 +99,10 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
     dev = initialize.device_type(cfg)
     validate(cfg, world_size=world_size, device_type=dev)
     check_data_flags(cfg)
-    check_checkpoint_dirs(cfg)
     train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
+    check_checkpoint_dirs(cfg, true_vocab=tokenizer.vocab_size)
     return Preflight(
         world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer
     )

@@ -121,6 +121,20 @@ def test_sigterm_saves_and_exits_5(tmp_path: Path) -> None:
     more = tmp_path / "second.jsonl"
     _run(_cmd(ck, more, done + 2))
     assert sorted(_losses(more)) == [done + 1, done + 2]
+    # The same --load with a different model: exit 2 before any process group, one line listing the fields.
+    bad = [a if a != "32" else "48" for a in _cmd(ck, more, done + 3)[2:]]  # --hidden-size 48
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *bad],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "differs from the flags in 3 field(s): hidden_size: checkpoint 32, flags 48" in errors[0]
+    assert "head_dim: checkpoint 8, flags 12; ffn_size: checkpoint 128, flags 192" in errors[0]
 
 
 @pytest.mark.slow

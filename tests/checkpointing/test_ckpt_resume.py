@@ -87,7 +87,7 @@ def _check_resume(tmp_path: Path, results: list[dict]) -> None:
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     assert (ck / f"global_step{HALF}" / "trident_meta.json").is_file()
     msg = r["mismatch"]
-    assert msg is not None and "differs from the flags in 2 field(s)" in msg
+    assert msg is not None and "differs from the flags in 4 field(s)" in msg
     assert (
         "num_layers: checkpoint 2, flags 3" in msg and "hidden_size: checkpoint 32, flags 64" in msg
     )
