@@ -31,12 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
 from megatron.config import ModelConfig, TridentConfig
 from megatron.log import global_rank
 from megatron.model.checkpoint_info import universal_checkpoint_info
+from megatron.mpu.mappings import all_reduce_max_, communication_device
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +149,27 @@ def find_checkpoint(
             f"--load {load_dir}: '{latest.name}' points to {tag!r}, which is not a complete checkpoint "
             f"(no {root / tag / META_FILE}); fix 'latest' or pass --load-tag with a complete tag."
         )
+    if universal:
+        _refuse_stale_universal(root, tag)
     return tag
+
+
+def _refuse_stale_universal(root: Path, universal_tag: str) -> None:
+    """--universal-checkpoint is for the first resume only: refuse it once training saved past the conversion."""
+    regular = root / LATEST_FILE
+    if not regular.is_file():
+        return
+    newest = regular.read_text(encoding="utf-8").strip()
+    if not is_complete(root, newest):
+        return
+    done = int(read_meta(root, newest).get("iteration", 0))
+    converted = int(read_meta(root, universal_tag).get("iteration", 0))
+    if done > converted:
+        raise ValueError(
+            f"--universal-checkpoint: {root} holds a newer regular checkpoint ({newest}, iteration {done}) than "
+            f"'{LATEST_UNIVERSAL_FILE}' ({universal_tag}, iteration {converted}); drop --universal-checkpoint "
+            "to resume from it (the flag is for the first resume after a layout change)."
+        )
 
 
 def read_meta(load_dir: str | Path, tag: str) -> dict[str, Any]:
@@ -260,6 +283,7 @@ class DeepSpeedCheckpointer:
             _atomic_write(save_dir / LATEST_FILE, tag)
             _crash_point("after_latest", state.iteration)
             _atomic_write(save_dir / ITERATION_FILE, f"{state.iteration}\n")
+        _wait_for_all_ranks()  # nobody reads the pointers (e.g. a relaunch's preflight) before they moved
         self.last_save_seconds = time.perf_counter() - start
         if global_rank() == 0:
             logger.info(
@@ -323,6 +347,13 @@ class DeepSpeedCheckpointer:
                 ", --finetune: weights only, iteration 0" if finetune else "",
                 self.last_load_seconds,
             )
+
+
+def _wait_for_all_ranks() -> None:
+    """A barrier over every rank (an all-reduce of one element through ``mpu.mappings``)."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.group.WORLD
+        all_reduce_max_(torch.zeros(1, device=communication_device(world)), group=world)
 
 
 def _used_patterns(info: dict[str, Any], module: Any) -> dict[str, Any]:

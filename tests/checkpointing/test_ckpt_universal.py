@@ -1,6 +1,7 @@
 """Resume at another layout through a DeepSpeed universal checkpoint (weights + Adam state + schedule + position).
 
-Reference: 12 iterations at (TP=2, PP=1, DP=1) with ZeRO-1, saving at iteration 2. The iteration-2 checkpoint is
+Reference: 12 iterations at (TP=2, PP=1, DP=1) with ZeRO-1, and the same run stopped and saved at iteration 2. That
+checkpoint is
 converted with ``tools/checkpoint/to_universal.py`` and training resumes from it at (TP=1, PP=1, DP=2) and at
 (TP=1, PP=2, DP=1) (GPTModel names -> pipeline names); the next 10 losses must match the reference within 1e-4
 relative (dropout 0: masks differ by layout; layouts differ only in reduction order).
@@ -34,10 +35,12 @@ def _reference(ck: str) -> list[float]:
     from megatron.config import parse_args
     from megatron.training import pretrain
 
-    r = pretrain(
-        parse_args([*FLAGS, *_layout(2, 1), "--save", ck, "--save-interval", str(SAVED_AT)])
-    )
+    r = pretrain(parse_args([*FLAGS, *_layout(2, 1)]))
     assert r.iteration == ITERS
+    # The same run stopped (and saved) at SAVED_AT: exact resume makes it the reference's state there.
+    argv = [*FLAGS, *_layout(2, 1), "--save", ck, "--exit-interval", str(SAVED_AT)]
+    part = pretrain(parse_args(argv))
+    assert part.iteration == SAVED_AT and part.losses == r.losses[:SAVED_AT]
     return r.losses
 
 
@@ -61,6 +64,15 @@ def _resume(ck: str, layouts: list[tuple[int, int]]) -> list[tuple[int, list[flo
     except ValueError as e:
         err = str(e)
     out.append((-1, [err]))  # type: ignore[list-item]
+    # Resume at a new layout once more, saving: relaunching with --universal-checkpoint is then refused.
+    argv = [*FLAGS, *_layout(1, 1), "--load", ck, "--universal-checkpoint", "--save", ck]
+    pretrain(parse_args([*argv, "--train-iters", str(SAVED_AT + 1)]))
+    try:
+        pretrain(parse_args(argv))
+        err = None
+    except ValueError as e:
+        err = str(e)
+    out.append((-2, [err]))  # type: ignore[list-item]
     return out
 
 
@@ -84,6 +96,8 @@ def test_universal_resume_other_layouts(tmp_path: Path, capsys) -> None:
         f"universal resume: worst relative loss difference {worst:.2e} over {ITERS - SAVED_AT} iterations"
     )
     assert "this is a universal checkpoint; add --universal-checkpoint" in r[2][1][0]
+    assert "holds a newer regular checkpoint (global_step3, iteration 3)" in r[3][1][0]
+    assert "drop --universal-checkpoint" in r[3][1][0]
 
 
 @pytest.mark.parametrize("bad", ["no_latest_universal"])
