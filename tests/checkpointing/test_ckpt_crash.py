@@ -72,21 +72,29 @@ def _latest(ckpt: Path) -> str:
     return (ckpt / "latest").read_text()
 
 
-def test_kill9_during_save_then_resume(tmp_path: Path) -> None:
-    """SIGKILL at four points of a save; every relaunch resumes from the newest complete checkpoint, exactly."""
+FULL_STEPS = [
+    ("after_engine_save:4", "global_step2"),  # all files of step 4 written, no marker: ignored
+    ("after_meta:4", "global_step2"),  # step 4 complete, pointers not moved yet
+    ("before_engine_save:4", "global_step2"),  # RNG file of step 4 only
+    ("after_latest:4", "global_step4"),  # latest moved; the iteration file lags
+    ("before_engine_save:6", "global_step4"),
+    (None, f"global_step{ITERS}"),
+]
+DEFAULT_STEPS = [FULL_STEPS[0], FULL_STEPS[3], FULL_STEPS[5]]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [DEFAULT_STEPS, pytest.param(FULL_STEPS, marks=pytest.mark.slow)],
+    ids=["default", "all-points"],
+)
+def test_kill9_during_save_then_resume(tmp_path: Path, steps: list) -> None:
+    """SIGKILL at points of a save; every relaunch resumes from the newest complete checkpoint, exactly."""
     straight = tmp_path / "straight.jsonl"
     _run(_cmd(tmp_path / "ref", straight, ITERS))
     ref = _losses(straight)
     assert sorted(ref) == list(range(1, ITERS + 1))
     ck = tmp_path / "ckpt"
-    steps = [
-        ("after_engine_save:4", "global_step2"),  # all files of step 4 written, no marker: ignored
-        ("after_meta:4", "global_step2"),  # step 4 complete, pointers not moved yet
-        ("before_engine_save:4", "global_step2"),  # RNG file of step 4 only
-        ("after_latest:4", "global_step4"),  # latest moved; the iteration file lags
-        ("before_engine_save:6", "global_step4"),
-        (None, f"global_step{ITERS}"),
-    ]
     for i, (crash, expected_latest) in enumerate(steps):
         metrics = tmp_path / f"run{i}.jsonl"
         code = _run(_cmd(ck, metrics, ITERS), crash)
