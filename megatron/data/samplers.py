@@ -321,9 +321,13 @@ def build_pretraining_data_loader(
         raise ValueError(
             f"--dataloader-type {dataloader_type!r} is not supported; use 'single' or 'cyclic'."
         )
+    # A private generator: starting an iterator draws a worker base seed, which must not come from (and advance)
+    # the global torch RNG, or dropout after an evaluation would depend on how many loaders were started.
+    generator = torch.Generator().manual_seed(seed + consumed_samples)
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
+        generator=generator,
     )
