@@ -15,7 +15,7 @@ both pointers with temp file + ``os.replace``. A process killed at any point lea
 complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
 
 Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
-``consumed_train_tokens``, ``skipped_iterations``, ``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``),
+``consumed_train_tokens``, ``consumed_valid_samples``, ``skipped_iterations``, ``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``),
 ``trident_model_config`` and DeepSpeed's ``universal_checkpoint_info`` (``megatron/model/checkpoint_info.py``).
 """
 
@@ -255,6 +255,7 @@ class DeepSpeedCheckpointer:
             "iteration": int(state.iteration),
             "consumed_train_samples": int(state.consumed_train_samples),
             "consumed_train_tokens": int(state.consumed_train_samples) * seq,
+            "consumed_valid_samples": int(state.consumed_valid_samples),
             "skipped_iterations": int(state.skipped_iterations),
             "lr_scheduler": scheduler.state_dict(),
             "trident_model_config": dataclasses.asdict(self.model),
@@ -328,6 +329,7 @@ class DeepSpeedCheckpointer:
         if not finetune:
             state.iteration = int(client["iteration"])
             state.consumed_train_samples = int(client["consumed_train_samples"])
+            state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
             state.skipped_iterations = int(client.get("skipped_iterations", 0))
             scheduler.load_state_dict(client["lr_scheduler"])
         same_world = meta.get("world_size") == self.world_size and not universal

@@ -163,6 +163,7 @@ def build_iterators(
     device: torch.device,
     consumed_train_samples: int,
     for_pipe: bool,
+    consumed_valid_samples: int = 0,
 ) -> RunIterators:
     """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank."""
     from megatron.training.ds_config import global_batch_size
@@ -182,7 +183,9 @@ def build_iterators(
     train_loader = build_pretraining_data_loader(
         train_ds, consumed_train_samples, dataloader_type=cfg.data.dataloader_type, **common
     )
-    valid_loader = build_pretraining_data_loader(valid_ds, 0, dataloader_type="single", **common)
+    valid_loader = build_pretraining_data_loader(
+        valid_ds, consumed_valid_samples, dataloader_type="single", **common
+    )
     eod = tokenizer.eod
     wrap = _pipe_batches if for_pipe else (lambda it: it)
     train = wrap(_micro_batches(train_loader, cfg, eod, device))

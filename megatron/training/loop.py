@@ -49,6 +49,8 @@ class TrainState:
 
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    """Validation samples drawn so far (a resumed run continues the validation stream where it stopped)."""
     skipped_iterations: int = 0
     history: list[float] = field(default_factory=list)
     """lm loss of every iteration run by this process (for library callers and tests)."""
@@ -76,6 +78,8 @@ class LoopSpec:
     peak_tflops: float | None
     log_interval: int
     eval_interval: int
+    eval_samples: int
+    """Validation samples one evaluation draws (--eval-iters x global batch)."""
     exit_interval: int | None
     exit_duration_in_mins: float | None
     exit_signal_handler: bool
@@ -169,6 +173,7 @@ def run_evaluation(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> 
     if spec.evaluate is None:
         return None
     loss = spec.evaluate()
+    state.consumed_valid_samples += spec.eval_samples
     state.last_valid_loss, state.last_eval_iteration = loss, state.iteration
     rec = EvalRecord(iteration=state.iteration, valid_loss=loss, valid_ppl=perplexity(loss))
     writer.evaluation(rec)

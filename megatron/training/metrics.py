@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -107,6 +108,21 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+def _truncate_after(path: Path, iteration: int) -> None:
+    """Keep the records of ``path`` up to ``iteration`` (atomically rewritten); drop unparsable tail lines."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(rec, dict) and int(rec.get("iteration", 0)) <= iteration:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """JSONL + TensorBoard sink. Construct it on every rank; only ``enabled`` (rank 0) writes anything.
 
@@ -114,10 +130,18 @@ class MetricsWriter:
         metrics_file: --metrics-file path (parent directories are created), or None.
         tensorboard_dir: --tensorboard-dir, or None.
         enabled: True on the writing rank.
+        resume_from: the iteration a resumed run starts after: the existing metrics file is kept up to that
+            iteration (records a crashed run wrote past its last checkpoint are dropped) and appended to.
+            None or 0: a fresh run, the file is started anew.
     """
 
     def __init__(
-        self, metrics_file: str | None, tensorboard_dir: str | None, *, enabled: bool
+        self,
+        metrics_file: str | None,
+        tensorboard_dir: str | None,
+        *,
+        enabled: bool,
+        resume_from: int | None = None,
     ) -> None:
         self.enabled = enabled
         self._file: IO[str] | None = None
@@ -127,7 +151,11 @@ class MetricsWriter:
         if metrics_file:
             path = Path(metrics_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("w", encoding="utf-8")
+            if resume_from and path.is_file():
+                _truncate_after(path, resume_from)
+                self._file = path.open("a", encoding="utf-8")
+            else:
+                self._file = path.open("w", encoding="utf-8")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -174,6 +174,7 @@ def _run(
         train_iters=train_iters,
         device=device,
         consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
         for_pipe=bundle.is_pipe,
     )
     if hooks is not None and cfg.checkpoint.load:
@@ -202,6 +203,7 @@ def _run(
         peak_tflops=detect_peak_tflops(cfg.training.peak_tflops),
         log_interval=cfg.logging.log_interval,
         eval_interval=cfg.training.eval_interval,
+        eval_samples=cfg.training.eval_iters * gbs,
         exit_interval=cfg.training.exit_interval,
         exit_duration_in_mins=cfg.training.exit_duration_in_mins,
         exit_signal_handler=cfg.training.exit_signal_handler,
@@ -212,7 +214,10 @@ def _run(
         save_interval=cfg.checkpoint.save_interval,
     )
     writer = MetricsWriter(
-        cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled=global_rank() == 0
+        cfg.logging.metrics_file,
+        cfg.logging.tensorboard_dir,
+        enabled=global_rank() == 0,
+        resume_from=state.iteration,
     )
     try:
         code = train(spec, state, writer)

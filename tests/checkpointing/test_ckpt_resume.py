@@ -26,13 +26,18 @@ TINY = [
     "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234",
     "--mock-data", "--vocab-size", "299",
     "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
-    "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1", "--log-level", "WARNING",
+    "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--log-level", "WARNING",
 ]  # fmt: skip
 
 
 def _losses(path: Path) -> list[float]:
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return [r["lm_loss"] for r in lines if "lm_loss" in r]
+
+
+def _valid_losses(path: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["iteration"]: r["valid_loss"] for r in lines if "valid_loss" in r}
 
 
 def _resume_scenario(tmp: str, tp: int, pp: int, extra: tuple[str, ...] = ()) -> dict:
@@ -51,7 +56,8 @@ def _resume_scenario(tmp: str, tp: int, pp: int, extra: tuple[str, ...] = ()) ->
             [*resumable, "--exit-interval", str(HALF), "--metrics-file", str(tmp_path / "a.jsonl")]
         )
     )
-    second = pretrain(parse_args([*resumable, "--metrics-file", str(tmp_path / "b.jsonl")]))
+    # The relaunch names the same metrics file: it continues it (a resumed run appends, not overwrites).
+    second = pretrain(parse_args([*resumable, "--metrics-file", str(tmp_path / "a.jsonl")]))
     # A model whose shape disagrees with the checkpoint: one error listing the differing fields.
     try:
         pretrain(parse_args([*base, "--load", ck, "--hidden-size", "64", "--num-layers", "3"]))
@@ -80,8 +86,14 @@ def _check_resume(tmp_path: Path, results: list[dict]) -> None:
     assert (code, it) == (0, ITERS)
     # Bit for bit: the resumed run logs exactly the losses of the straight run.
     assert first + second == straight, (first, second, straight)
-    metrics = _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl")
-    assert metrics == _losses(tmp_path / "straight.jsonl")
+    assert _losses(tmp_path / "a.jsonl") == _losses(tmp_path / "straight.jsonl")
+    # Evaluations (every 2 iterations) continue the validation stream across the resume: same valid losses.
+    straight_valid = _valid_losses(tmp_path / "straight.jsonl")
+    resumed_valid = _valid_losses(tmp_path / "a.jsonl")
+    assert len(straight_valid) >= 3 and resumed_valid == straight_valid, (
+        resumed_valid,
+        straight_valid,
+    )
     ck = tmp_path / "ckpt"
     assert (ck / "latest").read_text() == f"global_step{ITERS}"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,23 @@ def test_rendezvous_env(monkeypatch) -> None:
     with pytest.raises(ValueError, match="MASTER_ADDR not set"):
         ensure_rendezvous_env(local_rank=1)
     assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_metrics_writer_resume_keeps_history_and_drops_records_past_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from megatron.training.metrics import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    lines = [{"iteration": i, "lm_loss": float(i)} for i in (1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"iteration": 5, "lm_lo')
+    w = MetricsWriter(
+        str(path), None, enabled=True, resume_from=2
+    )  # resumed from a checkpoint at it. 2
+    w.close()
+    assert [json.loads(x)["iteration"] for x in path.read_text().splitlines()] == [1, 2]
+    w = MetricsWriter(
+        str(path), None, enabled=True, resume_from=0
+    )  # a fresh run starts the file anew
+    w.close()
+    assert path.read_text() == ""
