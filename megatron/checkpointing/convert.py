@@ -5,7 +5,8 @@ back needs no pickle execution: DeepSpeed's model-state files hold only tensors 
 ``torch.load(weights_only=True)`` reads them.
 
 - PP = 1: ``mp_rank_{tp:02d}_model_states.pt``, key ``module`` (Megatron names);
-- PP > 1: ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (``pipe_layout.py``; the tied head is not saved).
+- PP > 1: ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (``pipe_layout.py``; the tied head is not saved);
+- ZeRO-3 (PP = 1): the fp32 partitions in ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt`` (``zero3.py``).
 
 TP shards are merged with ``reshard.merge_tp_shards``; the architecture comes from ``trident_meta.json``.
 """
@@ -28,9 +29,11 @@ from megatron.checkpointing.engine_checkpoint import (
 )
 from megatron.checkpointing.hf_gpt2 import megatron_to_gpt2_hf
 from megatron.checkpointing.hf_llama import megatron_to_llama_hf
+from megatron.checkpointing.hf_tokenizer import export_tokenizer, special_token_ids
 from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
 from megatron.checkpointing.reshard import merge_tp_shards, pad_vocab_for_tp
 from megatron.checkpointing.verify import LogitComparison, compare_logits
+from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
 from megatron.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ def read_checkpoint_weights(
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or a model-state file is missing.
-        ValueError: a file cannot be read safely, or the checkpoint holds no weights (ZeRO-3 partitions).
+        ValueError: a file cannot be read safely, or its contents disagree.
     """
     root = Path(ckpt_dir)
     found = find_checkpoint(str(root), tag)
@@ -83,17 +86,17 @@ def read_checkpoint_weights(
     pp = int(meta["pipeline_model_parallel_size"])
     tag_dir = root / found
     shards: list[dict[str, torch.Tensor]] = []
-    if pp == 1:
+    if pp == 1 and is_zero3_checkpoint(tag_dir):
+        # ZeRO-3: the module weights are placeholders; rebuild them from the fp32 partitions.
+        shards = [read_zero3_tp_shard(tag_dir, r, progress) for r in range(tp)]
+    elif pp == 1:
         for r in range(tp):
             path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing (checkpoint saved at TP = {tp}).")
             module = _torch_load_safe(path).get("module") or {}
             if not module:
-                raise ValueError(
-                    f"{path} holds no module weights (ZeRO-3 partitions its parameters); convert it "
-                    "with DeepSpeed's zero_to_fp32.py first or save with --zero-stage <= 2."
-                )
+                raise ValueError(f"{path} holds no module weights; is the checkpoint complete?")
             shards.append({k: v.float() for k, v in module.items()})
             progress("reading TP shards", r + 1, tp)
     else:
@@ -161,18 +164,29 @@ def export_to_hf(
     progress: Progress = _no_progress,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    tokenizer: dict[str, str] | None = None,
+    write_tokenizer: bool = True,
+    say: Callable[[str], None] = logger.info,
 ) -> LogitComparison | None:
-    """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) from a Trident checkpoint.
+    """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint.
 
-    With ``verify``, loads the written directory with transformers (offline) and compares it with the checkpoint
-    run in our ``GPTModel`` on :func:`fixed_prompts` (greedy decodes of ``steps`` tokens).
+    The tokenizer is the one recorded in the checkpoint's meta, or ``tokenizer`` (``hf_tokenizer.TOKENIZER_KEYS``
+    values) when given; ``write_tokenizer=False`` skips it. With ``verify``, loads the written directory with
+    transformers (offline) and compares it with the checkpoint run in our ``GPTModel`` on :func:`fixed_prompts`
+    (greedy decodes of ``steps`` tokens).
 
     Returns:
         The comparison (None without ``verify``).
+
+    Raises:
+        FileNotFoundError / ValueError: unreadable checkpoint, or a tokenizer that cannot be exported faithfully.
     """
     from safetensors.torch import save_file
 
-    full, cfg, _ = read_checkpoint_weights(ckpt_dir, tag, progress)
+    full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
+    tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
+    if tok_info and bos_token_id is None and eos_token_id is None:
+        bos_token_id, eos_token_id = special_token_ids(tok_info)
     export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
     hf_sd, hf_cfg = export(
         full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
@@ -182,6 +196,8 @@ def export_to_hf(
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     progress("writing", 1, 1)
+    if write_tokenizer:
+        say(export_tokenizer(tok_info, out, cfg.vocab_size))
     if not verify:
         return None
     from transformers import AutoModelForCausalLM

@@ -15,7 +15,7 @@ both pointers with temp file + ``os.replace``. A process killed at any point lea
 complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
 
 Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
-``consumed_train_tokens``, ``consumed_valid_samples``, ``skipped_iterations``, ``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``),
+``consumed_train_tokens``, ``consumed_valid_samples``, ``consumed_valid_tokens``, ``skipped_iterations``, ``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``),
 ``trident_model_config`` and DeepSpeed's ``universal_checkpoint_info`` (``megatron/model/checkpoint_info.py``).
 """
 
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
+from megatron.checkpointing.hf_tokenizer import tokenizer_info
 from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
 from megatron.config import ModelConfig, TridentConfig
 from megatron.log import global_rank
@@ -246,8 +247,11 @@ class DeepSpeedCheckpointer:
         tag_dir = save_dir / tag
         tag_dir.mkdir(parents=True, exist_ok=True)
         marker = tag_dir / META_FILE
-        if global_rank() == 0 and marker.exists():
-            marker.unlink()  # re-saving an iteration: incomplete until this save finishes
+        if global_rank() == 0:
+            _retreat_latest(save_dir, tag)
+            if marker.exists():
+                marker.unlink()  # re-saving an iteration: incomplete until this save finishes
+        _wait_for_all_ranks()  # no rank overwrites files of the tag before 'latest' left it
         save_rng_file(tag_dir / rng_file_name(global_rank()))
         _crash_point("before_engine_save", state.iteration)
         seq = self.cfg.model.seq_length
@@ -256,6 +260,7 @@ class DeepSpeedCheckpointer:
             "consumed_train_samples": int(state.consumed_train_samples),
             "consumed_train_tokens": int(state.consumed_train_samples) * seq,
             "consumed_valid_samples": int(state.consumed_valid_samples),
+            "consumed_valid_tokens": int(state.consumed_valid_samples) * seq,
             "skipped_iterations": int(state.skipped_iterations),
             "lr_scheduler": scheduler.state_dict(),
             "trident_model_config": dataclasses.asdict(self.model),
@@ -267,16 +272,24 @@ class DeepSpeedCheckpointer:
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
         _crash_point("after_engine_save", state.iteration)
         if global_rank() == 0:
-            p = self.cfg.parallel
+            p, d = self.cfg.parallel, self.cfg.data
+            tokenizer = tokenizer_info(
+                tokenizer_type=d.tokenizer_type,
+                vocab_file=d.vocab_file,
+                merge_file=d.merge_file,
+                tokenizer_model=d.tokenizer_model,
+            )
             meta = {
                 "version": META_VERSION,
                 "iteration": int(state.iteration),
                 "consumed_train_samples": int(state.consumed_train_samples),
+                "consumed_valid_samples": int(state.consumed_valid_samples),
                 "model": dataclasses.asdict(self.model),
                 "padded_vocab_size": self.padded_vocab,
                 "tensor_model_parallel_size": p.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                 "world_size": self.world_size,
+                **({"tokenizer": tokenizer} if tokenizer else {}),
                 **self.extra_meta,
             }
             _atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -349,6 +362,33 @@ class DeepSpeedCheckpointer:
                 ", --finetune: weights only, iteration 0" if finetune else "",
                 self.last_load_seconds,
             )
+
+
+def _complete_tags(root: Path) -> list[tuple[int, str]]:
+    """``(iteration, tag)`` of every complete ``global_step{N}`` checkpoint in ``root``, ascending."""
+    out = []
+    for path in root.glob("global_step*"):
+        m = re.fullmatch(r"global_step(\d+)", path.name)
+        if m is not None and (path / META_FILE).is_file():
+            out.append((int(m.group(1)), path.name))
+    return sorted(out)
+
+
+def _retreat_latest(save_dir: Path, tag: str) -> None:
+    """Before ``tag`` is overwritten in place, move 'latest' off it (to the newest other complete checkpoint, or
+    remove it when there is none), so a crash during the re-save never leaves 'latest' on a half-written tag."""
+    latest = save_dir / LATEST_FILE
+    if not latest.is_file() or latest.read_text(encoding="utf-8").strip() != tag:
+        return
+    others = [(it, t) for it, t in _complete_tags(save_dir) if t != tag]
+    if others:
+        iteration, previous = others[-1]
+        _atomic_write(latest, previous)
+        _atomic_write(save_dir / ITERATION_FILE, f"{iteration}\n")
+        logger.info("re-saving %s: 'latest' points to %s until the save completes", tag, previous)
+    else:
+        latest.unlink()
+        (save_dir / ITERATION_FILE).unlink(missing_ok=True)
 
 
 def _wait_for_all_ranks() -> None:

@@ -29,6 +29,7 @@ from megatron.checkpointing.convert import (
 )
 from megatron.checkpointing.hf_gpt2 import gpt2_hf_to_megatron
 from megatron.checkpointing.hf_llama import llama_hf_to_megatron
+from megatron.checkpointing.hf_tokenizer import hf_dir_tokenizer
 from megatron.checkpointing.layout import padded_vocab_size
 from megatron.checkpointing.rewrite import write_trident_checkpoint
 from megatron.checkpointing.safe_load import load_hf_directory
@@ -84,7 +85,16 @@ def import_from_hf(
             f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
         )
     progress("converting", 1, 3)
-    write_trident_checkpoint(full, cfg, out_dir, tp=tp, pp=pp, source=str(hf_dir), timeout=timeout)
+    write_trident_checkpoint(
+        full,
+        cfg,
+        out_dir,
+        tp=tp,
+        pp=pp,
+        source=str(hf_dir),
+        tokenizer=hf_dir_tokenizer(hf_dir),
+        timeout=timeout,
+    )
     progress("writing", 2, 3)
     if not verify:
         return None

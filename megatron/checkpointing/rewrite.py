@@ -30,7 +30,7 @@ from megatron.config import ModelConfig
 
 
 def _rank_writer(
-    full_path: str, model: dict[str, Any], tp: int, pp: int, out_dir: str, source: str
+    full_path: str, model: dict[str, Any], tp: int, pp: int, out_dir: str, meta: dict[str, Any]
 ) -> None:
     """One rank of the import: model at the target layout, its shard, DeepSpeed engine, save (spawned)."""
     import deepspeed
@@ -82,7 +82,7 @@ def _rank_writer(
         scheduler = build_lr_scheduler(cfg.training, global_batch_size(cfg, world), optimizer)
         padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, tp)
         ckpt = DeepSpeedCheckpointer(cfg, true_vocab=vocab, padded_vocab=padded, world_size=world)
-        ckpt.extra_meta = {"weights_only": True, "converted_from": source}
+        ckpt.extra_meta = {"weights_only": True, **meta}
         ckpt.save(engine, scheduler, TrainState())
     finally:
         mpu.destroy_model_parallel()
@@ -96,9 +96,12 @@ def write_trident_checkpoint(
     tp: int,
     pp: int,
     source: str,
+    tokenizer: dict[str, str] | None = None,
     timeout: float = 900.0,
 ) -> None:
     """Save ``full`` (Megatron names, any vocab padding) as a Trident checkpoint for ``tp`` x ``pp`` ranks.
+
+    ``source`` and ``tokenizer`` (``hf_tokenizer.tokenizer_info``) are recorded in ``trident_meta.json``.
 
     Raises:
         ValueError: ``tp``/``pp`` < 1 or more stages than layers.
@@ -125,7 +128,7 @@ def write_trident_checkpoint(
             tp,
             pp,
             str(out_dir),
-            source,
+            {"converted_from": source, **({"tokenizer": tokenizer} if tokenizer else {})},
             init_process_group=False,
             timeout=timeout,
         )
@@ -149,8 +152,10 @@ def reshard_checkpoint(
     Returns:
         Source vs written checkpoint logits (both run in a TP = 1 ``GPTModel``), None without ``verify``.
     """
-    full, cfg, _ = read_checkpoint_weights(src, tag, progress)
-    write_trident_checkpoint(full, cfg, dst, tp=tp, pp=pp, source=str(src))
+    full, cfg, meta = read_checkpoint_weights(src, tag, progress)
+    write_trident_checkpoint(
+        full, cfg, dst, tp=tp, pp=pp, source=str(src), tokenizer=meta.get("tokenizer")
+    )
     progress("writing", 1, 1)
     if not verify:
         return None

@@ -103,6 +103,16 @@ def test_kill9_during_save_then_resume(tmp_path: Path, steps: list) -> None:
         got = _losses(metrics)
         assert got and all(got[k] == ref[k] for k in got), (crash, got, ref)
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    # Re-saving the very tag 'latest' points at (resume an older tag into the same --save): 'latest' first moves
+    # to the newest other complete checkpoint, so a crash during the re-save leaves a loadable pointer.
+    older = _cmd(ck, tmp_path / "older.jsonl", ITERS, "--load-tag", "global_step4")
+    assert _run(older, f"before_engine_save:{ITERS}") == -signal.SIGKILL
+    assert _latest(ck) == "global_step4"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    again = tmp_path / "again.jsonl"
+    _run(_cmd(ck, again, ITERS))
+    assert _losses(again) == {k: ref[k] for k in (5, 6)}
+    assert _latest(ck) == f"global_step{ITERS}"
 
 
 def _sigterm_once(tmp_path: Path, kill_signal: int) -> tuple[int, Path, Path]:

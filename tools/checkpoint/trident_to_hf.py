@@ -1,6 +1,9 @@
-"""Trident checkpoint (any TP/PP) -> Hugging Face directory (config.json + model.safetensors).
+"""Trident checkpoint (any TP/PP/ZeRO stage) -> Hugging Face directory (config.json, model.safetensors, tokenizer).
 
     python -m tools.checkpoint.trident_to_hf --load ckpt/ --out hf_model/ [--tag global_step1000] [--no-verify]
+
+The tokenizer recorded at training time is exported too (``--no-tokenizer`` to skip; ``--tokenizer-type`` and its
+file flags to name another).
 
 Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
 """
@@ -11,6 +14,7 @@ import argparse
 import sys
 
 from megatron.checkpointing.convert import export_to_hf
+from megatron.checkpointing.hf_tokenizer import tokenizer_info
 from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
 
 
@@ -21,8 +25,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--bos-token-id", type=int, default=None)
     p.add_argument("--eos-token-id", type=int, default=None)
+    g = p.add_argument_group(
+        "tokenizer (default: the one recorded in the checkpoint; these flags replace it)"
+    )
+    g.add_argument("--tokenizer-type", default=None, help="as in training, e.g. GPT2BPETokenizer")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     add_verify_args(p)
     a = p.parse_args(argv)
+    tokenizer = tokenizer_info(
+        tokenizer_type=a.tokenizer_type,
+        vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
+        tokenizer_model=a.tokenizer_model,
+    )
+    if tokenizer is None and (a.vocab_file or a.merge_file or a.tokenizer_model):
+        print(
+            "error: --vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.",
+            file=sys.stderr,
+        )
+        return EXIT_INPUT_ERROR
     try:
         result = export_to_hf(
             a.load,
@@ -33,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             progress=Bar(not a.no_progress),
             bos_token_id=a.bos_token_id,
             eos_token_id=a.eos_token_id,
+            tokenizer=tokenizer,
+            write_tokenizer=not a.no_tokenizer,
+            say=print,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

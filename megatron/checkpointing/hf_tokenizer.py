@@ -1,0 +1,187 @@
+"""Tokenizer files for an exported Hugging Face directory, from the tokenizer a checkpoint was trained with.
+
+Training records its tokenizer flags in ``trident_meta.json`` (``"tokenizer"``: ``--tokenizer-type``,
+``--vocab-file``, ``--merge-file``, ``--tokenizer-model`` as absolute paths). The export writes files that
+``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads offline and that encode like the training tokenizer:
+
+================================  ======================================================================
+GPT2BPETokenizer                  ``vocab.json`` + ``merges.txt`` (``GPT2Tokenizer``)
+GPTSentencePieceTokenizer         ``tokenizer.model`` (``LlamaTokenizer``, no BOS/EOS added: as in training)
+HFTokenizer                       its ``tokenizer.json`` (+ ``tokenizer_config.json``/``special_tokens_map.json``)
+SentencePieceTokenizer            not exported: its appended ``<CLS>``/``<EOD>``... ids have no HF equivalent
+NullTokenizer                     nothing to export
+================================  ======================================================================
+
+After writing, the files are loaded back with transformers and must give the training tokenizer's ids on a fixed
+text; otherwise the export is refused (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from megatron.tokenizer import build_tokenizer
+
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+SAMPLE_TEXT = (
+    "In the beginning was the Word.\n\tTrident trains 3D-parallel models: 1,234 steps at 5.6e-4, "
+    "naïve café déjà vu — 東京 🙂  two  spaces, CamelCase_and_snake_case."
+)
+"""Text both tokenizers must encode identically (no special-token strings: the GPT-2 BPE of Megatron treats
+``<|endoftext|>`` inside text as plain characters, transformers as the special token)."""
+
+_SP_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
+_GPT2_EOD = "<|endoftext|>"
+_EXPORTABLE = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HFTokenizer")
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_info(
+    *,
+    tokenizer_type: str | None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+) -> dict[str, str] | None:
+    """The ``"tokenizer"`` entry of ``trident_meta.json`` (absolute paths), or None without a tokenizer type."""
+    if not tokenizer_type:
+        return None
+    info = {"tokenizer_type": tokenizer_type}
+    for key, value in (
+        ("vocab_file", vocab_file),
+        ("merge_file", merge_file),
+        ("tokenizer_model", tokenizer_model),
+    ):
+        if value:
+            info[key] = os.path.abspath(value)
+    return info
+
+
+def hf_dir_tokenizer(hf_dir: str | Path) -> dict[str, str] | None:
+    """The tokenizer of an HF model directory, as an ``HFTokenizer`` entry (None without ``tokenizer.json``)."""
+    d = Path(hf_dir)
+    if not (d / "tokenizer.json").is_file():
+        return None
+    return tokenizer_info(tokenizer_type="HFTokenizer", tokenizer_model=str(d))
+
+
+def special_token_ids(info: dict[str, str] | None) -> tuple[int | None, int | None]:
+    """``(bos, eos)`` ids of the tokenizer of ``info`` (eos = Megatron's EOD), ``(None, None)`` without one."""
+    if not info or info.get("tokenizer_type") not in _EXPORTABLE:
+        return None, None
+    tok = _build(info)
+    return tok.bos, tok.eod
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _require(info: dict[str, str], key: str) -> Path:
+    value = info.get(key)
+    flag = "--" + key.replace("_", "-")
+    if not value:
+        raise FileNotFoundError(f"the checkpoint records no {flag}; pass {flag} to the export.")
+    path = Path(value)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{flag} {path} (recorded at training time) no longer exists; pass {flag} with its new place."
+        )
+    return path
+
+
+_NEEDS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "HFTokenizer": ("tokenizer_model",),
+}
+
+
+def _build(info: dict[str, str]) -> Any:
+    """The training tokenizer of ``info`` (its recorded files checked first, naming the flag to pass)."""
+    for key in _NEEDS.get(info["tokenizer_type"], ()):
+        _require(info, key)
+    return build_tokenizer(**{k: info.get(k) for k in TOKENIZER_KEYS})
+
+
+def _write_files(info: dict[str, str], out: Path) -> str:
+    kind = info.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer":
+        shutil.copyfile(_require(info, "vocab_file"), out / "vocab.json")
+        shutil.copyfile(_require(info, "merge_file"), out / "merges.txt")
+        specials = dict.fromkeys(("bos_token", "eos_token", "unk_token"), _GPT2_EOD)
+        _write_json(out / "tokenizer_config.json", {"tokenizer_class": "GPT2Tokenizer", **specials})
+        return "vocab.json, merges.txt"
+    if kind == "GPTSentencePieceTokenizer":
+        shutil.copyfile(_require(info, "tokenizer_model"), out / "tokenizer.model")
+        _write_json(out / "tokenizer_config.json", _SP_CONFIG)
+        return "tokenizer.model"
+    if kind == "HFTokenizer":
+        src = _require(info, "tokenizer_model")
+        directory = src if src.is_dir() else src.parent
+        json_file = src / "tokenizer.json" if src.is_dir() else src
+        if not json_file.is_file():
+            raise FileNotFoundError(f"--tokenizer-model {src} holds no tokenizer.json to export.")
+        shutil.copyfile(json_file, out / "tokenizer.json")
+        for name in _HF_FILES[1:]:
+            if (directory / name).is_file():
+                shutil.copyfile(directory / name, out / name)
+        if not (out / "tokenizer_config.json").is_file():
+            _write_json(
+                out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"}
+            )
+        return "tokenizer.json"
+    raise ValueError(f"tokenizer type {kind!r} cannot be exported.")
+
+
+def export_tokenizer(
+    info: dict[str, str] | None, out_dir: str | Path, model_vocab: int | None = None
+) -> str:
+    """Write the tokenizer files of ``info`` into ``out_dir`` and check that transformers encodes like training.
+
+    Args:
+        info: the ``"tokenizer"`` entry of the meta (:func:`tokenizer_info`), or None.
+        out_dir: the HF directory being written.
+        model_vocab: the model's true vocabulary; the tokenizer must have exactly this many tokens.
+
+    Returns:
+        One line saying what was written (or why nothing was).
+
+    Raises:
+        FileNotFoundError: a recorded tokenizer file is gone (the message names the flag to pass).
+        ValueError: the tokenizer's vocabulary differs from the model's, or the written tokenizer encodes
+            :data:`SAMPLE_TEXT` differently from the training tokenizer.
+    """
+    if not info or not info.get("tokenizer_type"):
+        return "tokenizer: none recorded in the checkpoint (pass --tokenizer-type and its files to add one)"
+    out = Path(out_dir)
+    kind = info["tokenizer_type"]
+    if kind not in _EXPORTABLE:
+        return f"tokenizer: {kind} has no Hugging Face equivalent; no tokenizer files written"
+    ours = _build(info)
+    if model_vocab is not None and ours.vocab_size != model_vocab:
+        raise ValueError(
+            f"the {kind} tokenizer has {ours.vocab_size} tokens but the model was trained with "
+            f"{model_vocab}; pass the training tokenizer's flags, or --no-tokenizer."
+        )
+    written = _write_files(info, out)
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    expected = ours.tokenize(SAMPLE_TEXT)
+    got = theirs.encode(SAMPLE_TEXT, add_special_tokens=False)
+    if got != expected:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None
+        )
+        raise ValueError(
+            f"the exported {kind} files in {out} encode differently from the training tokenizer "
+            f"(first difference at token {first}: {len(got)} vs {len(expected)} ids); "
+            "pass --no-tokenizer to export the weights alone."
+        )
+    return f"tokenizer: {kind} -> {written} (encodes like the training tokenizer)"

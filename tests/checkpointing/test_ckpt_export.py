@@ -1,0 +1,179 @@
+"""Trident -> HF export of ZeRO-3 checkpoints (fp32 partitions rebuilt offline) and of the training tokenizer.
+
+End to end: the same tiny GPT trains 2 iterations at TP = 2 x DP = 2 under ZeRO-3 and under ZeRO-1 (real
+DeepSpeed engines, one spawn); both checkpoints export through the CLI with verification, and the two HF weight
+files must agree (ZeRO stages give the same model up to fp32 summation order). The tokenizer recorded at training
+time is exported and must load offline in transformers and encode like ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pydoc_data.topics
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.checkpointing.hf_tokenizer import (
+    SAMPLE_TEXT,
+    export_tokenizer,
+    hf_dir_tokenizer,
+    special_token_ids,
+    tokenizer_info,
+)
+from megatron.checkpointing.zero3 import merge_zero3_partitions
+from megatron.model.presets import GPT2_FLAGS
+from megatron.testing import run_distributed
+from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer.train import train_bpe, train_sentencepiece
+from tools.checkpoint import trident_to_hf
+
+TEXTS = list(pydoc_data.topics.topics.values())[:150]
+
+FLAGS = [
+    *GPT2_FLAGS,
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+    "--lr", "2e-3", "--min-lr", "2e-4", "--clip-grad", "1.0", "--seed", "1234", "--mock-data",
+    "--tensor-model-parallel-size", "2", "--eval-iters", "0", "--log-level", "WARNING",
+]  # fmt: skip
+
+
+def test_merge_zero3_partitions_is_exact() -> None:
+    """Partition known tensors the ZeRO-3 way (ceil pieces, zero padding, alignment tail), merge them back."""
+    g = torch.Generator().manual_seed(0)
+    groups = [
+        {"a": torch.Size([5, 3]), "b": torch.Size([7])},
+        {"c": torch.Size([4]), "d": torch.Size([2, 2, 3])},
+    ]
+    params = {n: torch.randn(s, generator=g) for grp in groups for n, s in grp.items()}
+    dp = 3
+    flat_per_rank: list[list[torch.Tensor]] = [[] for _ in range(dp)]
+    for grp in groups:
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(dp)]
+        for name, shape in grp.items():
+            numel = math.prod(shape)
+            piece = -(-numel // dp)
+            padded = torch.zeros(piece * dp)
+            padded[:numel] = params[name].flatten()
+            for d in range(dp):
+                pieces[d].append(padded[d * piece : (d + 1) * piece])
+        tail = torch.full((2,), 99.0)  # alignment padding at the end of a flat group
+        for d in range(dp):
+            flat_per_rank[d].append(torch.cat([*pieces[d], tail]))
+    merged = merge_zero3_partitions(groups, flat_per_rank)
+    assert set(merged) == set(params)
+    for name, t in params.items():
+        assert torch.equal(merged[name], t), name
+    short = [[f[0][:4], f[1]] for f in flat_per_rank]
+    with pytest.raises(ValueError, match="too short for parameter"):
+        merge_zero3_partitions(groups, short)
+    with pytest.raises(ValueError, match="parameter groups per rank"):
+        merge_zero3_partitions(groups, [[f[0]] for f in flat_per_rank])
+
+
+def _train_zero_stages(root: str, vocab_file: str, merge_file: str) -> None:
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+
+    tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file]
+    tok += ["--merge-file", merge_file]
+    for stage in (3, 1):
+        save = ["--save", f"{root}/zero{stage}", "--zero-stage", str(stage)]
+        pretrain(parse_args([*FLAGS, *tok, *save]))
+
+
+def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    (tmp_path / "bpe").mkdir()
+    paths = train_bpe(TEXTS, vocab_size=512, output_dir=str(tmp_path / "bpe"))
+    vocab, merges = paths["vocab_file"], paths["merge_file"]
+    run_distributed(
+        _train_zero_stages, 4, str(tmp_path), vocab, merges, init_process_group=False, timeout=300
+    )
+    z3, z1 = tmp_path / "zero3", tmp_path / "zero1"
+    assert any((z3 / "global_step2").glob("zero_pp_rank_1_mp_rank_01_optim_states.pt"))
+    meta = json.loads((z3 / "global_step2" / "trident_meta.json").read_text())
+    assert meta["tokenizer"]["tokenizer_type"] == "GPT2BPETokenizer"
+
+    out3, out1 = tmp_path / "hf3", tmp_path / "hf1"
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(out3), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "tokenizer: GPT2BPETokenizer -> vocab.json, merges.txt (encodes like" in printed
+    assert "greedy agreement = 1.000 -> OK" in printed
+    argv = ["--load", str(z1), "--out", str(out1), "--no-progress", "--no-tokenizer"]
+    assert trident_to_hf.main(argv) == 0
+    assert "-> OK" in capsys.readouterr().out and not (out1 / "vocab.json").exists()
+
+    # The weights rebuilt from ZeRO-3's partitions are the ZeRO-1 run's weights (same training).
+    w3, w1 = load_file(str(out3 / "model.safetensors")), load_file(str(out1 / "model.safetensors"))
+    assert set(w3) == set(w1)
+    worst = max((w3[k] - w1[k]).abs().max().item() for k in w1)
+    with capsys.disabled():
+        print(f"\nZeRO-3 vs ZeRO-1 export (TP 2 x DP 2, 2 iterations): max |dw| = {worst:.2e}")
+    assert worst <= 1e-5
+
+    # The exported tokenizer loads offline, encodes like ours, and config.json carries its ids.
+    ours = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    hf_tok = AutoTokenizer.from_pretrained(str(out3), local_files_only=True)
+    assert hf_tok.encode(TEXTS[3], add_special_tokens=False) == ours.tokenize(TEXTS[3])
+    config = json.loads((out3 / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eod == 0
+
+    # Errors: a tokenizer file moved since training; a missing ZeRO-3 partition file.
+    moved = tmp_path / "moved_vocab.json"
+    shutil.move(vocab, moved)
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--vocab-file" in err and "no longer exists; pass --vocab-file" in err
+    override = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(moved)]
+    override += ["--merge-file", merges, "--no-verify", "--no-progress"]
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "y"), *override]) == 0
+    (z3 / "global_step2" / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "z")]) == 2
+    err = capsys.readouterr().err
+    assert "optim_states.pt is missing: a ZeRO-3 checkpoint keeps its weights" in err
+
+
+def test_export_tokenizer_flavours(tmp_path: Path) -> None:
+    """SentencePiece and HF tokenizer files export and re-encode identically; mismatches are refused."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "sp").mkdir()
+    sp = train_sentencepiece(TEXTS, vocab_size=512, output_dir=str(tmp_path / "sp"))
+    info = tokenizer_info(
+        tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp["tokenizer_model"]
+    )
+    ours = build_tokenizer(**info)
+    out = tmp_path / "out_sp"
+    out.mkdir()
+    assert "GPTSentencePieceTokenizer -> tokenizer.model" in export_tokenizer(info, out, 512)
+    hf = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert hf.encode(SAMPLE_TEXT, add_special_tokens=False) == ours.tokenize(SAMPLE_TEXT)
+    assert hf.encode("x y") == ours.tokenize("x y")  # no BOS added, as in training
+    assert special_token_ids(info) == (ours.bos, ours.eod)
+
+    bpe_dir = tmp_path / "bpe"
+    bpe_dir.mkdir()
+    train_bpe(TEXTS, vocab_size=400, output_dir=str(bpe_dir))
+    hf_info = hf_dir_tokenizer(bpe_dir)
+    assert hf_info == {"tokenizer_type": "HFTokenizer", "tokenizer_model": str(bpe_dir)}
+    out = tmp_path / "out_hf"
+    out.mkdir()
+    assert "HFTokenizer -> tokenizer.json" in export_tokenizer(hf_info, out, 400)
+    hf = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    ours = build_tokenizer(**hf_info)
+    assert hf.encode(SAMPLE_TEXT, add_special_tokens=False) == ours.tokenize(SAMPLE_TEXT)
+    assert hf_dir_tokenizer(tmp_path) is None
+
+    with pytest.raises(ValueError, match="has 400 tokens but the model was trained with 512"):
+        export_tokenizer(hf_info, out, 512)
+    megatron_sp = {**info, "tokenizer_type": "SentencePieceTokenizer"}
+    assert "no Hugging Face equivalent" in export_tokenizer(megatron_sp, out)
+    assert "none recorded" in export_tokenizer(None, out)
