@@ -196,3 +196,38 @@ def test_deepspeed_launcher_two_ranks(tmp_path: Path) -> None:
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     train, _ = _records(metrics)
     assert [r["iteration"] for r in train] == [1, 2]
+
+
+def test_srun_environment_two_tasks(tmp_path: Path) -> None:
+    """Two tasks started the way ``srun -n 2`` starts them: only SLURM_* variables, no RANK/WORLD_SIZE/MASTER_*.
+
+    (Slurm itself is not installed here; the test reproduces the environment srun gives each task.)
+    """
+    metrics = tmp_path / "m.jsonl"
+    cmd = [PY, "pretrain_gpt.py", *TINY, "--train-iters", "2", "--tensor-model-parallel-size", "2"]
+    cmd += ["--metrics-file", str(metrics)]
+    slurm = {
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_JOB_ID": str(4000 + os.getpid() % 5000),
+    }  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "srun task 0 of 2: rendezvous at localhost:" in outs[0]
+    train, _ = _records(metrics)
+    assert [r["iteration"] for r in train] == [1, 2]

@@ -311,6 +311,27 @@ def test_rendezvous_env(monkeypatch) -> None:
     assert os.environ["LOCAL_RANK"] == "1"
 
 
+def test_slurm_rendezvous_env() -> None:
+    from megatron.training.initialize import first_slurm_host, slurm_rendezvous_env
+
+    assert first_slurm_host("gpu[007-010,12],cpu1") == "gpu007"
+    assert first_slurm_host("rack[1-2]-node[05-06]") == "rack1-node05"
+    assert first_slurm_host("a1,a2") == first_slurm_host("a1") == "a1"
+    with pytest.raises(ValueError, match="set MASTER_ADDR"):
+        first_slurm_host("node[1-2")
+    step = {
+        "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_JOB_ID": "123456", "SLURM_NTASKS": "16",
+    }  # fmt: skip
+    assert slurm_rendezvous_env(step) == {
+        "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "n3", "MASTER_PORT": "23456",
+    }  # fmt: skip
+    assert slurm_rendezvous_env({**step, "MASTER_PORT": "777"})["MASTER_PORT"] == "777"
+    # A batch script's own shell (no srun step): one process, nothing derived.
+    batch = {k: v for k, v in step.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert slurm_rendezvous_env(batch) == {}
+
+
 def test_metrics_writer_resume_keeps_history_and_drops_records_past_the_checkpoint(
     tmp_path: Path,
 ) -> None:
