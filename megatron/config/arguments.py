@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
@@ -204,7 +205,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 
 def config_from_namespace(a: argparse.Namespace) -> TridentConfig:
     """Build the frozen config from parsed flags (no validation; see :func:`validate`)."""
-    recompute = a.recompute_granularity or ("full" if a.checkpoint_activations else None)
+    recompute: Literal["full", "selective"] | None = a.recompute_granularity or (
+        "full" if a.checkpoint_activations else None
+    )
     model = ModelConfig(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,

@@ -32,12 +32,12 @@ def _check_positive(cfg: TridentConfig) -> None:
             raise ValueError(f"{flag} ({value}) must be a positive integer.")
     if t.eval_iters < 0:
         raise ValueError(f"--eval-iters ({t.eval_iters}) must be >= 0 (0 disables evaluation).")
-    for flag, value in (
+    for flag, rate in (
         ("--attention-dropout", m.attention_dropout),
         ("--hidden-dropout", m.hidden_dropout),
     ):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{flag} ({value}) must be in [0, 1).")
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"{flag} ({rate}) must be in [0, 1).")
 
 
 def _check_model(cfg: TridentConfig) -> None:

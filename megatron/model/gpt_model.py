@@ -87,20 +87,30 @@ class TransformerLanguageModel(nn.Module):
         self.padded_vocab = padded_vocab_size(
             config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size
         )
-        common = {"seed": seed, "params_dtype": params_dtype, "device": device}
         self.embedding = Embedding(
             config,
             padded_vocab=self.padded_vocab,
             sequence_parallel=self.sequence_parallel,
-            **common,
+            seed=seed,
+            params_dtype=params_dtype,
+            device=device,
         )
         self.encoder = ParallelTransformer(
-            config, sequence_parallel=self.sequence_parallel, **common
+            config,
+            sequence_parallel=self.sequence_parallel,
+            seed=seed,
+            params_dtype=params_dtype,
+            device=device,
         )
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             self.output_layer = build_output_layer(
-                config, padded_vocab=self.padded_vocab, tp_rank=self.tp_rank, **common
+                config,
+                padded_vocab=self.padded_vocab,
+                tp_rank=self.tp_rank,
+                seed=seed,
+                params_dtype=params_dtype,
+                device=device,
             )
 
     def output_weight(self) -> torch.Tensor:

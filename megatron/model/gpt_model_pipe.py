@@ -155,7 +155,8 @@ def _check_pipe_inputs(inputs: PipeActivation) -> PipeActivation:
             "GPTModelPipe expects each micro-batch as ((input_ids [b, s], position_ids [b, s]), "
             f"(labels [b, s], loss_mask [b, s])); the inputs part was {got}."
         )
-    return tuple(inputs)
+    input_ids, position_ids = inputs
+    return input_ids, position_ids
 
 
 def _logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:

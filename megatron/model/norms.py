@@ -98,7 +98,7 @@ def build_norm(
     Raises:
         ValueError: for any other value.
     """
-    kinds = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+    kinds: dict[str, type[LayerNorm] | type[RMSNorm]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
     if normalization not in kinds:
         raise ValueError(f"--normalization ({normalization!r}) must be 'layernorm' or 'rmsnorm'.")
     return kinds[normalization](

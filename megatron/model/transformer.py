@@ -79,24 +79,38 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel
-        common = {"params_dtype": params_dtype, "device": device}
-        norm_kw = {
-            "eps": config.layernorm_epsilon,
-            "sequence_parallel": sequence_parallel,
-            **common,
-        }
-        layer_kw = {
-            "layer_number": layer_number,
-            "seed": seed,
-            "sequence_parallel": sequence_parallel,
-            **common,
-        }
-        self.input_layernorm = build_norm(config.normalization, config.hidden_size, **norm_kw)
-        self.self_attention = ParallelAttention(config, **layer_kw)
-        self.post_attention_layernorm = build_norm(
-            config.normalization, config.hidden_size, **norm_kw
+        self.input_layernorm = build_norm(
+            config.normalization,
+            config.hidden_size,
+            eps=config.layernorm_epsilon,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
         )
-        self.mlp = ParallelMLP(config, **layer_kw)
+        self.self_attention = ParallelAttention(
+            config,
+            layer_number=layer_number,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        self.post_attention_layernorm = build_norm(
+            config.normalization,
+            config.hidden_size,
+            eps=config.layernorm_epsilon,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        self.mlp = ParallelMLP(
+            config,
+            layer_number=layer_number,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+        )
 
     def forward(
         self,
@@ -105,17 +119,26 @@ class ParallelTransformerLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[s(/p), b, h] -> [s(/p), b, h]``; ``rotary`` = (cos, sin) ``[s, b, 1, hn]`` or None."""
-        bda = {
-            "p": self.hidden_dropout,
-            "training": self.training,
-            "sequence_parallel": self.sequence_parallel,
-        }
         attn_out, attn_bias = self.self_attention(
             self.input_layernorm(hidden_states), rotary, attention_mask
         )
-        hidden_states = bias_dropout_add(attn_out, attn_bias, hidden_states, **bda)
+        hidden_states = bias_dropout_add(
+            attn_out,
+            attn_bias,
+            hidden_states,
+            p=self.hidden_dropout,
+            training=self.training,
+            sequence_parallel=self.sequence_parallel,
+        )
         mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden_states))
-        return bias_dropout_add(mlp_out, mlp_bias, hidden_states, **bda)
+        return bias_dropout_add(
+            mlp_out,
+            mlp_bias,
+            hidden_states,
+            p=self.hidden_dropout,
+            training=self.training,
+            sequence_parallel=self.sequence_parallel,
+        )
 
 
 class ParallelTransformer(nn.Module):

@@ -20,18 +20,18 @@ def _sizes_on_source(
     sizes = torch.zeros(len(keys), 1 + _MAX_DIMS, dtype=torch.int64)
     for i, key in enumerate(keys):
         tensor = None if data is None else data.get(key)
-        problem = None
         if tensor is None:
             problem = f"key {key!r} is missing from data (keys given: {sorted(data or {})})"
         elif tensor.dtype != datatype:
             problem = f"data[{key!r}] has dtype {tensor.dtype}, expected {datatype}"
         elif tensor.dim() > _MAX_DIMS:
             problem = f"data[{key!r}] has {tensor.dim()} dims; at most {_MAX_DIMS} are supported"
-        if problem is not None:
-            sizes[0, 0] = _ERROR
-            return sizes, problem
-        sizes[i, 0] = tensor.dim()
-        sizes[i, 1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        else:
+            sizes[i, 0] = tensor.dim()
+            sizes[i, 1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            continue
+        sizes[0, 0] = _ERROR
+        return sizes, problem
     return sizes, None
 
 
@@ -64,9 +64,10 @@ def broadcast_data(
         group_world_size(group) == 1
     ):  # nothing to send: validate and keep the tensors where they are
         _, problem = _sizes_on_source(keys, data, datatype)
-        if problem is not None:
+        # data is None only together with a problem (keys is not empty)
+        if problem is not None or data is None:
             raise ValueError(f"broadcast_data: {problem}")
-        return {key: data[key] for key in keys}  # type: ignore[index]
+        return {key: data[key] for key in keys}
     device = communication_device(group)
     is_source = group_rank(group) == 0
     problem = None

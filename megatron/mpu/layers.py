@@ -73,9 +73,12 @@ def set_tensor_model_parallel_attributes(
     tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
 ) -> None:
     """Mark ``tensor`` as TP-sharded (or not) along ``dim`` with ``stride``."""
-    tensor.tensor_model_parallel = is_parallel
-    tensor.partition_dim = dim
-    tensor.partition_stride = stride
+    for name, value in (
+        ("tensor_model_parallel", is_parallel),
+        ("partition_dim", dim),
+        ("partition_stride", stride),
+    ):
+        setattr(tensor, name, value)
 
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
@@ -319,7 +322,7 @@ class RowParallelLinear(torch.nn.Module):
                 torch.zeros(output_size, dtype=params_dtype, device=device)
             )
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 
@@ -336,7 +339,7 @@ class RowParallelLinear(torch.nn.Module):
             output = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, self.group)  # -> [s, b, o]
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and self.sequence_parallel:
             bias = copy_to_tensor_model_parallel_region(bias, self.group)  # grad: sum over TP
         if self.skip_bias_add:
@@ -440,7 +443,7 @@ def gather_full_parameter(param: torch.Tensor, group: ProcessGroup | None = None
     world = group_world_size(group)
     if not getattr(param, "tensor_model_parallel", False) or world == 1:
         return param.detach().clone()
-    dim, stride = param.partition_dim, param.partition_stride
+    dim, stride = param.partition_dim, param.partition_stride  # type: ignore[attr-defined]
     local = param.detach().transpose(0, dim).contiguous()  # partition dim first
     full = all_gather_first_dim(local, group)  # [n/p, ...] -> [n, ...] (rank order)
     full = _to_master_order(full.transpose(0, -1), world, stride).transpose(0, -1)

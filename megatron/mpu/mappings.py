@@ -306,7 +306,7 @@ def broadcast_(
 ) -> torch.Tensor:
     """In place: overwrite ``tensor`` with the one of group rank ``src_group_rank`` (default TP group)."""
     group = resolve_group(group)
-    if group_world_size(group) > 1:
+    if group is not None and group_world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
     return tensor
 
