@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README command 2: install (first time) and run the whole default test suite: style checks, then pytest.
+# README command 2: install (first time) and run the whole default test suite: style checks (ruff, ruff format,
+# mypy, codespell, clang-format), then pytest.
 #   bash scripts/test.sh                 # default suite (excludes -m slow)
 #   bash scripts/test.sh -m slow         # extra pytest arguments are passed through
 set -euo pipefail
@@ -10,6 +11,12 @@ echo "[test] ruff check"
 ruff check .
 echo "[test] ruff format --check"
 ruff format --check .
+echo "[test] mypy (megatron/config, mpu, model)"
+mypy
+echo "[test] codespell"
+codespell
+echo "[test] clang-format --dry-run (csrc)"
+find csrc \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' \) -print0 | xargs -0 -r clang-format --dry-run --Werror
 echo "[test] pytest"
 python -m pytest "$@"
 echo "[test] finished in $((SECONDS - t0)) s"

@@ -74,8 +74,10 @@ py::array_t<int64_t> build_sample_idx(const py::array& sizes_arr, const py::arra
                                       int64_t tokens_per_epoch) {
   check_array<int32_t>(sizes_arr, "sizes", "int32", false);
   check_array<int32_t>(doc_idx_arr, "doc_idx", "int32", false);
-  if (seq_length < 1) throw py::value_error("seq_length must be >= 1, got " + std::to_string(seq_length));
-  if (num_epochs < 1) throw py::value_error("num_epochs must be >= 1, got " + std::to_string(num_epochs));
+  if (seq_length < 1)
+    throw py::value_error("seq_length must be >= 1, got " + std::to_string(seq_length));
+  if (num_epochs < 1)
+    throw py::value_error("num_epochs must be >= 1, got " + std::to_string(num_epochs));
   if (tokens_per_epoch < 2) {
     throw py::value_error("tokens_per_epoch must be >= 2 (a sample needs 2 tokens), got " +
                           std::to_string(tokens_per_epoch));
@@ -98,8 +100,9 @@ py::array_t<int64_t> build_sample_idx(const py::array& sizes_arr, const py::arra
   const int64_t num_samples = (num_epochs * tokens_per_epoch - 1) / seq_length;
   if (stream_tokens < num_samples * seq_length + 1) {
     throw py::value_error("doc_idx holds " + std::to_string(stream_tokens) + " tokens, but " +
-                          std::to_string(num_samples) + " samples of seq_length " + std::to_string(seq_length) +
-                          " need " + std::to_string(num_samples * seq_length + 1) +
+                          std::to_string(num_samples) + " samples of seq_length " +
+                          std::to_string(seq_length) + " need " +
+                          std::to_string(num_samples * seq_length + 1) +
                           " (num_epochs * tokens_per_epoch overstates the documents' tokens)");
   }
 
@@ -178,10 +181,11 @@ void build_blending_indices(py::array& dataset_index_arr, py::array& dataset_sam
 
 PYBIND11_MODULE(_helpers, m) {
   m.doc() = "Trident GPT data index builders (Megatron semantics); see csrc/data/helpers.cpp";
-  m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"), py::arg("seq_length"),
-        py::arg("num_epochs"), py::arg("tokens_per_epoch"),
+  m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"),
+        py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"),
         "int64 [num_samples + 1, 2] (doc_idx position, token offset) of each sample start.");
   m.def("build_blending_indices", &build_blending_indices, py::arg("dataset_index"),
-        py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"), py::arg("size"),
+        py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"),
+        py::arg("size"),
         "Greedy blending: fills dataset_index (uint8) and dataset_sample_index (int64) in place.");
 }

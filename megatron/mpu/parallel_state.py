@@ -25,7 +25,7 @@ Worked example, W = 16, p = 2, pp = 4 (so dp = 2)::
     sequence-parallel (DeepSpeed Ulysses; always size 1 here)  [0] [1] ... [15]
     sequence-data-parallel (= data-parallel while sequence-parallel size is 1)
 
-Megatron's sequence parallelism (``--sequence-parallel``) re-uses the TP group; the size-1 "sequence-parallel"
+Megatron's sequence parallelism (``--sequence-parallel``) reuses the TP group; the size-1 "sequence-parallel"
 getters only exist because DeepSpeed asks the ``mpu`` for them.
 
 ``initialize_model_parallel`` validates the degrees (identically on every rank, before any group exists), builds
