@@ -5,17 +5,20 @@
 - :func:`loss_func`: masked mean of a per-token loss.
 - :func:`padded_vocab_size`, :func:`num_parameters`; :mod:`megatron.model.presets` (flag lists).
 - :func:`universal_checkpoint_info`, :func:`param_layout`: TP/PP layout of every parameter by name.
+- :class:`InferenceParams`: the KV cache ``GPTModel`` takes for generation.
 """
 
 from megatron.model import presets
 from megatron.model.checkpoint_info import param_layout, universal_checkpoint_info
 from megatron.model.gpt_model import GPTModel
 from megatron.model.gpt_model_pipe import GPTModelPipe, pipe_loss_fn, pipe_to_megatron_name
+from megatron.model.inference import InferenceParams
 from megatron.model.utils import loss_func, num_parameters, padded_vocab_size
 
 __all__ = [
     "GPTModel",
     "GPTModelPipe",
+    "InferenceParams",
     "loss_func",
     "num_parameters",
     "padded_vocab_size",

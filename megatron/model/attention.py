@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.model.inference import InferenceParams
 from megatron.model.rotary import apply_rotary_pos_emb
 from megatron.model.utils import layer_param_name
 from megatron.mpu.layers import (
@@ -54,8 +55,9 @@ def reference_attention(
     """Plain causal attention, the math spelled out (``use_flash_attn=False``).
 
     Args:
-        q: ``[s, b, np, hn]``; k, v: ``[s, b, gp, hn]`` with ``gp`` dividing ``np``.
-        attention_mask: None for causal, else bool ``[b or 1, 1, s, s]``, True = masked (Megatron convention).
+        q: ``[s, b, np, hn]``; k, v: ``[S, b, gp, hn]`` with ``gp`` dividing ``np`` (``S = s`` except with a KV
+            cache, where the mask must be given).
+        attention_mask: None for causal, else bool ``[b or 1, 1, s, S]``, True = masked (Megatron convention).
         dropout_p: dropout on the probabilities (the caller picks the RNG state).
 
     Returns:
@@ -64,15 +66,15 @@ def reference_attention(
     s, b, heads, hn = q.shape
     repeats = heads // k.shape[2]
     qh = q.permute(1, 2, 0, 3)  # [s, b, np, hn] -> [b, np, s, hn]
-    kh = _expand_kv(k, repeats).permute(1, 2, 3, 0)  # [s, b, gp, hn] -> [b, np, hn, s]
-    vh = _expand_kv(v, repeats).permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, np, s, hn]
-    scores = torch.matmul(qh.float(), kh.float()) * (1.0 / math.sqrt(hn))  # [b, np, s, s]
+    kh = _expand_kv(k, repeats).permute(1, 2, 3, 0)  # [S, b, gp, hn] -> [b, np, hn, S]
+    vh = _expand_kv(v, repeats).permute(1, 2, 0, 3)  # [S, b, gp, hn] -> [b, np, S, hn]
+    scores = torch.matmul(qh.float(), kh.float()) * (1.0 / math.sqrt(hn))  # [b, np, s, S]
     if attention_mask is None:
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    ctx = torch.matmul(probs, vh)  # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
+    ctx = torch.matmul(probs, vh)  # [b, np, s, S] x [b, np, S, hn] -> [b, np, s, hn]
     return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [b, np, s, hn] -> [s, b, np*hn]
 
 
@@ -87,8 +89,8 @@ def sdpa_attention(
     """Causal attention through ``F.scaled_dot_product_attention``; same contract as :func:`reference_attention`."""
     s, b, heads, hn = q.shape
     qh = q.permute(1, 2, 0, 3)  # [s, b, np, hn] -> [b, np, s, hn]
-    kh = k.permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, gp, s, hn]
-    vh = v.permute(1, 2, 0, 3)  # [s, b, gp, hn] -> [b, gp, s, hn]
+    kh = k.permute(1, 2, 0, 3)  # [S, b, gp, hn] -> [b, gp, S, hn]
+    vh = v.permute(1, 2, 0, 3)  # [S, b, gp, hn] -> [b, gp, S, hn]
     ctx = F.scaled_dot_product_attention(
         qh,
         kh,
@@ -127,6 +129,7 @@ class ParallelAttention(nn.Module):
     ) -> None:
         super().__init__()
         n, g, hn = config.num_attention_heads, config.num_query_groups, config.head_dim
+        self.layer_number = layer_number
         self.head_dim = hn
         self.group_size = n // g
         self.attention_dropout = config.attention_dropout
@@ -191,6 +194,7 @@ class ParallelAttention(nn.Module):
         hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-attention of ``hidden_states``.
 
@@ -198,6 +202,8 @@ class ParallelAttention(nn.Module):
             hidden_states: ``[s, b, h]`` (``[s/p, b, h]`` under sequence parallelism).
             rotary: ``(cos, sin)`` each ``[s, b, 1, hn]`` (see ``rotary_cos_sin``), or None for no RoPE.
             attention_mask: None = causal; else bool ``[b or 1, 1, s, s]``, True = masked.
+            inference_params: KV cache for generation (``inference.py``): K/V of earlier tokens are reused and
+                ``attention_mask`` is replaced by the cache's causal mask; None in training.
 
         Returns:
             ``(output [s, b, h] or [s/p, b, h], bias [h] or None)``.
@@ -208,6 +214,9 @@ class ParallelAttention(nn.Module):
             cos, sin = rotary
             q = apply_rotary_pos_emb(q, cos, sin)
             k = apply_rotary_pos_emb(k, cos, sin)
+        if inference_params is not None:
+            attention_mask = inference_params.attention_mask(q.shape[0], q.device)
+            k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]
         if self.selective_recompute and self.training:
             ctx = checkpoint(
                 lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask), False, q, k, v

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.model.inference import InferenceParams
 from megatron.model.language_model import (
     Embedding,
     build_output_layer,
@@ -124,6 +125,7 @@ class TransformerLanguageModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """``[b, s]`` ids and positions -> logits ``[s, b, vp]`` (padded columns ``-inf``)."""
         hidden = self.embedding(input_ids, position_ids)  # [b, s] -> [s(/p), b, h]
@@ -135,7 +137,7 @@ class TransformerLanguageModel(nn.Module):
                 self.config.rotary_position_embeddings_theta,
                 hidden.dtype,
             )  # 2 x [s, b, 1, hn]
-        hidden = self.encoder(hidden, rotary, attention_mask)  # [s(/p), b, h]
+        hidden = self.encoder(hidden, rotary, attention_mask, inference_params)  # [s(/p), b, h]
         logits = parallel_lm_logits(
             hidden,
             self.output_weight(),
@@ -192,6 +194,7 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """Run the model on one micro-batch.
 
@@ -200,6 +203,8 @@ class GPTModel(nn.Module):
             position_ids: ``[b, s]`` int64 positions (learned table index, or RoPE angle).
             attention_mask: None = causal (recommended); else bool ``[b or 1, 1, s, s]``, True = masked.
             labels: ``[b, s]`` int64 targets, or None.
+            inference_params: KV cache for generation (``megatron.model.inference``): ``input_ids`` are then only
+                the new tokens and ``position_ids`` their absolute positions; the caller advances the offset.
 
         Returns:
             labels given: per-token loss ``[b, s]`` fp32 (mask/average with :func:`loss_func`); else vocab-parallel
@@ -213,7 +218,7 @@ class GPTModel(nn.Module):
             sequence_parallel=lm.sequence_parallel,
             tp_size=lm.tp_size,
         )
-        logits = lm(input_ids, position_ids, attention_mask)  # [s, b, vp]
+        logits = lm(input_ids, position_ids, attention_mask, inference_params)  # [s, b, vp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, vp] -> [b, s, vp]
         loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1))  # [s, b]

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.attention import ParallelAttention
+from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import build_norm
 from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
@@ -117,10 +118,12 @@ class ParallelTransformerLayer(nn.Module):
         hidden_states: torch.Tensor,
         rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
-        """``[s(/p), b, h] -> [s(/p), b, h]``; ``rotary`` = (cos, sin) ``[s, b, 1, hn]`` or None."""
+        """``[s(/p), b, h] -> [s(/p), b, h]``; ``rotary`` = (cos, sin) ``[s, b, 1, hn]`` or None;
+        ``inference_params``: the generation KV cache (None in training)."""
         attn_out, attn_bias = self.self_attention(
-            self.input_layernorm(hidden_states), rotary, attention_mask
+            self.input_layernorm(hidden_states), rotary, attention_mask, inference_params
         )
         hidden_states = bias_dropout_add(
             attn_out,
@@ -188,10 +191,11 @@ class ParallelTransformer(nn.Module):
         end: int,
         rotary: Rotary | None,
         attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(hidden: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, rotary, attention_mask)
+                hidden = layer(hidden, rotary, attention_mask, inference_params)
             return hidden
 
         return run
@@ -201,12 +205,15 @@ class ParallelTransformer(nn.Module):
         hidden_states: torch.Tensor,
         rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
-        """``[s(/p), b, h] -> [s(/p), b, h]``: all layers, then the final norm."""
+        """``[s(/p), b, h] -> [s(/p), b, h]``: all layers, then the final norm (``inference_params``: KV cache)."""
         num = len(self.layers)
         step = self.recompute_num_layers if (self.recompute and self.training) else num
         for start in range(0, num, max(step, 1)):
-            run = self._run_chunk(start, min(start + step, num), rotary, attention_mask)
+            run = self._run_chunk(
+                start, min(start + step, num), rotary, attention_mask, inference_params
+            )
             if self.recompute and self.training:
                 hidden_states = checkpoint(run, False, hidden_states)
             else:

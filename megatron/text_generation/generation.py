@@ -1,9 +1,9 @@
 """Autoregressive text generation from a Trident checkpoint (one process; the checkpoint may have any layout).
 
 The checkpoint's TP/PP shards (or ZeRO-3 partitions) are merged into one TP = 1 ``GPTModel`` (``checkpointing.
-convert``), which runs on one device. Each new token re-runs the whole sequence (no KV cache): simple and exact,
-fine for the small models this tool is meant for (sanity checks of a run, demos); large-scale serving is out of
-scope.
+convert``), which runs on one device. The prompt runs once ("prefill"), then every new token runs alone against the
+model's KV cache (``megatron.model.InferenceParams``). Large-scale serving (batching many requests, TP inference) is
+out of scope: export to Hugging Face for that.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import torch
 
 from megatron.checkpointing.convert import build_megatron_model, read_checkpoint_weights
 from megatron.config import ModelConfig
+from megatron.model import InferenceParams
 from megatron.text_generation.sampling import SamplingParams, sample_next
 from megatron.tokenizer import build_tokenizer
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
-"""``tokens [1, s] int64 -> logits [1, s, v']`` (``v' >= vocab``)."""
+"""``tokens [1, s] int64 -> logits [1, s, v']`` (``v' >= vocab``): the whole sequence each call."""
+
+StepFn = Callable[[torch.Tensor, int], torch.Tensor]
+"""``(new tokens [1, s], offset) -> logits [1, s, v']``: only the tokens after ``offset`` (a KV-cached model)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Generated:
 
 
 def generate_tokens(
-    logits_fn: LogitsFn,
+    logits_fn: LogitsFn | None,
     prompt_ids: Sequence[int],
     *,
     vocab_size: int,
@@ -47,8 +51,12 @@ def generate_tokens(
     generator: torch.Generator,
     eod: int | None = None,
     device: torch.device | str = "cpu",
+    step_fn: StepFn | None = None,
 ) -> list[int]:
     """Tokens generated after ``prompt_ids`` (at most ``max_new_tokens``, stopping after ``eod`` when given).
+
+    Exactly one of ``logits_fn`` (re-runs the whole sequence per token) and ``step_fn`` (feeds only new tokens to
+    a KV-cached model) is used; ``step_fn`` wins when both are given.
 
     Raises:
         ValueError: empty prompt, prompt that fills the context, or ``max_new_tokens < 1``.
@@ -63,12 +71,20 @@ def generate_tokens(
             "can be generated. Shorten the prompt."
         )
     seq = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, s]
+    fresh, offset = seq, 0  # tokens the cached model has not seen yet, and how many it has
     out: list[int] = []
     for _ in range(min(max_new_tokens, max_positions - len(prompt_ids))):
-        logits = logits_fn(seq)[:, -1, :vocab_size]  # [1, s, v'] -> [1, v]
+        if step_fn is not None:
+            logits = step_fn(fresh, offset)[:, -1, :vocab_size]  # [1, s_new, v'] -> [1, v]
+            offset += fresh.shape[1]
+        elif logits_fn is not None:
+            logits = logits_fn(seq)[:, -1, :vocab_size]  # [1, s, v'] -> [1, v]
+        else:
+            raise ValueError("generate_tokens needs logits_fn or step_fn.")
         nxt = sample_next(logits, params, generator)  # [1]
         out.append(int(nxt.item()))
-        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)  # [1, s] -> [1, s + 1]
+        fresh = nxt.view(1, 1)
+        seq = torch.cat([seq, fresh], dim=1)  # [1, s] -> [1, s + 1]
         if eod is not None and out[-1] == eod:
             break
     return out
@@ -144,6 +160,18 @@ class TextGenerator:
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, s]
         return self.model(tokens, pos)
 
+    def _cached_step_fn(self) -> StepFn:
+        """A fresh KV cache and the step function feeding it (one per generated sample)."""
+        cache = InferenceParams(max_batch_size=1, max_sequence_length=self.max_positions)
+
+        def step(tokens: torch.Tensor, offset: int) -> torch.Tensor:
+            s = tokens.shape[1]
+            pos = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)  # [1, s]
+            cache.sequence_len_offset = offset
+            return self.model(tokens, pos, inference_params=cache)
+
+        return step
+
     @torch.no_grad()
     def generate(
         self,
@@ -153,12 +181,17 @@ class TextGenerator:
         params: SamplingParams,
         generator: torch.Generator,
         stop_at_eod: bool = True,
+        use_cache: bool = True,
     ) -> Generated:
-        """Continue ``prompt`` (an empty prompt starts from the EOD token, Megatron's unconditional samples)."""
+        """Continue ``prompt`` (an empty prompt starts from the EOD token, Megatron's unconditional samples).
+
+        ``use_cache=False`` re-runs the whole sequence for every token (the reference the KV cache is tested
+        against)."""
         ids = self.tokenizer.tokenize(prompt) if prompt else [self.tokenizer.eod]
         out = generate_tokens(
             self._logits,
             ids,
+            step_fn=self._cached_step_fn() if use_cache else None,
             vocab_size=self.config.vocab_size,
             max_positions=self.max_positions,
             max_new_tokens=max_new_tokens,

@@ -408,3 +408,44 @@ def test_helpers_presets_and_errors() -> None:
         model(ids + V, pos)
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, pos[:, :8])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama_gqa"])
+@pytest.mark.parametrize("flash", [True, False])
+def test_kv_cache_matches_full_recompute(arch: str, flash: bool) -> None:
+    """Prefill + one token at a time through InferenceParams == the whole sequence at once (every position)."""
+    from megatron.model import InferenceParams
+
+    shape = {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "seq_length": 24,
+        "vocab_size": 97,
+    }
+    extra = (
+        {"max_position_embeddings": 24}
+        if arch == "gpt2"
+        else {
+            "num_key_value_heads": 2, "normalization": "rmsnorm", "swiglu": True,
+            "use_rotary_position_embeddings": True, "add_bias_linear": False,
+        }
+    )  # fmt: skip
+    cfg = ModelConfig(
+        **shape, **extra, use_flash_attn=flash, attention_dropout=0.0, hidden_dropout=0.0
+    )
+    model = GPTModel(cfg, seed=3).eval()
+    tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(20).expand(2, 20))  # [b, s, v]
+        cache = InferenceParams(max_batch_size=2, max_sequence_length=24)
+        pieces = []
+        for start, end in [(0, 7), (7, 8), (8, 12), *((i, i + 1) for i in range(12, 20))]:
+            cache.sequence_len_offset = start
+            pos = torch.arange(start, end).expand(2, end - start)
+            pieces.append(model(tokens[:, start:end], pos, inference_params=cache))
+    cached = torch.cat(pieces, dim=1)
+    assert torch.allclose(cached, full, atol=1e-5, rtol=0), (cached - full).abs().max()
+    cache.sequence_len_offset = 20
+    with pytest.raises(ValueError, match="KV cache overflow|learned position table has 24 rows"):
+        model(tokens[:, :5], torch.arange(20, 25).expand(2, 5), inference_params=cache)

@@ -99,6 +99,15 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
         stop_at_eod=False,
     )
     assert len(ours.tokens) == 12 and not ours.stopped_at_eod
+    uncached = gen.generate(
+        prompt,
+        max_new_tokens=12,
+        params=SamplingParams(greedy=True),
+        generator=torch.Generator(),
+        stop_at_eod=False,
+        use_cache=False,
+    )
+    assert uncached.tokens == ours.tokens  # the KV cache changes nothing
     # Oracle: the same checkpoint exported to HF, greedy decoding in transformers.
     export_to_hf(ck, tmp_path / "hf", verify=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
