@@ -67,7 +67,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if a.num_samples < 1:
-            raise ValueError(f"--num-samples ({a.num_samples}) must be >= 1.")
+            raise ValueError(
+                f"--num-samples ({a.num_samples}) must be >= 1 (Megatron's interactive mode, 0, is not "
+                "supported; pass prompts with --prompt or --sample-input-file)."
+            )
+        if not a.tokenizer_type and (a.vocab_file or a.merge_file or a.tokenizer_model):
+            raise ValueError("--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.")
+        if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {a.device}: this torch sees no CUDA device; use --device cpu."
+            )
         params = SamplingParams(
             greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p
         )

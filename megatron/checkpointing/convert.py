@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ def read_checkpoint_weights(
     pp = int(meta["pipeline_model_parallel_size"])
     tag_dir = root / found
     shards: list[dict[str, torch.Tensor]] = []
-    if pp == 1 and is_zero3_checkpoint(tag_dir):
+    if pp == 1 and is_zero3_checkpoint(tag_dir, meta):
         # ZeRO-3: the module weights are placeholders; rebuild them from the fp32 partitions.
         shards = [read_zero3_tp_shard(tag_dir, r, progress) for r in range(tp)]
     elif pp == 1:
@@ -185,19 +187,25 @@ def export_to_hf(
 
     full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
     tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
-    if tok_info and bos_token_id is None and eos_token_id is None:
-        bos_token_id, eos_token_id = special_token_ids(tok_info)
+    if tok_info:
+        tok_bos, tok_eos = special_token_ids(tok_info)
+        bos_token_id = tok_bos if bos_token_id is None else bos_token_id
+        eos_token_id = tok_eos if eos_token_id is None else eos_token_id
     export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
     hf_sd, hf_cfg = export(
         full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    with tempfile.TemporaryDirectory() as staging:
+        # The tokenizer is written and checked first, aside: a refused tokenizer leaves out_dir untouched.
+        if write_tokenizer:
+            say(export_tokenizer(tok_info, staging, cfg.vocab_size))
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+        for f in Path(staging).iterdir():
+            shutil.copyfile(f, out / f.name)
     progress("writing", 1, 1)
-    if write_tokenizer:
-        say(export_tokenizer(tok_info, out, cfg.vocab_size))
     if not verify:
         return None
     from transformers import AutoModelForCausalLM

@@ -289,6 +289,7 @@ class DeepSpeedCheckpointer:
                 "tensor_model_parallel_size": p.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                 "world_size": self.world_size,
+                "zero_stage": int(engine.zero_optimization_stage()),
                 **({"tokenizer": tokenizer} if tokenizer else {}),
                 **self.extra_meta,
             }
@@ -380,15 +381,28 @@ def _retreat_latest(save_dir: Path, tag: str) -> None:
     latest = save_dir / LATEST_FILE
     if not latest.is_file() or latest.read_text(encoding="utf-8").strip() != tag:
         return
-    others = [(it, t) for it, t in _complete_tags(save_dir) if t != tag]
-    if others:
-        iteration, previous = others[-1]
+    # Only an older tag: a newer complete one belongs to the branch the run left with --load-tag.
+    m = re.fullmatch(r"global_step(\d+)", tag)
+    resaved = int(m.group(1)) if m else None
+    older = [
+        (it, t)
+        for it, t in _complete_tags(save_dir)
+        if t != tag and (resaved is None or it < resaved)
+    ]
+    if older:
+        iteration, previous = older[-1]
         _atomic_write(latest, previous)
         _atomic_write(save_dir / ITERATION_FILE, f"{iteration}\n")
         logger.info("re-saving %s: 'latest' points to %s until the save completes", tag, previous)
     else:
         latest.unlink()
         (save_dir / ITERATION_FILE).unlink(missing_ok=True)
+        logger.warning(
+            "re-saving %s in place with no older complete checkpoint in %s: until this save completes, "
+            "the directory has no 'latest' (a crash now would make the next launch start from scratch)",
+            tag,
+            save_dir,
+        )
 
 
 def _wait_for_all_ranks() -> None:

@@ -6,14 +6,17 @@ Training records its tokenizer flags in ``trident_meta.json`` (``"tokenizer"``: 
 
 ================================  ======================================================================
 GPT2BPETokenizer                  ``vocab.json`` + ``merges.txt`` (``GPT2Tokenizer``)
-GPTSentencePieceTokenizer         ``tokenizer.model`` (``LlamaTokenizer``, no BOS/EOS added: as in training)
+GPTSentencePieceTokenizer         ``tokenizer.json`` converted from ``tokenizer.model`` (+ the ``.model``): the
+                                  legacy SentencePiece rule (``▁`` before the text, every space -> ``▁``; no
+                                  pre-tokenizer, no BOS/EOS added), which encodes leading spaces like sentencepiece
 HFTokenizer                       its ``tokenizer.json`` (+ ``tokenizer_config.json``/``special_tokens_map.json``)
 SentencePieceTokenizer            not exported: its appended ``<CLS>``/``<EOD>``... ids have no HF equivalent
 NullTokenizer                     nothing to export
 ================================  ======================================================================
 
-After writing, the files are loaded back with transformers and must give the training tokenizer's ids on a fixed
-text; otherwise the export is refused (``ValueError``).
+After writing, the files are loaded back with transformers and must give the training tokenizer's ids on
+:data:`CHECK_TEXTS`; otherwise the export is refused (``ValueError``). Special-token strings inside text (``<s>``,
+``</s>``, ``<|endoftext|>``) are split out by transformers but not by Megatron's tokenizers, so they are not checked.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,10 @@ SAMPLE_TEXT = (
 """Text both tokenizers must encode identically (no special-token strings: the GPT-2 BPE of Megatron treats
 ``<|endoftext|>`` inside text as plain characters, transformers as the special token)."""
 
-_SP_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
+CHECK_TEXTS = (SAMPLE_TEXT, " leading space", "  two leading spaces", "tab\tnew\nline ", "x", "")
+"""Every one must encode identically (leading spaces are where SentencePiece conversions usually differ)."""
+
+_SP_CONVERT = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
 _GPT2_EOD = "<|endoftext|>"
 _EXPORTABLE = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HFTokenizer")
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -86,7 +93,10 @@ def _require(info: dict[str, str], key: str) -> Path:
     value = info.get(key)
     flag = "--" + key.replace("_", "-")
     if not value:
-        raise FileNotFoundError(f"the checkpoint records no {flag}; pass {flag} to the export.")
+        raise FileNotFoundError(
+            f"--tokenizer-type {info.get('tokenizer_type')} needs {flag}, which is neither recorded in the "
+            f"checkpoint nor given; pass {flag}."
+        )
     path = Path(value)
     if not path.exists():
         raise FileNotFoundError(
@@ -109,6 +119,38 @@ def _build(info: dict[str, str]) -> Any:
     return build_tokenizer(**{k: info.get(k) for k in TOKENIZER_KEYS})
 
 
+def _write_sentencepiece(model_file: Path, out: Path) -> None:
+    """``tokenizer.json`` (+ config) for a SentencePiece model: transformers' Llama conversion of the pieces and
+    merges, with the legacy normalizer (``▁`` prepended, spaces -> ``▁``) and no pre-tokenizer."""
+    import sentencepiece
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(model_file, Path(tmp) / "tokenizer.model")
+        _write_json(Path(tmp) / "tokenizer_config.json", _SP_CONVERT)
+        backend = AutoTokenizer.from_pretrained(tmp, local_files_only=True).backend_tokenizer
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.pre_tokenizer = None
+    backend.save(str(out / "tokenizer.json"))
+    shutil.copyfile(model_file, out / "tokenizer.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    specials = {
+        key: sp.id_to_piece(i)
+        for key, i in (
+            ("bos_token", sp.bos_id()),
+            ("eos_token", sp.eos_id()),
+            ("unk_token", sp.unk_id()),
+        )
+        if i >= 0
+    }
+    _write_json(
+        out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
+    )
+
+
 def _write_files(info: dict[str, str], out: Path) -> str:
     kind = info.get("tokenizer_type")
     if kind == "GPT2BPETokenizer":
@@ -118,9 +160,8 @@ def _write_files(info: dict[str, str], out: Path) -> str:
         _write_json(out / "tokenizer_config.json", {"tokenizer_class": "GPT2Tokenizer", **specials})
         return "vocab.json, merges.txt"
     if kind == "GPTSentencePieceTokenizer":
-        shutil.copyfile(_require(info, "tokenizer_model"), out / "tokenizer.model")
-        _write_json(out / "tokenizer_config.json", _SP_CONFIG)
-        return "tokenizer.model"
+        _write_sentencepiece(_require(info, "tokenizer_model"), out)
+        return "tokenizer.json, tokenizer.model"
     if kind == "HFTokenizer":
         src = _require(info, "tokenizer_model")
         directory = src if src.is_dir() else src.parent
@@ -173,15 +214,14 @@ def export_tokenizer(
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    expected = ours.tokenize(SAMPLE_TEXT)
-    got = theirs.encode(SAMPLE_TEXT, add_special_tokens=False)
-    if got != expected:
-        first = next(
-            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None
-        )
-        raise ValueError(
-            f"the exported {kind} files in {out} encode differently from the training tokenizer "
-            f"(first difference at token {first}: {len(got)} vs {len(expected)} ids); "
-            "pass --no-tokenizer to export the weights alone."
-        )
+    for text in CHECK_TEXTS:
+        expected = ours.tokenize(text)
+        got = theirs.encode(text, add_special_tokens=False)
+        if got != expected:
+            raise ValueError(
+                f"the exported {kind} files encode {text[:40]!r} as {got[:8]}... but the training tokenizer "
+                f"gives {expected[:8]}... ({len(got)} vs {len(expected)} ids): this tokenizer has no exact "
+                "transformers equivalent (e.g. a SentencePiece model with a normalization rule or a unigram "
+                "model); pass --no-tokenizer to export the weights alone."
+            )
     return f"tokenizer: {kind} -> {written} (encodes like the training tokenizer)"

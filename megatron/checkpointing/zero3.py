@@ -1,30 +1,35 @@
 """Full parameters of a ZeRO-3 checkpoint, rebuilt from DeepSpeed's fp32 partitions (offline, no process group).
 
-Under ZeRO stage 3 the module weights in ``*_model_states.pt`` are empty placeholders; each data-parallel rank's
-``zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt`` holds, per optimizer parameter group, one flat fp32 tensor
-(``optimizer_state_dict.fp32_flat_groups``). The model-state file lists the group's parameters in order
-(``param_shapes``, TP-local shapes). With ``D`` data-parallel ranks, a parameter of ``numel`` elements is split into
-``D`` equal pieces of ``ceil(numel / D)`` elements (the last one zero-padded); rank ``d``'s flat group is its piece
-of every parameter of the group, concatenated in order (plus alignment padding at the end)::
+Under ZeRO stage 3 the module weights in ``*_model_states.pt`` are empty placeholders. Each data-parallel rank
+``d`` of TP rank ``t`` writes ``[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt`` whose
+``optimizer_state_dict.fp32_flat_groups`` is a list of flat fp32 tensors (DeepSpeed's sub-groups); the model-state
+file lists the parameters in the same order (``param_shapes``, TP-local shapes, one dict per group). With ``D``
+data-parallel ranks (``partition_count``), a parameter of ``numel`` elements is split into ``D`` equal pieces of
+``c = ceil(numel / D)`` elements (the last one zero-padded). Read as one stream (the flat groups concatenated),
+rank ``d``'s stream is its piece of every parameter, in order, with nothing else::
 
-    rank d flat group g:  [ p0[d*c0:(d+1)*c0] | p1[d*c1:(d+1)*c1] | ... | pad ]      c_i = ceil(numel_i / D)
-    parameter i        =  cat_d(rank d piece i)[:numel_i].view(shape_i)
+    rank d stream:  [ p0[d*c0:(d+1)*c0] | p1[d*c1:(d+1)*c1] | ... ]        c_i = ceil(numel_i / D)
+    parameter i  =  cat_d(rank d piece i)[:numel_i].view(shape_i)
 
-The optimizer files hold two DeepSpeed classes besides tensors (the ZeRO stage enum and the loss scaler); they are
-read with ``torch.load(weights_only=True)`` allowing exactly those classes, so no other pickled code can run.
+so the pieces must use every element of each stream exactly (DeepSpeed's ``zero_to_fp32`` checks the same).
+
+The optimizer files hold three DeepSpeed classes besides tensors and plain containers (the ZeRO stage enum and the
+loss scalers); they are read with ``torch.load(weights_only=True)`` allowing exactly those classes, so no other
+pickled code can run.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 _MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def zero3_model_files(tag_dir: Path, tp_rank: int) -> list[Path]:
@@ -34,7 +39,7 @@ def zero3_model_files(tag_dir: Path, tp_rank: int) -> list[Path]:
         m = _MODEL_FILE.search(path.name)
         if m is not None:
             found[int(m.group(1))] = path
-    missing = sorted(set(range(len(found))) - set(found))
+    missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
     if missing:
         raise FileNotFoundError(
             f"{tag_dir}: the ZeRO files of data-parallel rank(s) {missing} (TP rank {tp_rank}) are missing; "
@@ -43,8 +48,28 @@ def zero3_model_files(tag_dir: Path, tp_rank: int) -> list[Path]:
     return [found[d] for d in sorted(found)]
 
 
-def is_zero3_checkpoint(tag_dir: Path) -> bool:
-    """True when ``tag_dir`` holds ZeRO-3 (partitioned-parameter) model-state files."""
+def optim_file_for(model_file: Path) -> Path:
+    """The optimizer-state file beside a ZeRO model-state file (``bf16_`` prefixed when the run used bf16).
+
+    Raises:
+        FileNotFoundError: none, or more than one candidate.
+    """
+    name = model_file.name.replace("_model_states.pt", "_optim_states.pt")
+    found = sorted(model_file.parent.glob(f"*{name}"))
+    found = [p for p in found if p.name in (name, f"bf16_{name}")]
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"{model_file.parent / name} is {'missing' if not found else 'ambiguous'}: a ZeRO-3 checkpoint "
+            "keeps its weights in the optimizer files (one per data-parallel rank)."
+        )
+    return found[0]
+
+
+def is_zero3_checkpoint(tag_dir: Path, meta: dict[str, Any] | None = None) -> bool:
+    """True when ``tag_dir`` was saved with ZeRO stage 3: ``meta["zero_stage"]`` when recorded, else the presence
+    of ZeRO-3 model-state files (checkpoints written before the stage was recorded)."""
+    if meta is not None and "zero_stage" in meta:
+        return int(meta["zero_stage"]) == 3
     return any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
 
 
@@ -60,16 +85,22 @@ def load_zero_file(path: Path) -> dict[str, Any]:
     loss-scaler classes only).
 
     Raises:
-        ValueError: the file is corrupt or holds other pickled objects.
+        ValueError: the file is corrupt or holds other pickled objects (named in the message).
     """
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # refused global or corrupt file: one clear message
-        first = str(err).splitlines()[0] if str(err) else ""
+        text = _ANSI.sub("", str(err))
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        reason = (
+            f"it holds a pickled {refused.group(1)}, which Trident does not unpickle"
+            if refused
+            else f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+        )
         raise ValueError(
-            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: {first}); "
-            "is it a DeepSpeed ZeRO checkpoint file from a trusted run?"
+            f"{path} cannot be read with torch.load(weights_only=True) ({reason}); is it a DeepSpeed ZeRO "
+            "checkpoint file from a trusted run?"
         ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
@@ -89,42 +120,59 @@ def _param_shapes(model_state: dict[str, Any], path: Path) -> list[dict[str, tor
 
 
 def merge_zero3_partitions(
-    param_shapes: list[dict[str, torch.Size]], flat_groups_per_rank: list[list[torch.Tensor]]
+    param_shapes: Sequence[dict[str, torch.Size]],
+    flat_groups_per_rank: Sequence[Sequence[torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     """Rebuild every parameter from the per-DP-rank fp32 flat groups (see the module docstring).
 
     Args:
-        param_shapes: per optimizer group, ``{name: shape}`` in partition order.
-        flat_groups_per_rank: ``[d][g]`` rank ``d``'s flat fp32 tensor of group ``g``.
+        param_shapes: ``{name: shape}`` per group, in partition order (the groups are read as one sequence).
+        flat_groups_per_rank: ``[d][g]`` rank ``d``'s flat fp32 tensor of group ``g`` (read as one stream).
 
     Returns:
         ``{name: fp32 tensor of its shape}`` (new tensors, not views of the flat groups).
 
     Raises:
-        ValueError: the group counts disagree, or a flat group is shorter than its parameters need.
+        ValueError: the ranks' streams differ in length, or the parameters do not use them exactly.
     """
     dp = len(flat_groups_per_rank)
-    if any(len(groups) != len(param_shapes) for groups in flat_groups_per_rank):
+    streams = [
+        torch.cat([g.reshape(-1).float() for g in groups]) for groups in flat_groups_per_rank
+    ]
+    avail = streams[0].numel()
+    if any(s.numel() != avail for s in streams):
         raise ValueError(
-            f"the optimizer files hold {[len(x) for x in flat_groups_per_rank]} parameter groups per "
-            f"rank; the model-state file lists {len(param_shapes)}."
+            f"the data-parallel ranks hold {[s.numel() for s in streams]} fp32 elements; a ZeRO-3 checkpoint "
+            "has the same number on every rank (mixed files from different saves?)."
         )
     out: dict[str, torch.Tensor] = {}
-    for g, shapes in enumerate(param_shapes):
-        avail = min(flat[g].numel() for flat in flat_groups_per_rank)
-        offset = 0
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            piece = -(-numel // dp)  # ceil: every rank holds an equal, zero-padded piece
-            if offset + piece > avail:
-                raise ValueError(
-                    f"ZeRO-3 flat group {g} holds {avail} elements per rank, too short for parameter "
-                    f"{name} (needs {offset + piece}); the checkpoint is damaged or from another model."
-                )
-            pieces = [flat[g].narrow(0, offset, piece) for flat in flat_groups_per_rank]
-            out[name] = torch.cat(pieces)[:numel].view(shape).clone()  # [dp * piece] -> shape
-            offset += piece
+    offset = 0
+    for name, shape in ((n, s) for group in param_shapes for n, s in group.items()):
+        numel = math.prod(shape)
+        piece = -(-numel // dp)  # ceil: every rank holds an equal, zero-padded piece
+        if offset + piece > avail:
+            raise ValueError(
+                f"the ZeRO-3 partitions hold {avail} elements per rank, too few for parameter {name} "
+                f"(needs {offset + piece}); the checkpoint is damaged or from another model."
+            )
+        pieces = [s.narrow(0, offset, piece) for s in streams]
+        out[name] = torch.cat(pieces)[:numel].view(shape).clone()  # [dp * piece] -> shape
+        offset += piece
+    if offset != avail:
+        raise ValueError(
+            f"the parameters use {offset} of the {avail} elements each ZeRO-3 partition holds; the files do "
+            "not belong to this model (or the data-parallel size is wrong)."
+        )
     return out
+
+
+def _partition_count(state: dict[str, Any], path: Path) -> int:
+    count = state.get("partition_count")
+    if isinstance(count, list | tuple) and count:
+        count = max(count)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{path} records no partition_count (not a ZeRO optimizer file).")
+    return count
 
 
 def read_zero3_tp_shard(
@@ -136,7 +184,7 @@ def read_zero3_tp_shard(
 
     Raises:
         FileNotFoundError: a model- or optimizer-state file is missing.
-        ValueError: a file cannot be read safely or its contents disagree.
+        ValueError: a file cannot be read safely, or the files disagree (data-parallel size, sizes).
     """
     model_files = zero3_model_files(tag_dir, tp_rank)
     if not model_files:
@@ -144,18 +192,19 @@ def read_zero3_tp_shard(
     shapes = _param_shapes(load_zero_file(model_files[0]), model_files[0])
     flat: list[list[torch.Tensor]] = []
     for d, model_file in enumerate(model_files):
-        optim = model_file.with_name(
-            model_file.name.replace("_model_states.pt", "_optim_states.pt")
-        )
-        if not optim.is_file():
-            raise FileNotFoundError(
-                f"{optim} is missing: a ZeRO-3 checkpoint keeps its weights in the optimizer files."
-            )
+        optim = optim_file_for(model_file)
         state = load_zero_file(optim).get("optimizer_state_dict", {})
         groups = state.get("fp32_flat_groups") if isinstance(state, dict) else None
         if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) for t in groups):
             raise ValueError(f"{optim} has no 'fp32_flat_groups' (not a ZeRO-3 optimizer file).")
-        flat.append([t.float() for t in groups])
+        count = _partition_count(state, optim)
+        if count != len(model_files):
+            raise ValueError(
+                f"{optim} was saved by {count} data-parallel ranks but {tag_dir} holds ZeRO files of "
+                f"{len(model_files)} (TP rank {tp_rank}); files of another save are mixed in, or some are "
+                "missing. Copy the checkpoint directory again."
+            )
+        flat.append(list(groups))
         if progress is not None:
             progress(f"reading ZeRO-3 partitions (TP rank {tp_rank})", d + 1, len(model_files))
     return merge_zero3_partitions(shapes, flat)

@@ -73,7 +73,7 @@ def slurm_rendezvous_env(environ: Mapping[str, str]) -> dict[str, str]:
 
     Only job steps (``SLURM_STEP_NUM_TASKS`` set by ``srun``) count: a batch script's own shell also has
     ``SLURM_PROCID``/``SLURM_NTASKS`` but is one process. MASTER_ADDR is the first host of the step's node list,
-    MASTER_PORT ``20000 + SLURM_JOB_ID % 20000`` (the same on every task); values already set win.
+    MASTER_PORT from the job and step ids (:func:`_slurm_port`); values already set win.
     """
     if "SLURM_STEP_NUM_TASKS" not in environ or "SLURM_PROCID" not in environ:
         return {}
@@ -83,14 +83,20 @@ def slurm_rendezvous_env(environ: Mapping[str, str]) -> dict[str, str]:
         "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or first_slurm_host(nodelist or "127.0.0.1"),
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + _job_number(environ) % 20000),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(_slurm_port(environ)),
     }
     return env
 
 
-def _job_number(environ: Mapping[str, str]) -> int:
-    digits = "".join(ch for ch in environ.get("SLURM_JOB_ID", "") if ch.isdigit())
-    return int(digits) if digits else 0
+def _slurm_port(environ: Mapping[str, str]) -> int:
+    """15000 + 16 * (job id mod 1000) + (step id mod 16): the same on every task of a step, different for
+    concurrent steps of a job, and below Linux's ephemeral range (32768+), where the OS picks client ports."""
+
+    def number(var: str) -> int:
+        digits = "".join(ch for ch in environ.get(var, "") if ch.isdigit())
+        return int(digits) if digits else 0
+
+    return 15000 + 16 * (number("SLURM_JOB_ID") % 1000) + number("SLURM_STEP_ID") % 16
 
 
 def ensure_rendezvous_env(local_rank: int | None = None) -> bool:

@@ -33,9 +33,10 @@ from tools.checkpoint import trident_to_hf
 
 TEXTS = list(pydoc_data.topics.topics.values())[:150]
 
+# hidden 30, 6 heads: at TP 2 the QKV bias holds 45 values per rank, which ZeRO-3 splits unevenly over DP 2.
 FLAGS = [
     *GPT2_FLAGS,
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "6",
     "--seq-length", "16", "--max-position-embeddings", "16",
     "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
     "--lr", "2e-3", "--min-lr", "2e-4", "--clip-grad", "1.0", "--seed", "1234", "--mock-data",
@@ -44,7 +45,8 @@ FLAGS = [
 
 
 def test_merge_zero3_partitions_is_exact() -> None:
-    """Partition known tensors the ZeRO-3 way (ceil pieces, zero padding, alignment tail), merge them back."""
+    """Partition known tensors the ZeRO-3 way (ceil pieces, zero padding), cut each rank's stream into flat groups
+    at arbitrary points (DeepSpeed's sub-groups), merge them back."""
     g = torch.Generator().manual_seed(0)
     groups = [
         {"a": torch.Size([5, 3]), "b": torch.Size([7])},
@@ -52,28 +54,28 @@ def test_merge_zero3_partitions_is_exact() -> None:
     ]
     params = {n: torch.randn(s, generator=g) for grp in groups for n, s in grp.items()}
     dp = 3
-    flat_per_rank: list[list[torch.Tensor]] = [[] for _ in range(dp)]
-    for grp in groups:
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(dp)]
-        for name, shape in grp.items():
-            numel = math.prod(shape)
-            piece = -(-numel // dp)
-            padded = torch.zeros(piece * dp)
-            padded[:numel] = params[name].flatten()
-            for d in range(dp):
-                pieces[d].append(padded[d * piece : (d + 1) * piece])
-        tail = torch.full((2,), 99.0)  # alignment padding at the end of a flat group
+    streams: list[list[torch.Tensor]] = [[] for _ in range(dp)]
+    for name, shape in ((n, sh) for grp in groups for n, sh in grp.items()):
+        numel = math.prod(shape)
+        piece = -(-numel // dp)
+        padded = torch.zeros(piece * dp)
+        padded[:numel] = params[name].flatten()
         for d in range(dp):
-            flat_per_rank[d].append(torch.cat([*pieces[d], tail]))
+            streams[d].append(padded[d * piece : (d + 1) * piece])
+    flat_per_rank = []
+    for d in range(dp):
+        stream = torch.cat(streams[d])  # 5 + 3 + 2 + 4 = 14 elements per rank
+        flat_per_rank.append([stream[:6], stream[6:]])  # a group boundary inside parameter "b"
     merged = merge_zero3_partitions(groups, flat_per_rank)
     assert set(merged) == set(params)
     for name, t in params.items():
         assert torch.equal(merged[name], t), name
-    short = [[f[0][:4], f[1]] for f in flat_per_rank]
-    with pytest.raises(ValueError, match="too short for parameter"):
-        merge_zero3_partitions(groups, short)
-    with pytest.raises(ValueError, match="parameter groups per rank"):
-        merge_zero3_partitions(groups, [[f[0]] for f in flat_per_rank])
+    with pytest.raises(ValueError, match="too few for parameter d"):
+        merge_zero3_partitions(groups, [[f[0], f[1][:-1]] for f in flat_per_rank])
+    with pytest.raises(ValueError, match="use 14 of the 15 elements"):
+        merge_zero3_partitions(groups, [[*f, torch.zeros(1)] for f in flat_per_rank])
+    with pytest.raises(ValueError, match="same number on every rank"):
+        merge_zero3_partitions(groups, [flat_per_rank[0], flat_per_rank[1], flat_per_rank[2][:1]])
 
 
 def _train_zero_stages(root: str, vocab_file: str, merge_file: str) -> None:
@@ -85,6 +87,9 @@ def _train_zero_stages(root: str, vocab_file: str, merge_file: str) -> None:
     for stage in (3, 1):
         save = ["--save", f"{root}/zero{stage}", "--zero-stage", str(stage)]
         pretrain(parse_args([*FLAGS, *tok, *save]))
+    # bf16 (DeepSpeed names the optimizer files bf16_zero_pp_rank_*).
+    bf16 = ["--save", f"{root}/zero3_bf16", "--zero-stage", "3", "--bf16", "--train-iters", "1"]
+    pretrain(parse_args([*FLAGS, *tok, *bf16]))
 
 
 def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, capsys) -> None:
@@ -100,7 +105,7 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     z3, z1 = tmp_path / "zero3", tmp_path / "zero1"
     assert any((z3 / "global_step2").glob("zero_pp_rank_1_mp_rank_01_optim_states.pt"))
     meta = json.loads((z3 / "global_step2" / "trident_meta.json").read_text())
-    assert meta["tokenizer"]["tokenizer_type"] == "GPT2BPETokenizer"
+    assert meta["tokenizer"]["tokenizer_type"] == "GPT2BPETokenizer" and meta["zero_stage"] == 3
 
     out3, out1 = tmp_path / "hf3", tmp_path / "hf1"
     assert trident_to_hf.main(["--load", str(z3), "--out", str(out3), "--no-progress"]) == 0
@@ -110,6 +115,11 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     argv = ["--load", str(z1), "--out", str(out1), "--no-progress", "--no-tokenizer"]
     assert trident_to_hf.main(argv) == 0
     assert "-> OK" in capsys.readouterr().out and not (out1 / "vocab.json").exists()
+    z3_bf16 = tmp_path / "zero3_bf16"
+    assert any((z3_bf16 / "global_step1").glob("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    argv = ["--load", str(z3_bf16), "--out", str(tmp_path / "hf_bf16"), "--no-progress"]
+    assert trident_to_hf.main(argv) == 0
+    assert "greedy agreement = 1.000 -> OK" in capsys.readouterr().out
 
     # The weights rebuilt from ZeRO-3's partitions are the ZeRO-1 run's weights (same training).
     w3, w1 = load_file(str(out3 / "model.safetensors")), load_file(str(out1 / "model.safetensors"))
@@ -126,7 +136,16 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     config = json.loads((out3 / "config.json").read_text())
     assert config["eos_token_id"] == ours.eod == 0
 
-    # Errors: a tokenizer file moved since training; a missing ZeRO-3 partition file.
+    # Errors: a tokenizer that does not fit leaves no output; a tokenizer file moved since training; ZeRO-3
+    # files of another save mixed in; a missing partition file.
+    other = tmp_path / "bpe400"
+    other.mkdir()
+    small = train_bpe(TEXTS, vocab_size=400, output_dir=str(other))
+    wrong = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", small["vocab_file"]]
+    wrong += ["--merge-file", small["merge_file"]]
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "w"), *wrong]) == 2
+    assert "has 400 tokens but the model was trained with 512" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
     moved = tmp_path / "moved_vocab.json"
     shutil.move(vocab, moved)
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "x")]) == 2
@@ -135,6 +154,14 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     override = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(moved)]
     override += ["--merge-file", merges, "--no-verify", "--no-progress"]
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "y"), *override]) == 0
+    tag = z3 / "global_step2"
+    for kind in ("model", "optim"):
+        stale = tag / f"zero_pp_rank_2_mp_rank_01_{kind}_states.pt"
+        shutil.copyfile(tag / f"zero_pp_rank_1_mp_rank_01_{kind}_states.pt", stale)
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "s")]) == 2
+    assert "saved by 2 data-parallel ranks but" in capsys.readouterr().err
+    for kind in ("model", "optim"):
+        (tag / f"zero_pp_rank_2_mp_rank_01_{kind}_states.pt").unlink()
     (z3 / "global_step2" / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "z")]) == 2
     err = capsys.readouterr().err
@@ -153,10 +180,19 @@ def test_export_tokenizer_flavours(tmp_path: Path) -> None:
     ours = build_tokenizer(**info)
     out = tmp_path / "out_sp"
     out.mkdir()
-    assert "GPTSentencePieceTokenizer -> tokenizer.model" in export_tokenizer(info, out, 512)
+    assert "GPTSentencePieceTokenizer -> tokenizer.json, tokenizer.model" in export_tokenizer(
+        info, out, 512
+    )
     hf = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert hf.encode(SAMPLE_TEXT, add_special_tokens=False) == ours.tokenize(SAMPLE_TEXT)
     assert hf.encode("x y") == ours.tokenize("x y")  # no BOS added, as in training
+    for text in (
+        " leading space",
+        "  two",
+        "a  b ",
+    ):  # where SentencePiece conversions usually differ
+        assert hf.encode(text, add_special_tokens=False) == ours.tokenize(text), text
+    assert hf.decode(ours.tokenize(SAMPLE_TEXT)) == SAMPLE_TEXT
     assert special_token_ids(info) == (ours.bos, ours.eod)
 
     bpe_dir = tmp_path / "bpe"

@@ -141,3 +141,8 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     assert "--sample-input-file" in capsys.readouterr().err
     assert generate_text.main(["--load", str(tmp_path / "empty")]) == 2
     assert "holds no Trident checkpoint" in capsys.readouterr().err
+    assert generate_text.main(["--load", ck, "--vocab-file", paths["vocab_file"]]) == 2
+    assert "need --tokenizer-type" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert generate_text.main(["--load", ck, "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err

@@ -322,10 +322,14 @@ def test_slurm_rendezvous_env() -> None:
     step = {
         "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
         "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_JOB_ID": "123456", "SLURM_NTASKS": "16",
+        "SLURM_STEP_ID": "2",
     }  # fmt: skip
     assert slurm_rendezvous_env(step) == {
-        "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "n3", "MASTER_PORT": "23456",
+        "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "n3",
+        "MASTER_PORT": str(15000 + 16 * 456 + 2),
     }  # fmt: skip
+    other_step = slurm_rendezvous_env({**step, "SLURM_STEP_ID": "3"})["MASTER_PORT"]
+    assert other_step != slurm_rendezvous_env(step)["MASTER_PORT"]
     assert slurm_rendezvous_env({**step, "MASTER_PORT": "777"})["MASTER_PORT"] == "777"
     # A batch script's own shell (no srun step): one process, nothing derived.
     batch = {k: v for k, v in step.items() if k != "SLURM_STEP_NUM_TASKS"}
