@@ -141,6 +141,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--no-exit-signal-handler", action="store_true")
+    g.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="skip training; evaluate the (loaded) model on the validation and test data, then exit",
+    )
     g.add_argument("--peak-tflops", type=float, default=None)
 
 

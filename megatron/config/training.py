@@ -74,6 +74,9 @@ class TrainingConfig:
     """--exit-duration-in-mins: stop (and save) after this wall time."""
     exit_signal_handler: bool = True
     """SIGTERM saves a checkpoint and exits (--no-exit-signal-handler disables)."""
+    skip_train: bool = False
+    """--skip-train: no training iterations; only the end-of-training evaluations (valid, test) of the model
+    (e.g. a --load'ed checkpoint)."""
     deepspeed_config: str | None = None
     """--deepspeed_config / --deepspeed-config: JSON adding DeepSpeed keys Trident does not own."""
     peak_tflops: float | None = None

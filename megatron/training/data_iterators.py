@@ -152,6 +152,7 @@ class RunIterators:
 
     train: Iterator[Any]
     valid: Iterator[Any] | None
+    test: Iterator[Any] | None = None
 
 
 def build_iterators(
@@ -169,7 +170,7 @@ def build_iterators(
     from megatron.training.ds_config import global_batch_size
 
     gbs = global_batch_size(cfg, world_size)
-    train_ds, valid_ds, _ = build_datasets(
+    train_ds, valid_ds, test_ds = build_datasets(
         cfg, tokenizer, train_iters=train_iters, global_batch=gbs
     )
     common = {
@@ -180,16 +181,28 @@ def build_iterators(
         "num_workers": cfg.data.num_workers,
         "seed": cfg.training.seed,
     }
-    train_loader = build_pretraining_data_loader(
-        train_ds, consumed_train_samples, dataloader_type=cfg.data.dataloader_type, **common
+    # A resumed run that already finished (or --skip-train after the last iteration) has no training left.
+    finished = train_ds is None or consumed_train_samples >= len(train_ds)
+    train_loader = (
+        None
+        if finished
+        else build_pretraining_data_loader(
+            train_ds, consumed_train_samples, dataloader_type=cfg.data.dataloader_type, **common
+        )
     )
+    if valid_ds is not None and consumed_valid_samples >= len(valid_ds):
+        consumed_valid_samples %= len(
+            valid_ds
+        )  # more evaluations than planned: start the stream over
     valid_loader = build_pretraining_data_loader(
         valid_ds, consumed_valid_samples, dataloader_type="single", **common
     )
+    test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
     eod = tokenizer.eod
     wrap = _pipe_batches if for_pipe else (lambda it: it)
-    train = wrap(_micro_batches(train_loader, cfg, eod, device))
+    train = wrap(_micro_batches(train_loader, cfg, eod, device)) if train_loader else iter(())
     valid = (
         wrap(_micro_batches(valid_loader, cfg, eod, device)) if valid_loader is not None else None
     )
-    return RunIterators(train=train, valid=valid)
+    test = wrap(_micro_batches(test_loader, cfg, eod, device)) if test_loader is not None else None
+    return RunIterators(train=train, valid=valid, test=test)

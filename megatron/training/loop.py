@@ -33,8 +33,10 @@ from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.metrics import (
     EvalRecord,
     MetricsWriter,
+    TestRecord,
     TrainRecord,
     format_eval_line,
+    format_test_line,
     format_train_line,
     perplexity,
 )
@@ -179,6 +181,18 @@ def run_evaluation(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> 
     writer.evaluation(rec)
     if writer.enabled:
         logger.info(format_eval_line(rec))
+    return loss
+
+
+def run_test_evaluation(
+    evaluate_test: Callable[[], float], state: TrainState, writer: MetricsWriter
+) -> float:
+    """Evaluate on the test split (Megatron does it once, at the end of training) and record the result."""
+    loss = evaluate_test()
+    rec = TestRecord(iteration=state.iteration, test_loss=loss, test_ppl=perplexity(loss))
+    writer.test(rec)
+    if writer.enabled:
+        logger.info(format_test_line(rec))
     return loss
 
 

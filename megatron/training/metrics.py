@@ -14,6 +14,7 @@ Progress line (every --log-interval iterations)::
     {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale", "skipped_iter",
      "tokens_per_sec", "tflops_per_device", "mfu"}               per logged training iteration
     {"iteration", "valid_loss", "valid_ppl"}                     per evaluation
+    {"iteration", "test_loss", "test_ppl"}                       the test-split evaluation at the end
 
 ``lm_loss`` is the loss of that iteration averaged over the whole global batch (every micro-batch and DP rank);
 ``grad_norm`` is null when clipping is off, ``mfu`` null when no peak is known; ``skipped_iter`` is 0 or 1.
@@ -41,6 +42,7 @@ TRAIN_KEYS = (
     "mfu",
 )
 EVAL_KEYS = ("iteration", "valid_loss", "valid_ppl")
+TEST_KEYS = ("iteration", "test_loss", "test_ppl")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,23 @@ class EvalRecord:
     iteration: int
     valid_loss: float
     valid_ppl: float
+
+
+@dataclass(frozen=True)
+class TestRecord:
+    """The end-of-training evaluation on the test split."""
+
+    iteration: int
+    test_loss: float
+    test_ppl: float
+
+
+def format_test_line(rec: TestRecord) -> str:
+    """Megatron's end-of-training line for the test data."""
+    return (
+        f" validation loss at the end of training for test data | lm loss value: {rec.test_loss:.6E} |"
+        f" lm loss PPL: {rec.test_ppl:.6E} |"
+    )
 
 
 def perplexity(loss: float) -> float:
@@ -199,6 +218,15 @@ class MetricsWriter:
                 "lm-loss-validation/lm loss validation ppl", rec.valid_ppl, rec.iteration
             )
 
+    def test(self, rec: TestRecord) -> None:
+        """Record the test-split evaluation."""
+        if not self.enabled:
+            return
+        self._write(asdict(rec))
+        if self._tb is not None:
+            self._tb.add_scalar("lm-loss-test/lm loss test", rec.test_loss, rec.iteration)
+            self._tb.add_scalar("lm-loss-test/lm loss test ppl", rec.test_ppl, rec.iteration)
+
     def close(self) -> None:
         """Flush and close the file and the TensorBoard writer."""
         if self._file is not None:
@@ -211,7 +239,7 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Parse a metrics JSONL into (training records, evaluation records).
+    """Parse a metrics JSONL into (training records, evaluation records); test-split records are skipped.
 
     Raises:
         FileNotFoundError: no such file.
@@ -231,5 +259,8 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str,
             raise ValueError(f"{p}:{lineno}: not a JSON object ({e.msg}).") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{p}:{lineno}: not a JSON object.")
-        (evals if "valid_loss" in obj else train).append(obj)
+        if "valid_loss" in obj:
+            evals.append(obj)
+        elif "lm_loss" in obj:
+            train.append(obj)
     return train, evals

@@ -8,8 +8,10 @@
 Stages: (1) :func:`preflight` (no process group yet): rendezvous env, ``validate()``, data/tokenizer flags,
 the DeepSpeed config with its conflict check; every rank raises the same ``ValueError``/``FileNotFoundError``.
 (2) ``deepspeed.init_distributed`` + ``initialize_model_parallel`` + seeds. (3) tokenizer, model, optimizer,
-engine, LR schedule, data iterators. (4) the loop (``loop.py``), a final evaluation, and teardown of the
-model-parallel state (the default process group stays, as other code in the process may share it).
+engine, LR schedule, data iterators. (4) the loop (``loop.py``; skipped with --skip-train), the final evaluations
+(validation unless the last iteration just did it, then the test split, --eval-iters batches each, as Megatron
+does at the end of training), and teardown of the model-parallel state (the default process group stays, as other
+code in the process may share it).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from megatron.training.ds_config import (
     gradient_accumulation_steps,
     log_zero_upgrade,
 )
+from megatron.training.exit_codes import EXIT_OK
 from megatron.training.flops import detect_peak_tflops, flops_per_token
-from megatron.training.loop import LoopSpec, TrainState, run_evaluation, train
+from megatron.training.loop import LoopSpec, TrainState, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler, train_samples_and_iters
 from megatron.training.metrics import MetricsWriter
 from megatron.training.model_setup import build_engine, optimizers_for_lr
@@ -73,6 +76,8 @@ class TrainResult:
     """Global grad norm of each iteration (None where DeepSpeed computed none: clipping off)."""
     valid_loss: float | None = None
     """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
+    test_loss: float | None = None
+    """The test-split loss at the end (None without a test split or with --eval-iters 0)."""
 
 
 def _after_first_item(it: Iterator[Any], action: Callable[[], None]) -> Iterator[Any]:
@@ -167,6 +172,13 @@ def _run(
     state = TrainState()
     if hooks is not None and cfg.checkpoint.load:
         hooks.load(engine, scheduler, state)
+    if state.iteration >= train_iters and not cfg.training.skip_train and global_rank() == 0:
+        logger.info(
+            "the checkpoint is at iteration %d, --train-iters is %d: nothing left to train "
+            "(raise --train-iters to continue)",
+            state.iteration,
+            train_iters,
+        )
     its = build_iterators(
         cfg,
         tokenizer,
@@ -181,15 +193,10 @@ def _run(
         its.train = _after_first_item(its.train, hooks.restore_rng)
     if bundle.is_pipe:
         step_fn = lambda: train_step_pipe(engine, its.train)
-        eval_one = (lambda: eval_step_pipe(engine, its.valid)) if its.valid else None
     else:
         step_fn = lambda: train_step_engine(engine, its.train, gas)
-        eval_one = (lambda: eval_step_engine(engine, its.valid, gas)) if its.valid else None
-    evaluate = None
-    if eval_one is not None and cfg.training.eval_iters > 0:
-        evaluate = lambda: (
-            sum(eval_one() for _ in range(cfg.training.eval_iters)) / cfg.training.eval_iters
-        )
+    evaluate = _evaluator(engine, its.valid, gas, cfg.training.eval_iters, bundle.is_pipe)
+    evaluate_test = _evaluator(engine, its.test, gas, cfg.training.eval_iters, bundle.is_pipe)
     spec = LoopSpec(
         train_step=step_fn,
         evaluate=evaluate,
@@ -219,10 +226,17 @@ def _run(
         enabled=global_rank() == 0,
         resume_from=state.iteration,
     )
+    test_loss = None
     try:
-        code = train(spec, state, writer)
-        if code == 0 and evaluate is not None and state.last_eval_iteration != state.iteration:
+        code = EXIT_OK if cfg.training.skip_train else train(spec, state, writer)
+        if (
+            code == EXIT_OK
+            and evaluate is not None
+            and state.last_eval_iteration != state.iteration
+        ):
             run_evaluation(spec, state, writer)
+        if code == EXIT_OK and evaluate_test is not None:
+            test_loss = run_test_evaluation(evaluate_test, state, writer)
     finally:
         writer.close()
     return TrainResult(
@@ -232,4 +246,18 @@ def _run(
         losses=list(state.history),
         grad_norms=list(state.grad_norms),
         valid_loss=state.last_valid_loss,
+        test_loss=test_loss,
     )
+
+
+def _evaluator(
+    engine: Any, batches: Iterator[Any] | None, gas: int, eval_iters: int, is_pipe: bool
+) -> Callable[[], float] | None:
+    """Mean loss over ``eval_iters`` global batches of ``batches`` (None without data or with --eval-iters 0)."""
+    if batches is None or eval_iters <= 0:
+        return None
+    if is_pipe:
+        one = lambda: eval_step_pipe(engine, batches)
+    else:
+        one = lambda: eval_step_engine(engine, batches, gas)
+    return lambda: sum(one() for _ in range(eval_iters)) / eval_iters
