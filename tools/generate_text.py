@@ -16,13 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from tools._textgen_common import add_load_args, build_generator
+
 EXIT_INPUT_ERROR = 2
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
-    p.add_argument("--load-tag", "--tag", dest="tag", default=None, help="tag (default: 'latest')")
+    add_load_args(p)
     src = p.add_argument_group("prompts (default: one unconditional sample, started from EOD)")
     src.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     src.add_argument("--sample-input-file", default=None, help="one prompt per line")
@@ -36,15 +37,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     out.add_argument("--seed", type=int, default=1234)
     out.add_argument("--no-stop-at-eod", action="store_true", help="keep going after EOD")
     out.add_argument("--sample-output-file", default=None, help="write JSON lines here")
-    run = p.add_argument_group("model and tokenizer")
-    run.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)"
-    )
-    run.add_argument("--bf16", action="store_true", help="run the model in bf16")
-    run.add_argument("--tokenizer-type", default=None)
-    run.add_argument("--vocab-file", default=None)
-    run.add_argument("--merge-file", default=None)
-    run.add_argument("--tokenizer-model", default=None)
     return p.parse_args(argv)
 
 
@@ -62,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     import torch
 
-    from megatron.checkpointing.hf_tokenizer import tokenizer_info
-    from megatron.text_generation import SamplingParams, TextGenerator
+    from megatron.text_generation import SamplingParams
 
     try:
         if a.num_samples < 1:
@@ -71,29 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--num-samples ({a.num_samples}) must be >= 1 (Megatron's interactive mode, 0, is not "
                 "supported; pass prompts with --prompt or --sample-input-file)."
             )
-        if not a.tokenizer_type and (a.vocab_file or a.merge_file or a.tokenizer_model):
-            raise ValueError("--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.")
-        if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(
-                f"--device {a.device}: this torch sees no CUDA device; use --device cpu."
-            )
         params = SamplingParams(
             greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p
         )
         prompts = _prompts(a)
-        tok = tokenizer_info(
-            tokenizer_type=a.tokenizer_type,
-            vocab_file=a.vocab_file,
-            merge_file=a.merge_file,
-            tokenizer_model=a.tokenizer_model,
-        )
-        gen = TextGenerator.from_checkpoint(
-            a.load,
-            tag=a.tag,
-            tokenizer=tok,
-            device=a.device,
-            dtype=torch.bfloat16 if a.bf16 else torch.float32,
-        )
+        gen = build_generator(a)
         generator = torch.Generator().manual_seed(a.seed)
         sink = open(a.sample_output_file, "w", encoding="utf-8") if a.sample_output_file else None  # noqa: SIM115
         try:

@@ -1,0 +1,151 @@
+"""A REST text-generation server in the shape of Megatron's ``tools/run_text_generation_server.py`` (standard
+library only: ``http.server``; one request generates at a time).
+
+``PUT /api`` with a JSON body::
+
+    {"prompts": ["text", ...],            required, 1..max_prompts strings
+     "tokens_to_generate": 64,             new tokens per prompt (>= 1)
+     "temperature": 1.0, "top_k": 0, "top_p": 0.0,    Megatron's sampling (top_k 1 = greedy; top_k/top_p exclusive)
+     "random_seed": 1234,                  optional: same seed, same text
+     "stop_at_eod": true}
+
+answers ``200 {"text": [prompt + continuation, ...], "tokens": [[generated ids], ...]}``; a malformed request
+answers ``400 {"error": "..."}`` naming the field, another method or path ``405``/``404``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from megatron.text_generation.generation import TextGenerator
+from megatron.text_generation.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+API_PATH = "/api"
+MAX_PROMPTS = 64
+MAX_BODY_BYTES = 1 << 20
+
+
+class RequestError(ValueError):
+    """A request the server refuses (answered with HTTP 400 and this message)."""
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise RequestError(f"'{name}' must be a {kind.__name__}; got {value!r}.")
+    return value
+
+
+def parse_request(body: Any) -> tuple[list[str], int, SamplingParams, int | None, bool]:
+    """Validate a request body: ``(prompts, tokens_to_generate, sampling, seed, stop_at_eod)``.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object with a 'prompts' list.")
+    unknown = sorted(
+        set(body)
+        - {
+            "prompts",
+            "tokens_to_generate",
+            "temperature",
+            "top_k",
+            "top_p",
+            "random_seed",
+            "stop_at_eod",
+        }
+    )
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}.")
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RequestError("'prompts' must be a non-empty list of strings.")
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(
+            f"'prompts' holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request."
+        )
+    tokens = _field(body, "tokens_to_generate", int, 64)
+    if tokens < 1:
+        raise RequestError(f"'tokens_to_generate' must be >= 1; got {tokens}.")
+    seed = body.get("random_seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise RequestError(f"'random_seed' must be a non-negative integer; got {seed!r}.")
+    try:
+        params = SamplingParams(
+            temperature=_field(body, "temperature", float, 1.0),
+            top_k=_field(body, "top_k", int, 0),
+            top_p=_field(body, "top_p", float, 0.0),
+        )
+    except RequestError:
+        raise
+    except ValueError as err:
+        raise RequestError(str(err).replace("--", "")) from None
+    return prompts, tokens, params, seed, _field(body, "stop_at_eod", bool, True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    generator: TextGenerator
+    lock: threading.Lock
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path != API_PATH:
+            self._reply(404, {"error": f"unknown path {self.path}; use PUT {API_PATH}."})
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                raise RequestError(f"the body is {length} bytes; at most {MAX_BODY_BYTES}.")
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except json.JSONDecodeError as err:
+                raise RequestError(f"the body is not JSON ({err.msg} at char {err.pos}).") from None
+            prompts, tokens, params, seed, stop = parse_request(body)
+            with self.lock:
+                g = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+                out = [
+                    self.generator.generate(
+                        p, max_new_tokens=tokens, params=params, generator=g, stop_at_eod=stop
+                    )
+                    for p in prompts
+                ]
+        except (RequestError, ValueError) as err:
+            self._reply(400, {"error": str(err)})
+            return
+        self._reply(
+            200, {"text": [o.prompt + o.text for o in out], "tokens": [o.tokens for o in out]}
+        )
+
+    def _not_allowed(self) -> None:
+        self._reply(405, {"error": f"use PUT {API_PATH} with a JSON body."})
+
+    do_GET = do_POST = do_DELETE = _not_allowed  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        logger.info("%s %s", self.address_string(), format % args)
+
+
+def make_server(generator: TextGenerator, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving) answering ``PUT /api`` with ``generator``; port 0 picks a free one."""
+    handler = type(
+        "TextGenerationHandler", (_Handler,), {"generator": generator, "lock": threading.Lock()}
+    )
+    return ThreadingHTTPServer((host, port), handler)

@@ -1,0 +1,52 @@
+"""Flags shared by the text-generation CLIs (tools/generate_text.py, tools/run_text_generation_server.py): which
+checkpoint, which device, which tokenizer; and the one function that turns them into a ``TextGenerator``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """--load/--load-tag and the "model and tokenizer" group."""
+    p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
+    p.add_argument("--load-tag", "--tag", dest="tag", default=None, help="tag (default: 'latest')")
+    run = p.add_argument_group("model and tokenizer")
+    run.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)"
+    )
+    run.add_argument("--bf16", action="store_true", help="run the model in bf16")
+    run.add_argument("--tokenizer-type", default=None, help="default: the checkpoint's")
+    run.add_argument("--vocab-file", default=None)
+    run.add_argument("--merge-file", default=None)
+    run.add_argument("--tokenizer-model", default=None)
+
+
+def build_generator(a: argparse.Namespace) -> Any:
+    """The ``TextGenerator`` the flags name.
+
+    Raises:
+        ValueError / FileNotFoundError: inconsistent flags, no CUDA for --device cuda, unreadable checkpoint.
+    """
+    import torch
+
+    from megatron.checkpointing.hf_tokenizer import tokenizer_info
+    from megatron.text_generation import TextGenerator
+
+    if not a.tokenizer_type and (a.vocab_file or a.merge_file or a.tokenizer_model):
+        raise ValueError("--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.")
+    if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {a.device}: this torch sees no CUDA device; use --device cpu.")
+    tok = tokenizer_info(
+        tokenizer_type=a.tokenizer_type,
+        vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
+        tokenizer_model=a.tokenizer_model,
+    )
+    return TextGenerator.from_checkpoint(
+        a.load,
+        tag=a.tag,
+        tokenizer=tok,
+        device=a.device,
+        dtype=torch.bfloat16 if a.bf16 else torch.float32,
+    )
