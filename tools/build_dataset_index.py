@@ -9,6 +9,12 @@ training job finds them and builds nothing. Writes are atomic: running this whil
     python -m tools.build_dataset_index --data-path 0.3 data/a_text_document 0.7 data/b_text_document \\
         --split 969,30,1 --seq-length 2048 --seed 1234 --train-iters 100000 --global-batch-size 512 \\
         --eval-interval 1000 --eval-iters 10 [--data-cache-path /shared/index-cache]
+
+A configuration whose training set gets no documents (e.g. --split gives train a share that rounds to 0
+documents, or the dataset is empty) is an error naming --split and the document counts: the trainer could not
+run on it. Valid/test without data are reported as "no data" (allowed, as in Megatron).
+
+Exit codes: 0 ok, 1 bad input (one ``error:`` line), 2 bad flags (argparse).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from megatron.data.builders import (
     SPLIT_NAMES,
     build_train_valid_test_datasets,
     get_train_valid_test_num_samples,
+    parse_data_path,
 )
+from megatron.data.gpt_dataset import get_train_valid_test_split_
 from megatron.data.index_cache import desc_hash
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.log import setup_logging
 
 
@@ -39,6 +48,39 @@ def _describe(name: str, ds: Any) -> list[str]:
         return lines
     where = f"{ds.cache_dir}/{desc_hash(ds.desc)}_*" if ds.cache_dir else "not cached (unwritable)"
     return [f"{name}: {ds.data_prefix}: {len(ds):,} samples -> {where}"]
+
+
+def _check_train_data(data: Any) -> None:
+    """Refuse, before anything is built, a configuration whose training set gets no documents.
+
+    Raises:
+        ValueError: names --split and each dataset's document count (or the missing --train-data-path).
+    """
+    if data.mock_data or data.train_data_path:
+        return
+    if not data.data_path:
+        raise ValueError(
+            "the training set has no data: --valid-data-path/--test-data-path are given without "
+            "--train-data-path; add --train-data-path (or use --data-path with --split)."
+        )
+    prefixes, _ = parse_data_path(data.data_path)
+    if not all(MMapIndexedDataset.exists(p) for p in prefixes):
+        return  # the builder names the missing files
+    parts, train_docs = [], 0
+    for prefix in prefixes:
+        n = len(MMapIndexedDataset(prefix).sizes)
+        b = get_train_valid_test_split_(data.split, n)
+        train_docs += b[1] - b[0]
+        parts.append(
+            f"{prefix} has {n:,} document(s) -> train {b[1] - b[0]:,}, valid {b[2] - b[1]:,}, "
+            f"test {b[3] - b[2]:,}"
+        )
+    if train_docs == 0:
+        raise ValueError(
+            f"--split {data.split!r} gives the training set no documents: {'; '.join(parts)}. Give train a "
+            "larger share of --split (e.g. --split 969,30,1), or use a dataset with more documents (an empty "
+            "one needs tools/preprocess_data.py re-run on input with text)."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_interval=cfg.training.eval_interval,
             eval_iters=cfg.training.eval_iters,
         )
+        if counts[0] > 0:
+            _check_train_data(cfg.data)
         start = time.time()
         datasets = build_train_valid_test_datasets(
             cfg.data,

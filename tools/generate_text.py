@@ -6,7 +6,9 @@
 Flags follow Megatron's text-generation tools (``--out-seq-length`` = new tokens per sample, ``--temperature``,
 ``--top_k``, ``--top_p``, ``--greedy``, ``--num-samples``, ``--sample-input-file`` one prompt per line,
 ``--sample-output-file`` JSON lines). The tokenizer is the one recorded in the checkpoint unless
-``--tokenizer-type`` and its file flags name another. Exit codes: 0 ok, 2 bad input (one ``error:`` line).
+``--tokenizer-type`` and its file flags name another. As in Megatron, a prompt plus ``--out-seq-length`` that
+does not fit in the model's context is an error (nothing is cut short silently); every prompt is checked before
+anything is generated. Exit codes: 0 ok, 2 bad input (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from tools._textgen_common import add_load_args, build_generator
+
+if TYPE_CHECKING:
+    from megatron.text_generation.generation import TooManyTokensError
 
 EXIT_INPUT_ERROR = 2
 
@@ -50,11 +56,54 @@ def _prompts(a: argparse.Namespace) -> list[str]:
     return prompts or [""]
 
 
+def _check_output_file(path: str | None) -> None:
+    """Refuse an unwritable --sample-output-file before the model is loaded."""
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(
+            f"--sample-output-file {out} is a directory; give a file path, e.g. {out / 'samples.jsonl'}."
+        )
+    parent = out.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(
+            f"--sample-output-file {out}: the directory {parent} does not exist; create it first."
+        )
+
+
+def _open_output(path: str | None) -> IO[str] | None:
+    """--sample-output-file opened for writing (None: print to stdout)."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by main)
+    except OSError as err:
+        raise ValueError(
+            f"--sample-output-file {path}: cannot write it ({err.strerror})."
+        ) from None
+
+
+def _too_long(prompt: str, err: TooManyTokensError) -> ValueError:
+    """A ``TooManyTokensError`` in this tool's terms (the flag, the prompt, the fix)."""
+    if prompt:
+        shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+        which = f"the prompt {shown!r}"
+    else:
+        which = "an unconditional sample (it starts from the EOD token)"
+    room = err.context - err.prompt_tokens
+    return ValueError(
+        f"--out-seq-length ({err.max_new_tokens}) is too long: {which} has {err.prompt_tokens} token(s) and the "
+        f"model's context is {err.context}, so at most {room} new tokens fit; use --out-seq-length {room} or less."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     import torch
 
     from megatron.text_generation import SamplingParams
+    from megatron.text_generation.generation import TooManyTokensError
 
     try:
         if a.num_samples < 1:
@@ -66,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p
         )
         prompts = _prompts(a)
+        _check_output_file(a.sample_output_file)
         gen = build_generator(a)
+        for prompt in prompts:  # every prompt fits before anything is generated or written
+            try:
+                gen.check_request(prompt, a.out_seq_length)
+            except TooManyTokensError as err:
+                raise _too_long(prompt, err) from None
         generator = torch.Generator().manual_seed(a.seed)
-        sink = open(a.sample_output_file, "w", encoding="utf-8") if a.sample_output_file else None  # noqa: SIM115
+        sink = _open_output(a.sample_output_file)
         try:
             for prompt in prompts:
                 for _ in range(a.num_samples):

@@ -8,7 +8,12 @@ then train with ``--data-path data/my-gpt2_text_document``. Megatron's flags; di
 (Megatron finalizes only the last), sizes include the EOD (the fixed Megatron-LM layout), the output is
 byte-identical for any --workers, files appear only when the run succeeds, and a bad line stops the run with
 ``file:line`` (or is skipped with --skip-bad-lines). --partitions is accepted for compatibility and has no effect:
-inputs are streamed in order, so partitioning gains nothing.
+inputs are streamed in order, so partitioning gains nothing. An input with no documents (or a key whose values
+are all empty) is an error, not an empty dataset, and --output-prefix must end with a file-name prefix, not a
+path separator (``data/my-corpus``, not ``data/``).
+
+Exit codes: 0 ok, 1 bad input or a failed run (one ``error:`` line; nothing written), 2 bad flags (argparse),
+130 interrupted.
 """
 
 from __future__ import annotations

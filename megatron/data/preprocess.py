@@ -16,7 +16,8 @@ non-empty string; sequences with no tokens are dropped; with ``append_eod`` the 
 last sequence and counted in its size (the fixed Megatron-LM layout). A document with no tokens has no sequences
 (its ``doc_idx`` entry repeats). Bad lines (invalid JSON/UTF-8, not an object, a missing key, a value that is not a
 string or list of strings, text the tokenizer rejects) stop the run with ``file:line: reason``, or are skipped and
-counted with ``skip_bad_lines``.
+counted with ``skip_bad_lines``. An input with no documents, or a key with no tokens at all, is an error and
+writes nothing (an empty dataset would only fail later, in training).
 """
 
 from __future__ import annotations
@@ -339,6 +340,48 @@ def rates(s: Summary, seconds: float) -> str:
     return f"{s.docs / secs:.1f} docs/s, {s.num_bytes / secs / 1e6:.2f} MB/s, {toks / secs:.0f} tokens/s"
 
 
+def check_output_prefix(output_prefix: str) -> None:
+    """Refuse a prefix that is a directory path (``data/`` would write ``data/_text_document.bin``).
+
+    Raises:
+        PreprocessError: ``output_prefix`` is empty or ends with a path separator.
+    """
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    if not output_prefix or output_prefix.endswith(seps):
+        example = os.path.join(output_prefix or ".", "my-corpus")
+        raise PreprocessError(
+            f"--output-prefix {output_prefix!r} ends with a path separator: it names a directory, not a file-name "
+            f"prefix (the files would be named '{output_prefix}_...'); give a directory and a file-name prefix, "
+            f"e.g. {example}."
+        )
+
+
+def _describe_inputs(inputs: Sequence[str]) -> str:
+    shown = ", ".join(inputs[:3])
+    return shown + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+
+
+def _check_not_empty(summary: Summary, inputs: Sequence[str], skip_bad_lines: bool) -> None:
+    """Refuse to write datasets with no documents, or a key with no tokens (training on them would fail)."""
+    where = f"--input {_describe_inputs(inputs)}"
+    if summary.docs == 0:
+        why = (
+            f"its {summary.bad_lines:,} non-blank line(s) were all bad, skipped by --skip-bad-lines"
+            if skip_bad_lines and summary.bad_lines
+            else "no non-blank line"
+        )
+        raise PreprocessError(
+            f"{where} holds no documents ({why}); nothing written. Give JSONL files with one JSON "
+            "object per line."
+        )
+    empty = [key for key, n in summary.tokens.items() if n == 0]
+    if empty:
+        raise PreprocessError(
+            f"{where}: {summary.docs:,} document(s) but no tokens under --json-keys "
+            f"{' '.join(empty)} (every value is empty); nothing written. Check the input and --json-keys."
+        )
+
+
 def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
     """Megatron's output name: ``{output_prefix}_{key}_{level}``."""
     return f"{output_prefix}_{key}_{level}"
@@ -363,9 +406,11 @@ def preprocess(
     temporary files are removed.
 
     Raises:
-        PreprocessError: a bad line (without ``skip_bad_lines``), or unusable settings.
+        PreprocessError: a bad line (without ``skip_bad_lines``), no documents, a key without tokens, or unusable
+            settings (e.g. an ``output_prefix`` ending with a path separator).
         FileNotFoundError: an input, tokenizer file or the output directory is missing.
     """
+    check_output_prefix(output_prefix)
     if workers < 1:
         raise PreprocessError(f"--workers ({workers}) must be at least 1.")
     os.environ.setdefault(
@@ -406,6 +451,7 @@ def preprocess(
                 builders[key].add_documents(kr.tokens, kr.sizes, kr.seqs_per_doc)
                 summary.tokens[key] += len(kr.tokens)
             progress.update(summary)
+        _check_not_empty(summary, inputs, skip_bad_lines)
         for key, prefix in prefixes.items():
             builders[key].finalize(index_file_path(prefix))
             summary.outputs.append(prefix)
@@ -439,6 +485,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MMapIndexedData
         raise PreprocessError(
             "nothing to merge: no dataset prefixes given (or none found in --input)."
         )
+    check_output_prefix(output_prefix)
     out = os.path.abspath(output_prefix)
     if any(os.path.abspath(p) == out for p in inputs):
         raise PreprocessError(

@@ -40,6 +40,44 @@ class Generated:
     stopped_at_eod: bool
 
 
+class TooManyTokensError(ValueError):
+    """The prompt plus the requested new tokens do not fit in the model's context (Megatron: "Too many tokens").
+
+    The message names no flag (the REST server and the CLI call the knob differently); ``prompt_tokens``,
+    ``max_new_tokens`` and ``context`` let a caller say it in its own terms.
+    """
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context = context
+        super().__init__(
+            f"too many tokens: the prompt has {prompt_tokens} tokens and {max_new_tokens} new tokens were "
+            f"requested ({prompt_tokens + max_new_tokens} in all), more than the model's context of {context} "
+            f"positions; request at most {context - prompt_tokens} new tokens."
+        )
+
+
+def check_lengths(prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:
+    """Refuse a request that cannot be generated in full (as Megatron does; nothing is silently cut).
+
+    Raises:
+        ValueError: an empty prompt, a prompt that fills the context, or ``max_new_tokens < 1``.
+        TooManyTokensError: the prompt and ``max_new_tokens`` together exceed ``max_positions``.
+    """
+    if prompt_tokens < 1:
+        raise ValueError("the prompt has no tokens; an empty prompt starts from the EOD token.")
+    if max_new_tokens < 1:
+        raise ValueError(f"--out-seq-length ({max_new_tokens}) must be >= 1.")
+    if prompt_tokens >= max_positions:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens; the model's context is {max_positions}, so nothing "
+            "can be generated. Shorten the prompt."
+        )
+    if prompt_tokens + max_new_tokens > max_positions:
+        raise TooManyTokensError(prompt_tokens, max_new_tokens, max_positions)
+
+
 def generate_tokens(
     logits_fn: LogitsFn | None,
     prompt_ids: Sequence[int],
@@ -59,21 +97,13 @@ def generate_tokens(
     a KV-cached model) is used; ``step_fn`` wins when both are given.
 
     Raises:
-        ValueError: empty prompt, prompt that fills the context, or ``max_new_tokens < 1``.
+        ValueError: see :func:`check_lengths` (a request that does not fit is refused, never cut short).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt has no tokens; an empty prompt starts from the EOD token.")
-    if max_new_tokens < 1:
-        raise ValueError(f"--out-seq-length ({max_new_tokens}) must be >= 1.")
-    if len(prompt_ids) >= max_positions:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens; the model's context is {max_positions}, so nothing "
-            "can be generated. Shorten the prompt."
-        )
+    check_lengths(len(prompt_ids), max_new_tokens, max_positions)
     seq = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, s]
     fresh, offset = seq, 0  # tokens the cached model has not seen yet, and how many it has
     out: list[int] = []
-    for _ in range(min(max_new_tokens, max_positions - len(prompt_ids))):
+    for _ in range(max_new_tokens):
         if step_fn is not None:
             logits = step_fn(fresh, offset)[:, -1, :vocab_size]  # [1, s_new, v'] -> [1, v]
             offset += fresh.shape[1]
@@ -98,15 +128,24 @@ class TextGenerator:
         config: its ``ModelConfig`` (true vocabulary, positions).
         tokenizer: a ``MegatronTokenizer``.
         device: where ``model`` lives.
+        tokenizer_fallback: ``tokenizer`` is the ``NullTokenizer`` chosen because the checkpoint records no
+            tokenizer (errors on text prompts then say so).
     """
 
     def __init__(
-        self, model: torch.nn.Module, config: ModelConfig, tokenizer: Any, device: torch.device
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        tokenizer: Any,
+        device: torch.device,
+        *,
+        tokenizer_fallback: bool = False,
     ) -> None:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
+        self.tokenizer_fallback = tokenizer_fallback
 
     @classmethod
     def from_checkpoint(
@@ -130,6 +169,7 @@ class TextGenerator:
         full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag)
         # No tokenizer recorded = trained with --vocab-size only: NullTokenizer (text = space-separated ids,
         # EOD = the last id), as the run used.
+        fallback = not (tokenizer or meta.get("tokenizer"))
         info = tokenizer or meta.get("tokenizer") or {"tokenizer_type": "NullTokenizer"}
         tok = build_tokenizer(**info, vocab_size=cfg.vocab_size - 1)
         if tok.vocab_size != cfg.vocab_size:
@@ -139,12 +179,44 @@ class TextGenerator:
             )
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_megatron_model(full, cfg).to(device=dev, dtype=dtype)
-        return cls(model, cfg, tok, dev)
+        return cls(model, cfg, tok, dev, tokenizer_fallback=fallback)
 
     @property
     def max_positions(self) -> int:
         """The context length: learned position table size, else the training sequence length."""
         return self.config.max_position_embeddings or self.config.seq_length
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The token ids ``prompt`` starts from (an empty prompt: the EOD token).
+
+        Raises:
+            ValueError: the tokenizer rejects the prompt (for a checkpoint without a recorded tokenizer, the
+                message says prompts are token ids and how to pass a tokenizer instead).
+        """
+        if not prompt:
+            return [self.tokenizer.eod]
+        try:
+            return self.tokenizer.tokenize(prompt)
+        except ValueError as e:
+            word = next((w for w in prompt.split() if not _is_int(w)), None)
+            if not self.tokenizer_fallback or word is None:
+                raise
+            raise ValueError(
+                f"the prompt {_short(prompt)} is not token ids ({word!r} is not an integer): this checkpoint "
+                "records no tokenizer (it was trained with --vocab-size only), so prompts are token ids "
+                f"separated by spaces, e.g. '12 7 40' (ids 0..{self.tokenizer.eod}); or pass --tokenizer-type "
+                "and its files (--vocab-file/--merge-file or --tokenizer-model) to use a tokenizer."
+            ) from e
+
+    def check_request(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """``prompt``'s token ids, after checking that ``max_new_tokens`` more fit in the context.
+
+        Raises:
+            ValueError / TooManyTokensError: see :meth:`prompt_ids` and :func:`check_lengths`.
+        """
+        ids = self.prompt_ids(prompt)
+        check_lengths(len(ids), max_new_tokens, self.max_positions)
+        return ids
 
     def _continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The text ``new_ids`` add after the prompt (decoded together: a SentencePiece word start after the
@@ -186,8 +258,12 @@ class TextGenerator:
         """Continue ``prompt`` (an empty prompt starts from the EOD token, Megatron's unconditional samples).
 
         ``use_cache=False`` re-runs the whole sequence for every token (the reference the KV cache is tested
-        against)."""
-        ids = self.tokenizer.tokenize(prompt) if prompt else [self.tokenizer.eod]
+        against).
+
+        Raises:
+            ValueError / TooManyTokensError: see :meth:`check_request`; nothing is generated then.
+        """
+        ids = self.check_request(prompt, max_new_tokens)
         out = generate_tokens(
             self._logits,
             ids,
@@ -203,3 +279,16 @@ class TextGenerator:
         ended = stop_at_eod and bool(out) and out[-1] == self.tokenizer.eod
         text = self._continuation(ids if prompt else [], out[:-1] if ended else out)
         return Generated(prompt=prompt, text=text, tokens=out, stopped_at_eod=ended)
+
+
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """``text`` quoted, cut to ``limit`` characters (for error messages)."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")

@@ -445,3 +445,62 @@ def test_sentencepiece_and_hf_tokenizers_through_the_tools(
         assert ds.dtype == np.uint16
         for i in (0, len(rows) - 1):
             assert ds[i].tolist() == tok.tokenize(rows[i]["text"]) + [tok.eod]
+
+
+NULL99 = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "extra", "message"),
+    [
+        ([], [], "holds no documents (no non-blank line); nothing written"),
+        (["", "  "], [], "holds no documents (no non-blank line)"),
+        (
+            ['{"txt": "1"}', "[1]"],
+            ["--skip-bad-lines"],
+            "holds no documents (its 2 non-blank line(s) were all bad, skipped by --skip-bad-lines)",
+        ),
+        (
+            [{"text": ""}, {"text": []}, {"text": [""]}],
+            ["--append-eod"],
+            "3 document(s) but no tokens under --json-keys text (every value is empty)",
+        ),
+    ],
+    ids=["empty-file", "blank-lines", "all-bad-skipped", "empty-values"],
+)
+def test_input_without_documents_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: list, extra: list, message: str
+) -> None:
+    src = _write_jsonl(tmp_path / "in.jsonl", rows) if rows else tmp_path / "in.jsonl"
+    src.touch()
+    rc, err = _run(
+        capsys, ["--input", str(src), *NULL99, "--output-prefix", str(tmp_path / "o"), *extra]
+    )
+    assert rc == 1 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"error: --input {src} {message}" in err or f"error: --input {src}: {message}" in err, (
+        err
+    )
+    assert _files(tmp_path) == []  # no dataset, no temporary files
+
+
+def test_output_prefix_ending_with_a_separator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
+    out = tmp_path / "data"
+    out.mkdir()
+    rc, err = _run(capsys, ["--input", str(src), *NULL99, "--output-prefix", f"{out}/"])
+    assert rc == 1 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"--output-prefix '{out}/' ends with a path separator" in err
+    assert f"e.g. {out}/my-corpus" in err
+    assert list(out.iterdir()) == []
+    rc, err = _run(capsys, ["--input", str(src), *NULL99, "--output-prefix", str(out / "c")])
+    assert rc == 0, err
+    assert (
+        merge_datasets.main(
+            ["--inputs", str(out / "c_text_document"), "--output-prefix", f"{out}/"]
+        )
+        == 1
+    )
+    assert "ends with a path separator" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["c_text_document.bin", "c_text_document.idx"]

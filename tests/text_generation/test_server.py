@@ -81,6 +81,10 @@ def test_generation_requests(served) -> None:
         (b'{"prompts": ["1"], "temperature": "hot"}', "'temperature' must be a float"),
         (b'{"prompts": ["1"], "beam_width": 2}', "unknown field(s) ['beam_width']"),
         (b'{"prompts": ["1"], "random_seed": -1}', "'random_seed' must be a non-negative"),
+        (  # Megatron's "Too many tokens": refused, not cut short (context 32 here)
+            b'{"prompts": ["1 2 3"], "tokens_to_generate": 40}',
+            "more than the model's context of 32 positions; request at most 29 new tokens",
+        ),
     ],
 )
 def test_bad_requests_get_400(served, body: bytes, message: str) -> None:
