@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.engine_checkpoint import (
+    META_FILE,
     find_checkpoint,
+    is_complete,
     model_config_from_dict,
     read_meta,
 )
@@ -37,6 +40,7 @@ from megatron.checkpointing.reshard import merge_tp_shards, pad_vocab_for_tp
 from megatron.checkpointing.verify import LogitComparison, compare_logits
 from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
 from megatron.config import ModelConfig
+from megatron.data.indexed_dataset import apply_umask_mode
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +64,59 @@ def _torch_load_safe(path: Path) -> Any:
         ) from None
 
 
+def find_tag(
+    ckpt_dir: str | Path, tag: str | None = None, *, tag_flag: str = "--tag"
+) -> str | None:
+    """The tag a tool reads in ``ckpt_dir``: ``tag`` if complete, else the ``latest`` pointer (None: none there).
+
+    ``engine_checkpoint.find_checkpoint`` words its errors for training (--load-tag); the tools name their own
+    flag (``tag_flag``) and list the complete tags to pick from.
+
+    Raises:
+        FileNotFoundError: ``tag`` is missing or incomplete.
+        ValueError: ``latest`` points to an incomplete or missing tag.
+    """
+    root = Path(ckpt_dir)
+    if tag is None:
+        try:
+            return find_checkpoint(str(root), None)
+        except ValueError as err:
+            raise ValueError(str(err).replace("--load-tag", tag_flag)) from None
+    if is_complete(root, tag):
+        return tag
+    complete = (
+        [p.name for p in root.glob("*") if (p / META_FILE).is_file()] if root.is_dir() else []
+    )
+    complete.sort(key=lambda t: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", t)])
+    shown = ("..., " if len(complete) > 8 else "") + ", ".join(complete[-8:])
+    listing = f"complete tags there: {shown}" if complete else f"{root} holds no complete tag"
+    raise FileNotFoundError(
+        f"{tag_flag} {tag}: {root / tag} is not a complete checkpoint (no {META_FILE}); {listing}. "
+        f"Pick one of them or drop {tag_flag} to use 'latest'."
+    )
+
+
 def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
     """The ``ModelConfig`` saved in a checkpoint's ``trident_meta.json``."""
     return model_config_from_dict(meta["model"])
+
+
+def read_checkpoint_config(
+    ckpt_dir: str | Path, tag: str | None = None
+) -> tuple[str, ModelConfig, dict[str, Any]]:
+    """``(tag, ModelConfig, meta)`` of a Trident checkpoint, without reading its weights.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``ckpt_dir``, or ``tag`` is not a complete one.
+    """
+    root = Path(ckpt_dir)
+    found = find_tag(root, tag)
+    if found is None:
+        raise FileNotFoundError(
+            f"{root} holds no Trident checkpoint (no 'latest' file); point at a --save directory or pass --tag."
+        )
+    meta = read_meta(root, found)
+    return found, model_config_from_meta(meta), meta
 
 
 def read_checkpoint_weights(
@@ -77,13 +131,7 @@ def read_checkpoint_weights(
         ValueError: a file cannot be read safely, or its contents disagree.
     """
     root = Path(ckpt_dir)
-    found = find_checkpoint(str(root), tag)
-    if found is None:
-        raise FileNotFoundError(
-            f"{root} holds no Trident checkpoint (no 'latest' file); point at a --save directory or pass --tag."
-        )
-    meta = read_meta(root, found)
-    cfg = model_config_from_meta(meta)
+    found, cfg, meta = read_checkpoint_config(root, tag)
     tp = int(meta["tensor_model_parallel_size"])
     pp = int(meta["pipeline_model_parallel_size"])
     tag_dir = root / found
@@ -156,6 +204,75 @@ def is_llama(cfg: ModelConfig) -> bool:
     return cfg.swiglu or cfg.normalization == "rmsnorm" or cfg.use_rotary_position_embeddings
 
 
+STALE_EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors*",
+    "pytorch_model*.bin*",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+"""What ``export_to_hf(overwrite=True)`` removes from ``out_dir`` first: files of an earlier model or tokenizer that
+transformers would otherwise read beside ours (a stale ``tokenizer.json`` wins over our ``vocab.json``)."""
+
+
+def check_output_dir_path(path: str | Path, flag: str) -> None:
+    """``path`` is a directory or can be created as one: its nearest existing ancestor is a writable directory.
+
+    Raises:
+        ValueError: naming ``flag``, the file in the way (or the read-only directory) and the fix.
+    """
+    p = Path(path)
+    for candidate in (p, *p.parents):
+        if candidate.exists() or candidate.is_symlink():
+            if not candidate.is_dir():
+                where = "is a file" if candidate == p else f"is inside {candidate}, which is a file"
+                raise ValueError(
+                    f"{flag} {path} {where}; give a directory path (a new one is created)."
+                )
+            if not os.access(candidate, os.W_OK | os.X_OK):
+                raise ValueError(
+                    f"{flag} {path}: {candidate} is not writable; choose a directory you can write to."
+                )
+            return
+
+
+def check_export_dir(out_dir: str | Path, *, overwrite: bool) -> None:
+    """--out of ``trident_to_hf``: a new or empty directory, or any directory with ``overwrite``.
+
+    Raises:
+        ValueError: --out is a file, or a non-empty directory without ``overwrite``.
+    """
+    check_output_dir_path(out_dir, "--out")
+    out = Path(out_dir)
+    if overwrite or not out.is_dir():
+        return
+    present = sorted(p.name for p in out.iterdir())
+    if present:
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise ValueError(
+            f"--out {out_dir} is not empty ({shown}); files left from another model or tokenizer would be "
+            "mixed with the export. Choose a new or empty directory, or pass --overwrite to replace the "
+            "model, config and tokenizer files there."
+        )
+
+
+def remove_stale_export_files(out_dir: Path) -> list[str]:
+    """Delete the :data:`STALE_EXPORT_FILES` in ``out_dir``; returns the names removed."""
+    removed = []
+    for pattern in STALE_EXPORT_FILES:
+        for path in out_dir.glob(pattern):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+                removed.append(path.name)
+    return sorted(removed)
+
+
 def export_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -168,6 +285,7 @@ def export_to_hf(
     eos_token_id: int | None = None,
     tokenizer: dict[str, str] | None = None,
     write_tokenizer: bool = True,
+    overwrite: bool = False,
     say: Callable[[str], None] = logger.info,
 ) -> LogitComparison | None:
     """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint.
@@ -177,14 +295,20 @@ def export_to_hf(
     transformers (offline) and compares it with the checkpoint run in our ``GPTModel`` on :func:`fixed_prompts`
     (greedy decodes of ``steps`` tokens).
 
+    ``out_dir`` must be new or empty; with ``overwrite`` an existing directory is used after removing the
+    :data:`STALE_EXPORT_FILES` in it (only once the tokenizer was checked: a refused export changes nothing).
+    ``model.safetensors`` gets the mode the umask gives new files (safetensors itself writes 0600).
+
     Returns:
         The comparison (None without ``verify``).
 
     Raises:
-        FileNotFoundError / ValueError: unreadable checkpoint, or a tokenizer that cannot be exported faithfully.
+        FileNotFoundError / ValueError: unreadable checkpoint, a tokenizer that cannot be exported faithfully, or
+            an --out that is a file or a non-empty directory (without ``overwrite``).
     """
     from safetensors.torch import save_file
 
+    check_export_dir(out_dir, overwrite=overwrite)
     full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
     tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
     if tok_info:
@@ -201,7 +325,10 @@ def export_to_hf(
         if write_tokenizer:
             say(export_tokenizer(tok_info, staging, cfg.vocab_size))
         out.mkdir(parents=True, exist_ok=True)
+        if overwrite and (removed := remove_stale_export_files(out)):
+            say(f"--overwrite: removed {', '.join(removed)} from {out}")
         save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
+        apply_umask_mode(out / "model.safetensors")
         (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
         for f in Path(staging).iterdir():
             shutil.copyfile(f, out / f.name)

@@ -31,7 +31,11 @@ from megatron.checkpointing.hf_gpt2 import gpt2_hf_to_megatron
 from megatron.checkpointing.hf_llama import llama_hf_to_megatron
 from megatron.checkpointing.hf_tokenizer import hf_dir_tokenizer
 from megatron.checkpointing.layout import padded_vocab_size
-from megatron.checkpointing.rewrite import write_trident_checkpoint
+from megatron.checkpointing.rewrite import (
+    check_new_save_dir,
+    check_target_layout,
+    write_trident_checkpoint,
+)
 from megatron.checkpointing.safe_load import load_hf_directory
 from megatron.checkpointing.verify import LogitComparison, compare_logits
 from megatron.config import ModelConfig
@@ -76,14 +80,16 @@ def import_from_hf(
 
     Returns:
         The HF-vs-written-checkpoint comparison (None without ``verify``).
+
+    Raises:
+        ValueError / FileNotFoundError: ``out_dir`` is a file or holds checkpoints, the model does not split over
+            ``tp`` x ``pp``, or the HF directory is unreadable or unsupported. All before any rank is spawned.
     """
+    check_new_save_dir(out_dir, load=hf_dir, load_flag="--hf-dir")
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
     full, cfg, _ = hf_to_full(hf_dir, tp)
-    if cfg.num_layers < pp:
-        raise ValueError(
-            f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
-        )
+    check_target_layout(cfg, tp=tp, pp=pp)
     progress("converting", 1, 3)
     write_trident_checkpoint(
         full,

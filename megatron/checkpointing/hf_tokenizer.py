@@ -70,11 +70,21 @@ def tokenizer_info(
 
 
 def hf_dir_tokenizer(hf_dir: str | Path) -> dict[str, str] | None:
-    """The tokenizer of an HF model directory, as an ``HFTokenizer`` entry (None without ``tokenizer.json``)."""
+    """The tokenizer of an HF model directory as a :func:`tokenizer_info` entry, None when it has none.
+
+    ``tokenizer.json`` (what ``AutoTokenizer`` prefers too) -> ``HFTokenizer``; otherwise ``vocab.json`` +
+    ``merges.txt`` (a GPT-2 BPE, e.g. our own GPT2BPETokenizer export) -> ``GPT2BPETokenizer`` with those files.
+    """
     d = Path(hf_dir)
-    if not (d / "tokenizer.json").is_file():
-        return None
-    return tokenizer_info(tokenizer_type="HFTokenizer", tokenizer_model=str(d))
+    if (d / "tokenizer.json").is_file():
+        return tokenizer_info(tokenizer_type="HFTokenizer", tokenizer_model=str(d))
+    if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return tokenizer_info(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(d / "vocab.json"),
+            merge_file=str(d / "merges.txt"),
+        )
+    return None
 
 
 def special_token_ids(info: dict[str, str] | None) -> tuple[int | None, int | None]:

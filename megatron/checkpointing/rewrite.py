@@ -9,6 +9,7 @@ loads it like --finetune). Used by the HF importer and by :func:`reshard_checkpo
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from megatron.checkpointing.convert import (
     Progress,
     _no_progress,
     build_megatron_model,
+    check_output_dir_path,
     fixed_prompts,
     megatron_logits_fn,
+    read_checkpoint_config,
     read_checkpoint_weights,
 )
 from megatron.checkpointing.layout import padded_vocab_size
@@ -88,6 +91,66 @@ def _rank_writer(
         mpu.destroy_model_parallel()
 
 
+def check_new_save_dir(
+    save: str | Path, *, load: str | Path | None = None, load_flag: str = "--load"
+) -> None:
+    """--save of the conversion tools: a new or empty directory (not the source ``load`` given with ``load_flag``,
+    not a file, no checkpoints in it).
+
+    The tools write a weights-only ``global_step0`` and point ``latest`` at it; in a directory holding a
+    training run that would make the next relaunch silently restart from iteration 0.
+
+    Raises:
+        ValueError: naming --save, what it holds and the fix.
+    """
+    check_output_dir_path(save, "--save")
+    out = Path(save)
+    fix = "write the converted checkpoint to a new or empty directory"
+    if load is not None and Path(load).resolve() == out.resolve():
+        raise ValueError(f"--save {save} is the {load_flag} directory; {fix}.")
+    if not out.is_dir():
+        return
+    found = sorted(p.name for p in out.glob("global_step*")) + sorted(
+        p.name for p in out.glob("latest*") if p.is_file()
+    )
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(
+            f"--save {save} already holds checkpoints ({shown}): the converted weights-only global_step0 "
+            f"would become its 'latest' and a training relaunch there would restart from iteration 0; {fix}."
+        )
+
+
+def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int) -> None:
+    """The model of ``cfg`` can be split over ``tp`` x ``pp`` ranks (the rules ``GPTModel`` enforces).
+
+    Raises:
+        ValueError: naming --tp / --pp, the model's sizes and the values that would work.
+    """
+    from megatron.model.utils import check_tensor_parallel_shapes
+
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
+    if cfg.num_layers < pp:
+        raise ValueError(
+            f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
+        )
+    sizes = {"attention heads": cfg.num_attention_heads, "FFN hidden size": cfg.ffn_size}
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        sizes["key/value heads"] = cfg.num_query_groups
+    bad = [f"{name} ({value})" for name, value in sizes.items() if value % tp]
+    if bad:
+        common = math.gcd(*sizes.values())
+        ok = [str(d) for d in range(1, common + 1) if common % d == 0]
+        raise ValueError(
+            f"--tp ({tp}) must divide the model's {' and '.join(bad)}; use --tp {', '.join(ok)}."
+        )
+    try:
+        check_tensor_parallel_shapes(cfg, tp)
+    except ValueError as err:
+        raise ValueError(f"--tp ({tp}): {err}") from None
+
+
 def write_trident_checkpoint(
     full: dict[str, torch.Tensor],
     cfg: ModelConfig,
@@ -104,18 +167,16 @@ def write_trident_checkpoint(
     ``source`` and ``tokenizer`` (``hf_tokenizer.tokenizer_info``) are recorded in ``trident_meta.json``.
 
     Raises:
-        ValueError: ``tp``/``pp`` < 1 or more stages than layers.
+        ValueError: (before any process is spawned) ``out_dir`` is not a new or empty directory
+            (:func:`check_new_save_dir`), or the model does not split over ``tp`` x ``pp``
+            (:func:`check_target_layout`).
     """
     from safetensors.torch import save_file
 
     from megatron.testing import run_distributed
 
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
-    if cfg.num_layers < pp:
-        raise ValueError(
-            f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
-        )
+    check_new_save_dir(out_dir)
+    check_target_layout(cfg, tp=tp, pp=pp)
     padded = pad_vocab_for_tp(full, cfg, tp)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "full.safetensors")
@@ -151,8 +212,15 @@ def reshard_checkpoint(
 
     Returns:
         Source vs written checkpoint logits (both run in a TP = 1 ``GPTModel``), None without ``verify``.
+
+    Raises:
+        ValueError / FileNotFoundError: ``dst`` is ``src``, a file or holds checkpoints; the model does not split
+            over ``tp`` x ``pp``; the source is unreadable. All before any rank is spawned.
     """
-    full, cfg, meta = read_checkpoint_weights(src, tag, progress)
+    found, src_cfg, _ = read_checkpoint_config(src, tag)
+    check_target_layout(src_cfg, tp=tp, pp=pp)
+    check_new_save_dir(dst, load=src)
+    full, cfg, meta = read_checkpoint_weights(src, found, progress)
     write_trident_checkpoint(
         full, cfg, dst, tp=tp, pp=pp, source=str(src), tokenizer=meta.get("tokenizer")
     )

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
+from megatron.data.indexed_dataset import apply_umask_mode
 from megatron.mpu.random import get_cuda_rng_tracker
 
 
@@ -75,9 +76,10 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any])
 
 
 def save_rng_file(path: Path) -> None:
-    """Write this process's RNG states to ``path`` (safetensors)."""
+    """Write this process's RNG states to ``path`` (safetensors; mode from the umask, as the other files)."""
     tensors, scalars = capture_rng_state()
     save_file(tensors, str(path), metadata={"trident_rng": json.dumps(scalars)})
+    apply_umask_mode(path)
 
 
 def load_rng_file(path: Path) -> None:

@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+from megatron.checkpointing.convert import find_tag
 from megatron.checkpointing.engine_checkpoint import (
     LATEST_UNIVERSAL_FILE,
     META_FILE,
     _atomic_write,
-    find_checkpoint,
     read_meta,
 )
 from megatron.checkpointing.pipe_layout import pipe_layer_key
@@ -57,22 +58,44 @@ def add_name_aliases(universal_dir: Path, num_layers: int) -> int:
     return added
 
 
+def _check_has_optimizer_partitions(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """``ds_to_universal`` reads the ZeRO optimizer partitions (``*_optim_states.pt``): ZeRO stage >= 1 only.
+
+    ``meta["zero_stage"]`` when recorded; checkpoints saved before it was, by the presence of those files.
+    """
+    stage = meta.get("zero_stage")
+    if stage is None:
+        has_partitions = any(tag_dir.glob("*_optim_states.pt"))
+        what = "has no ZeRO optimizer partitions (*_optim_states.pt)"
+    else:
+        has_partitions = int(stage) >= 1
+        what = f"was saved with ZeRO stage {int(stage)}"
+    if not has_partitions:
+        raise ValueError(
+            f"{tag_dir} {what}: universal checkpoints are built from the ZeRO optimizer partitions, so they "
+            "need a run saved with --zero-stage >= 1. To move just the weights to another layout use "
+            "python -m tools.checkpoint.reshard."
+        )
+
+
 def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1) -> str:
     """Write ``{tag}_universal`` (default tag: ``latest``) and point ``latest_universal`` at it; returns its tag.
 
     Raises:
-        FileNotFoundError: no complete checkpoint.
-        ValueError: the checkpoint lacks ``universal_checkpoint_info`` (saved by an older Trident).
+        FileNotFoundError: no complete checkpoint (or ``tag`` is not one).
+        ValueError: the checkpoint was saved with ZeRO stage 0, or lacks ``universal_checkpoint_info`` (saved by
+            an older Trident).
     """
     from deepspeed.checkpoint import ds_to_universal
 
     root = Path(ckpt_dir)
-    found = find_checkpoint(str(root), tag)
+    found = find_tag(root, tag)
     if found is None:
         raise FileNotFoundError(f"{root} holds no Trident checkpoint (no 'latest' file).")
     meta = read_meta(root, found)
     if meta.get("universal"):
         raise ValueError(f"{root / found} is already a universal checkpoint.")
+    _check_has_optimizer_partitions(root / found, meta)
     out_tag = f"{found}_universal"
     out = root / out_tag
     if out.exists():

@@ -101,8 +101,25 @@ def _pointers(sizes: np.ndarray, itemsize: int) -> np.ndarray:
     return pointers
 
 
+def apply_umask_mode(path: str | os.PathLike[str]) -> None:
+    """Give ``path`` the mode ``open()`` gives a new file, ``0o666 & ~umask`` (e.g. 0644 under umask 022).
+
+    ``tempfile.mkstemp`` and safetensors' ``save_file`` create files 0600 whatever the umask, so datasets and
+    models written through them would be unreadable to the other users of a shared cluster. Reading the umask
+    means setting it and putting it back (``os.umask`` is the only API): process-wide, so a thread creating a
+    file in that instant would get mode 0666 & ~0 -> 0666. It is done once per call, around nothing else.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _atomic_target(final_path: str) -> str:
-    """Create an empty temporary file in ``final_path``'s directory (same filesystem, so rename is atomic)."""
+    """Create an empty temporary file in ``final_path``'s directory (same filesystem, so rename is atomic).
+
+    Its mode is the umask's (:func:`apply_umask_mode`), not mkstemp's 0600, so the renamed file is readable
+    like any other file the user writes.
+    """
     directory = os.path.dirname(os.path.abspath(final_path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(
@@ -112,6 +129,11 @@ def _atomic_target(final_path: str) -> str:
         dir=directory, prefix=os.path.basename(final_path) + ".", suffix=".tmp"
     )
     os.close(fd)
+    try:
+        apply_umask_mode(tmp)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     return tmp
 
 

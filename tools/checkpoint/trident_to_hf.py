@@ -3,7 +3,7 @@
     python -m tools.checkpoint.trident_to_hf --load ckpt/ --out hf_model/ [--tag global_step1000] [--no-verify]
 
 The tokenizer recorded at training time is exported too (``--no-tokenizer`` to skip; ``--tokenizer-type`` and its
-file flags to name another).
+file flags to name another). --out must be new or empty unless ``--overwrite`` is given.
 
 Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
 """
@@ -22,7 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
     p.add_argument("--tag", default=None, help="tag to convert (default: 'latest')")
-    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument(
+        "--out", required=True, help="output HF directory (new or empty, or see --overwrite)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an existing --out: first delete its config, weights and tokenizer files "
+        "(config.json, model*.safetensors*, tokenizer.json, vocab.json, merges.txt, ...) so none of "
+        "another model's are mixed with this one's",
+    )
     p.add_argument("--bos-token-id", type=int, default=None)
     p.add_argument("--eos-token-id", type=int, default=None)
     g = p.add_argument_group(
@@ -59,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             eos_token_id=a.eos_token_id,
             tokenizer=tokenizer,
             write_tokenizer=not a.no_tokenizer,
+            overwrite=a.overwrite,
             say=print,
         )
     except (ValueError, FileNotFoundError) as e:
