@@ -424,29 +424,166 @@ def _used_patterns(info: dict[str, Any], module: Any) -> dict[str, Any]:
     return out
 
 
-def check_checkpoint_dirs(cfg: TridentConfig, true_vocab: int | None = None) -> None:
+def resolve_universal_flag(cfg: TridentConfig) -> TridentConfig:
+    """``cfg`` with --universal-checkpoint dropped when --load holds a regular checkpoint newer than the universal
+    conversion (the flag is for the first resume after a layout change; relaunching the same command afterwards
+    must resume the newer regular checkpoint, with one log line)."""
+    ck = cfg.checkpoint
+    if not (ck.universal_checkpoint and ck.load and ck.load_tag is None):
+        return cfg
+    root = Path(ck.load)
+    universal, regular = root / LATEST_UNIVERSAL_FILE, root / LATEST_FILE
+    if not (universal.is_file() and regular.is_file()):
+        return cfg
+    u_tag = universal.read_text(encoding="utf-8").strip()
+    r_tag = regular.read_text(encoding="utf-8").strip()
+    if not (is_complete(root, u_tag) and is_complete(root, r_tag)):
+        return cfg
+    done = int(read_meta(root, r_tag).get("iteration", 0))
+    if done <= int(read_meta(root, u_tag).get("iteration", 0)):
+        return cfg
+    if global_rank() == 0:
+        logger.info(
+            "--universal-checkpoint: %s holds a newer regular checkpoint (%s, iteration %d) than the universal "
+            "one (%s); resuming the regular one",
+            root,
+            r_tag,
+            done,
+            u_tag,
+        )
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, universal_checkpoint=False))
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
+    """--save must not receive a new run's checkpoints on top of another run's (they would be overwritten and
+    'latest' moved): refuse a --save holding checkpoints unless it is the --load directory being resumed."""
+    ck = cfg.checkpoint
+    if not ck.save or not Path(ck.save).is_dir():
+        return
+    tags = _complete_tags(Path(ck.save))
+    if not tags:
+        return
+    newest = tags[-1][1]
+    if not ck.load or not _same_dir(ck.load, ck.save):
+        raise ValueError(
+            f"--save {ck.save} already holds checkpoints of a run (newest {newest}); this run would "
+            f"overwrite them. To continue that run pass --load {ck.save}; to start a new one use an empty "
+            "--save directory."
+        )
+    if ck.finetune and not bool(read_meta(ck.save, newest).get("weights_only", False)):
+        raise ValueError(
+            f"--finetune with --load = --save = {ck.save}: it would restart at iteration 0 over the "
+            f"checkpoints there (newest {newest}). To continue a fine-tuning run, relaunch without "
+            "--finetune; to start one, --load the pretrained checkpoint and --save to an empty directory."
+        )
+
+
+def _check_layout(meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag: str) -> None:
+    """TP/PP (and, when the optimizer state or ZeRO-3 weights are partitioned over DP, the DP size) of the
+    checkpoint must be the run's: other layouts go through a universal checkpoint or an offline reshard."""
+    ck, p = cfg.checkpoint, cfg.parallel
+    if ck.universal_checkpoint or "tensor_model_parallel_size" not in meta:
+        return
+    tp, pp = int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"])
+    now_tp, now_pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    hint = (
+        f"resume at another layout through a universal checkpoint (python -m tools.checkpoint.to_universal "
+        f"--load {ck.load}, then add --universal-checkpoint), or reshard the weights offline "
+        "(python -m tools.checkpoint.reshard)."
+    )
+    if (tp, pp) != (now_tp, now_pp):
+        raise ValueError(
+            f"--load {ck.load} (tag {tag}) was saved with --tensor-model-parallel-size {tp} and "
+            f"--pipeline-model-parallel-size {pp}; this run uses {now_tp} and {now_pp}. Use the "
+            f"checkpoint's sizes, or {hint}"
+        )
+    weights_only = ck.finetune or bool(meta.get("weights_only", False))
+    stage = int(meta.get("zero_stage", p.zero_stage))
+    dp_saved = int(meta.get("world_size", world_size)) // (tp * pp)
+    dp_now = world_size // (now_tp * now_pp)
+    partitioned = stage == 3 or (stage >= 1 and not (ck.no_load_optim or weights_only))
+    if dp_saved != dp_now and partitioned:
+        raise ValueError(
+            f"--load {ck.load} (tag {tag}) was saved by {dp_saved} data-parallel ranks with ZeRO-{stage}, "
+            f"whose {'weights and ' if stage == 3 else ''}optimizer state are partitioned over them; "
+            f"this run has {dp_now}. Launch {dp_saved * now_tp * now_pp} processes, "
+            + ("pass --no-load-optim (fresh optimizer), or " if stage < 3 else "")
+            + hint
+        )
+
+
+def _check_tokenizer_matches(meta: dict[str, Any], cfg: TridentConfig, tag: str) -> None:
+    saved = (meta.get("tokenizer") or {}).get("tokenizer_type")
+    now = cfg.data.tokenizer_type
+    if saved and now and saved != now:
+        raise ValueError(
+            f"--load {cfg.checkpoint.load} (tag {tag}) was trained with --tokenizer-type {saved}; this run "
+            f"passes {now}. Token ids would change meaning: use the checkpoint's tokenizer."
+        )
+
+
+def check_checkpoint_dirs(
+    cfg: TridentConfig, true_vocab: int | None = None, world_size: int | None = None
+) -> None:
     """Preflight (before any process group), identical on every rank.
 
-    --save must be writable; --load-tag needs --load and must name a complete checkpoint; with ``true_vocab``
-    (the tokenizer's), a checkpoint found in --load must match the model flags (and the --universal-checkpoint
-    flag must match the checkpoint kind). No checkpoint in --load is fine (the run starts from scratch).
+    --save must be writable and must not hold another run's checkpoints; --load must be a directory (a missing
+    one is an error unless it is the --save of an auto-resumed run); --load-tag, --finetune,
+    --universal-checkpoint need --load, and --finetune / --skip-train need a checkpoint there; with
+    ``true_vocab`` (the tokenizer's) a checkpoint found in --load must match the model flags, the tokenizer type,
+    the --universal-checkpoint kind and (with ``world_size``) the parallel layout. No checkpoint in an existing
+    --load is fine otherwise (the run starts from scratch, with one log line).
 
     Raises:
         ValueError / FileNotFoundError: naming the flag, the problem and the fix.
     """
     ck = cfg.checkpoint
     if ck.save:
+        if Path(ck.save).is_file():
+            raise ValueError(f"--save {ck.save} is a file; give a directory.")
         check_save_dir(ck.save)
-    if ck.load_tag and not ck.load:
-        raise ValueError("--load-tag was given without --load; add --load DIR.")
+        _check_save_holds_no_other_run(cfg)
+    for flag, given in (
+        ("--load-tag", ck.load_tag),
+        ("--finetune", ck.finetune),
+        ("--universal-checkpoint", ck.universal_checkpoint),
+    ):
+        if given and not ck.load:
+            raise ValueError(f"{flag} was given without --load; add --load DIR.")
     if not ck.load:
         return
+    root = Path(ck.load)
+    if root.is_file():
+        raise ValueError(
+            f"--load {ck.load} is a file; give the checkpoint directory (the --save of the run)."
+        )
+    auto_resume = bool(ck.save) and _same_dir(ck.load, ck.save)
+    if not root.exists() and not auto_resume:
+        raise FileNotFoundError(
+            f"--load {ck.load} does not exist; check the path (a run that resumes itself passes the same "
+            "directory to --save and --load)."
+        )
     tag = find_checkpoint(ck.load, ck.load_tag, universal=ck.universal_checkpoint)
-    if tag is not None and true_vocab is not None:
+    if tag is None:
+        wants = "--finetune" if ck.finetune else "--skip-train" if cfg.training.skip_train else None
+        if wants:
+            raise FileNotFoundError(
+                f"{wants}: --load {ck.load} holds no checkpoint (no 'latest'); point --load at a --save "
+                "directory of a run."
+            )
+        return
+    if true_vocab is not None:
         meta = check_model_matches(
             ck.load, tag, dataclasses.replace(cfg.model, vocab_size=true_vocab)
         )
         _check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
+        _check_tokenizer_matches(meta, cfg, tag)
+        if world_size is not None:
+            _check_layout(meta, cfg, world_size, tag)
 
 
 def _check_universal_kind(meta: dict[str, Any], universal: bool, load_dir: str, tag: str) -> None:

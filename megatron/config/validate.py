@@ -115,8 +115,21 @@ def _check_batch(cfg: TridentConfig, world_size: int) -> None:
         )
     if t.train_iters is not None and t.train_samples is not None:
         raise ValueError("--train-iters and --train-samples are exclusive; give one of them.")
-    if (t.train_iters or 0) < 0 or (t.train_samples or 0) < 0:
-        raise ValueError("--train-iters / --train-samples must not be negative.")
+    if gbs < 1:
+        raise ValueError(f"--global-batch-size ({gbs}) must be a positive integer.")
+    for flag, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be a positive integer (how long to train).")
+    if t.exit_interval is not None and t.exit_interval < 1:
+        raise ValueError(f"--exit-interval ({t.exit_interval}) must be >= 1 (or left out).")
+    if cfg.data.num_workers < 0:
+        raise ValueError(
+            f"--num-workers ({cfg.data.num_workers}) must be >= 0 (0 = load in the main process)."
+        )
+    if p.distributed_timeout_minutes <= 0:
+        raise ValueError(
+            f"--distributed-timeout-minutes ({p.distributed_timeout_minutes}) must be positive."
+        )
 
 
 def _check_precision(cfg: TridentConfig, device_type: str) -> None:
@@ -133,8 +146,26 @@ def _check_precision(cfg: TridentConfig, device_type: str) -> None:
         raise ValueError(
             "--lr-warmup-fraction is exclusive with --lr-warmup-iters/--lr-warmup-samples."
         )
+    if t.lr < 0 or t.min_lr < 0:
+        raise ValueError(f"--lr ({t.lr}) and --min-lr ({t.min_lr}) must not be negative.")
     if t.min_lr > t.lr:
         raise ValueError(f"--min-lr ({t.min_lr}) must not exceed --lr ({t.lr}).")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        raise ValueError(f"--lr-warmup-fraction ({t.lr_warmup_fraction}) must be in [0, 1].")
+    # Megatron: iteration-based runs count the schedule in iterations, sample-based runs in samples.
+    by_iters = t.train_samples is None
+    wrong = (
+        [("--lr-warmup-samples", t.lr_warmup_samples), ("--lr-decay-samples", t.lr_decay_samples)]
+        if by_iters
+        else [("--lr-warmup-iters", t.lr_warmup_iters), ("--lr-decay-iters", t.lr_decay_iters)]
+    )
+    for flag, value in wrong:
+        if value:
+            raise ValueError(
+                f"{flag} ({value}) does not apply to a run length given by "
+                f"{'--train-iters' if by_iters else '--train-samples'}; use "
+                f"{flag.replace('samples', 'ITERS').replace('iters', 'samples').replace('ITERS', 'iters')}."
+            )
 
 
 def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -> None:

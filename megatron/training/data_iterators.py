@@ -68,10 +68,15 @@ def check_data_flags(cfg: TridentConfig) -> None:
 
 
 def _check_data_files(cfg: TridentConfig) -> None:
-    """Every --*data-path prefix has its .bin and .idx (FileNotFoundError naming the flag and the files)."""
+    """Every --*data-path prefix has a readable .bin/.idx pair, --split parses, and the training data is not empty
+    (FileNotFoundError / ValueError naming the flag and the files)."""
     from megatron.data.builders import parse_data_path
+    from megatron.data.gpt_dataset import get_train_valid_test_split_
+    from megatron.data.indexed_dataset import MMapIndexedDataset
 
     d = cfg.data
+    if d.data_path:
+        get_train_valid_test_split_(d.split, 1)  # the string itself (ValueError naming --split)
     for flag, values in (
         ("--data-path", d.data_path),
         ("--train-data-path", d.train_data_path),
@@ -87,6 +92,20 @@ def _check_data_files(cfg: TridentConfig) -> None:
                 raise FileNotFoundError(
                     f"{flag} {prefix}: missing {', '.join(missing)}; give the prefix that "
                     "tools/preprocess_data.py wrote (without .bin/.idx)."
+                )
+            try:
+                docs = len(MMapIndexedDataset(prefix))
+            except (ValueError, OSError) as err:
+                raise ValueError(f"{flag} {prefix}: unreadable dataset ({err}).") from None
+            train_docs = docs
+            if flag == "--data-path":
+                bounds = get_train_valid_test_split_(d.split, docs)
+                train_docs = bounds[1] - bounds[0]
+            if flag in ("--data-path", "--train-data-path") and train_docs == 0:
+                raise ValueError(
+                    f"{flag} {prefix}: no training documents ({docs} documents in the dataset"
+                    + (f", split {d.split!r} gives training none" if flag == "--data-path" else "")
+                    + "); preprocess more text or give training a share of --split."
                 )
 
 

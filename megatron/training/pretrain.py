@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron import mpu
-from megatron.checkpointing.engine_checkpoint import DeepSpeedCheckpointer, check_checkpoint_dirs
+from megatron.checkpointing.engine_checkpoint import (
+    DeepSpeedCheckpointer,
+    check_checkpoint_dirs,
+    resolve_universal_flag,
+)
 from megatron.config import TridentConfig, validate
 from megatron.log import global_rank
 from megatron.model import padded_vocab_size
@@ -56,6 +60,8 @@ logger = logging.getLogger(__name__)
 class Preflight:
     """What the checks before any process group produce."""
 
+    cfg: TridentConfig
+    """The run's config as preflight resolved it (e.g. a stale --universal-checkpoint dropped)."""
     world_size: int
     device_type: str
     ds_config: dict[str, Any]
@@ -104,13 +110,32 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
     dev = initialize.device_type(cfg)
     validate(cfg, world_size=world_size, device_type=dev)
     check_data_flags(cfg)
-    train_samples_and_iters(cfg.training, global_batch_size(cfg, world_size))
+    gbs = global_batch_size(cfg, world_size)
+    train_samples_and_iters(cfg.training, gbs)
+    build_lr_scheduler(
+        cfg.training, gbs, None
+    )  # the schedule's own checks (warmup vs decay length)
+    check_output_paths(cfg)
+    cfg = resolve_universal_flag(cfg)
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
-    check_checkpoint_dirs(cfg, true_vocab=tokenizer.vocab_size)
+    check_checkpoint_dirs(cfg, true_vocab=tokenizer.vocab_size, world_size=world_size)
     return Preflight(
-        world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer
+        cfg=cfg, world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer
     )
+
+
+def check_output_paths(cfg: TridentConfig) -> None:
+    """--metrics-file must be a file path and --tensorboard-dir a directory path (ValueError naming the flag)."""
+    from pathlib import Path
+
+    log = cfg.logging
+    if log.metrics_file and Path(log.metrics_file).is_dir():
+        raise ValueError(f"--metrics-file {log.metrics_file} is a directory; give a file path.")
+    if log.tensorboard_dir and Path(log.tensorboard_dir).is_file():
+        raise ValueError(
+            f"--tensorboard-dir {log.tensorboard_dir} is a file; give a directory path."
+        )
 
 
 def pretrain(cfg: TridentConfig, *, checkpoint_hooks: CheckpointHooks | None = None) -> TrainResult:
@@ -125,6 +150,7 @@ def pretrain(cfg: TridentConfig, *, checkpoint_hooks: CheckpointHooks | None = N
         ValueError / FileNotFoundError: from :func:`preflight`, before any process group is created.
     """
     pre = preflight(cfg, checkpoint_hooks)
+    cfg = pre.cfg
     device = initialize.init_distributed(cfg)
     try:
         return _run(cfg, pre, device, checkpoint_hooks)

@@ -89,3 +89,101 @@ def test_rng_file_round_trip(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="--no-load-rng"):
         load_rng_file(tmp_path / "other.safetensors")
     tracker.reset()
+
+
+def _run_checkpoint(root: Path, tag: str, model: ModelConfig, **meta: object) -> None:
+    """A complete checkpoint as far as preflight reads it: the marker meta and 'latest'."""
+    import dataclasses
+    import json
+
+    (root / tag).mkdir(parents=True, exist_ok=True)
+    full = {
+        "iteration": int(tag.removeprefix("global_step").split("_")[0]),
+        "model": dataclasses.asdict(model),
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "world_size": 1,
+        "zero_stage": 1,
+        **meta,
+    }
+    (root / tag / META_FILE).write_text(json.dumps(full))
+    (root / "latest").write_text(tag)
+
+
+def test_preflight_checkpoint_rules(tmp_path: Path) -> None:
+    """check_checkpoint_dirs: another run's --save, --finetune over a run, layout changes, --load mistakes,
+    tokenizer changes (all before any process group)."""
+    from megatron.checkpointing.engine_checkpoint import check_checkpoint_dirs
+    from megatron.config import parse_args
+
+    tiny = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "2",
+        "--mock-data", "--vocab-size", "99",
+    ]  # fmt: skip
+    model = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+        max_position_embeddings=16, vocab_size=99,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    _run_checkpoint(run, "global_step4", model)
+
+    def check(*flags: str, world: int = 1) -> None:
+        check_checkpoint_dirs(parse_args([*tiny, *flags]), true_vocab=99, world_size=world)
+
+    check("--load", str(run), "--save", str(run))  # auto-resume: fine
+    with pytest.raises(
+        ValueError, match=r"already holds checkpoints of a run \(newest global_step4\)"
+    ):
+        check("--save", str(run))
+    with pytest.raises(ValueError, match=f"pass --load {run}"):
+        check("--load", str(tmp_path / "other"), "--save", str(run))
+    with pytest.raises(ValueError, match="relaunch without --finetune"):
+        check("--load", str(run), "--save", str(run), "--finetune")
+    imported = tmp_path / "imported"
+    _run_checkpoint(imported, "global_step0", model, weights_only=True)
+    check("--load", str(imported), "--save", str(imported), "--finetune")  # first fine-tune step
+    # Layout: TP/PP always; DP when ZeRO partitions what is loaded.
+    with pytest.raises(ValueError, match=r"saved with --tensor-model-parallel-size 1 .* uses 2"):
+        check("--load", str(run), "--tensor-model-parallel-size", "2", world=2)
+    with pytest.raises(ValueError, match=r"saved by 1 data-parallel ranks with ZeRO-1"):
+        check("--load", str(run), world=2)
+    check("--load", str(run), "--no-load-optim", world=2)
+    z3 = tmp_path / "z3"
+    _run_checkpoint(z3, "global_step2", model, zero_stage=3)
+    with pytest.raises(ValueError, match="ZeRO-3, whose weights and optimizer state"):
+        check("--load", str(z3), "--no-load-optim", world=2)
+    # --load mistakes.
+    with pytest.raises(ValueError, match="is a file"):
+        check("--load", str(run / "latest"))
+    with pytest.raises(FileNotFoundError, match="--load .*typo does not exist"):
+        check("--load", str(tmp_path / "typo"))
+    check("--load", str(tmp_path / "fresh"), "--save", str(tmp_path / "fresh"))  # first launch
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="--finetune: --load .* holds no checkpoint"):
+        check("--load", str(tmp_path / "empty"), "--finetune")
+    with pytest.raises(FileNotFoundError, match="--skip-train: --load .* holds no checkpoint"):
+        check("--load", str(tmp_path / "empty"), "--skip-train")
+    with pytest.raises(ValueError, match="--finetune was given without --load"):
+        check("--finetune")
+    # A different tokenizer type than the checkpoint's.
+    tok = tmp_path / "tok"
+    _run_checkpoint(tok, "global_step1", model, tokenizer={"tokenizer_type": "NullTokenizer"})
+    with pytest.raises(ValueError, match="trained with --tokenizer-type NullTokenizer"):
+        check("--load", str(tok), "--tokenizer-type", "GPT2BPETokenizer")
+
+
+def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Path) -> None:
+    from megatron.checkpointing.engine_checkpoint import resolve_universal_flag
+    from megatron.config import parse_args
+
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=99)
+    _run_checkpoint(tmp_path, "global_step2_universal", model, universal=True, iteration=2)
+    (tmp_path / "latest_universal").write_text("global_step2_universal")
+    _run_checkpoint(tmp_path, "global_step2", model)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    argv += ["--mock-data", "--vocab-size", "99", "--load", str(tmp_path), "--universal-checkpoint"]
+    cfg = parse_args(argv)
+    assert resolve_universal_flag(cfg).checkpoint.universal_checkpoint  # not newer: kept
+    _run_checkpoint(tmp_path, "global_step5", model)
+    assert not resolve_universal_flag(cfg).checkpoint.universal_checkpoint

@@ -74,6 +74,17 @@ BAD = [
     ),
     (["--data-path", "no/such_prefix"], "exactly one data source; got --mock-data and --data-path"),
     (["--train-iters", "2", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
+    (["--global-batch-size", "0"], r"--global-batch-size \(0\) must be a positive"),
+    (["--train-iters", "0"], r"--train-iters \(0\) must be a positive"),
+    (["--num-workers", "-1"], r"--num-workers \(-1\) must be >= 0"),
+    (["--distributed-timeout-minutes", "0"], "must be positive"),
+    (["--lr", "-1"], "must not be negative"),
+    (["--lr-warmup-fraction", "2.0"], r"--lr-warmup-fraction \(2.0\) must be in \[0, 1\]"),
+    (["--lr-warmup-samples", "1000"], "does not apply to a run length given by --train-iters"),
+    (["--exit-interval", "0"], r"--exit-interval \(0\) must be >= 1"),
+    (["--lr-warmup-iters", "100"], "exceeds the decay length"),
+    (["--metrics-file", "/tmp"], "--metrics-file /tmp is a directory"),
+    (["--finetune"], "--finetune was given without --load"),
 ]
 
 
@@ -111,6 +122,23 @@ def test_missing_data_prefix_is_file_not_found(monkeypatch, capsys) -> None:
     assert (
         "error: --data-path no/such_prefix: missing no/such_prefix.bin, no/such_prefix.idx" in err
     )
+
+
+@pytest.mark.parametrize(
+    "extra,pattern",
+    [
+        (["--split", "abc"], "--split"),
+        (["--split", "0,50,50"], "no training documents"),
+    ],
+)
+def test_bad_data_split_before_any_group(extra, pattern, monkeypatch, capsys) -> None:
+    for k, v in ALONE_IN_4.items():
+        monkeypatch.setenv(k, v)
+    prefix = str(ROOT / "tests" / "fixtures" / "tiny" / "tiny_text_document")
+    argv = [a for a in _argv([]) if a != "--mock-data"] + ["--data-path", prefix, *extra]
+    assert _main()(argv) == EXIT_CONFIG_ERROR
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and pattern in errors[0], errors
 
 
 def test_bad_flag_as_a_process_no_traceback() -> None:
