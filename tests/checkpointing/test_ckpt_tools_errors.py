@@ -84,7 +84,7 @@ def test_save_must_be_a_new_directory(
     other_run = tmp_path / "other_run"
     shutil.copytree(ck, other_run)
     before = _snapshot(ck), _snapshot(other_run)
-    (tmp_path / "afile").write_text("x")
+    (tmp_path / "plain_file").write_text("x")
     fast = ["--no-verify", "--no-progress"]
 
     assert reshard.main(["--load", str(ck), "--save", str(ck), "--tp", "1", "--pp", "1"]) == 2
@@ -102,7 +102,7 @@ def test_save_must_be_a_new_directory(
         assert "restart from iteration 0" in err and "new or empty directory" in err
     assert (_snapshot(ck), _snapshot(other_run)) == before  # nothing written, 'latest' unmoved
 
-    for save, says in (("afile", "is a file"), ("afile/sub", "which is a file")):
+    for save, says in (("plain_file", "is a file"), ("plain_file/sub", "which is a file")):
         target = str(tmp_path / save)
         assert reshard.main(["--load", str(ck), "--save", target, "--tp", "1", "--pp", "1"]) == 2
         assert says in _error(capsys)
@@ -152,8 +152,10 @@ def test_export_out_dir_rules_and_overwrite(
     ck: Path, hf_bpe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fast = ["--no-verify", "--no-progress"]
-    (tmp_path / "afile").write_text("x")
-    assert trident_to_hf.main(["--load", str(ck), "--out", str(tmp_path / "afile"), *fast]) == 2
+    (tmp_path / "plain_file").write_text("x")
+    assert (
+        trident_to_hf.main(["--load", str(ck), "--out", str(tmp_path / "plain_file"), *fast]) == 2
+    )
     assert "--out" in (err := _error(capsys)) and "is a file" in err
 
     # A tokenizer directory from another model: refused untouched; --overwrite removes its stale tokenizer.json
