@@ -36,7 +36,7 @@ python tools/preprocess_data.py --input "$OUT/corpus.jsonl" --json-keys text \
   --append-eod --workers 2 --output-prefix "$OUT/kjv"
 
 echo "== 4/6 train (TP=$TP x PP=$PP x DP=$((NPROC / TP / PP)) on $NPROC CPU processes, $ITERS iterations)"
-rm -rf "$OUT/metrics.jsonl" "$OUT/checkpoints"
+rm -rf "$OUT/metrics.jsonl" "$OUT/checkpoints" "$OUT/hf"
 ARGS=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
   --attention-dropout 0.0 --hidden-dropout 0.0

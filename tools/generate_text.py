@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from megatron.text_generation.generation import TooManyTokensError
 
 EXIT_INPUT_ERROR = 2
+DEFAULT_NEW_TOKENS = 64
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -34,7 +35,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     src.add_argument("--sample-input-file", default=None, help="one prompt per line")
     out = p.add_argument_group("sampling")
-    out.add_argument("--out-seq-length", type=int, default=64, help="max new tokens per sample")
+    out.add_argument(
+        "--out-seq-length",
+        type=int,
+        default=None,
+        help=f"new tokens per sample (default: {DEFAULT_NEW_TOKENS}, or what fits the context); an "
+        "explicit value that does not fit is an error",
+    )
     out.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     out.add_argument("--greedy", action="store_true", help="argmax decoding")
     out.add_argument("--temperature", type=float, default=1.0)
@@ -117,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _prompts(a)
         _check_output_file(a.sample_output_file)
         gen = build_generator(a)
+        lengths = {}
         for prompt in prompts:  # every prompt fits before anything is generated or written
+            n = a.out_seq_length
+            if n is None:  # the default: as many as fit, up to DEFAULT_NEW_TOKENS (at least 1)
+                n = max(1, min(DEFAULT_NEW_TOKENS, gen.max_positions - len(gen.prompt_ids(prompt))))
             try:
-                gen.check_request(prompt, a.out_seq_length)
+                gen.check_request(prompt, n)
             except TooManyTokensError as err:
                 raise _too_long(prompt, err) from None
+            lengths[prompt] = n
         generator = torch.Generator().manual_seed(a.seed)
         sink = _open_output(a.sample_output_file)
         try:
@@ -129,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(a.num_samples):
                     g = gen.generate(
                         prompt,
-                        max_new_tokens=a.out_seq_length,
+                        max_new_tokens=lengths[prompt],
                         params=params,
                         generator=generator,
                         stop_at_eod=not a.no_stop_at_eod,
