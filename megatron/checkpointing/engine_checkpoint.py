@@ -584,6 +584,26 @@ def check_checkpoint_dirs(
         _check_tokenizer_matches(meta, cfg, tag)
         if world_size is not None:
             _check_layout(meta, cfg, world_size, tag)
+        _check_model_state_files(root / tag, meta)
+
+
+def _check_model_state_files(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Every model-parallel rank's DeepSpeed model-state file is there (a copy that lost one would otherwise fail
+    inside DeepSpeed with a bare assertion on some ranks)."""
+    if meta.get("universal") or "tensor_model_parallel_size" not in meta:
+        return
+    mp = int(meta["tensor_model_parallel_size"]) * int(meta["pipeline_model_parallel_size"])
+    missing = [
+        f"mp_rank_{r:02d}_model_states.pt"
+        for r in range(mp)
+        if not (tag_dir / f"mp_rank_{r:02d}_model_states.pt").is_file()
+        and not any(tag_dir.glob(f"zero_pp_rank_*_mp_rank_{r:02d}_model_states.pt"))
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"--load: {tag_dir} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+            f"(a checkpoint of {mp} model-parallel ranks); copy the whole checkpoint directory."
+        )
 
 
 def _check_universal_kind(meta: dict[str, Any], universal: bool, load_dir: str, tag: str) -> None:

@@ -107,6 +107,7 @@ def _run_checkpoint(root: Path, tag: str, model: ModelConfig, **meta: object) ->
         **meta,
     }
     (root / tag / META_FILE).write_text(json.dumps(full))
+    (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
     (root / "latest").write_text(tag)
 
 
@@ -171,6 +172,9 @@ def test_preflight_checkpoint_rules(tmp_path: Path) -> None:
     _run_checkpoint(tok, "global_step1", model, tokenizer={"tokenizer_type": "NullTokenizer"})
     with pytest.raises(ValueError, match="trained with --tokenizer-type NullTokenizer"):
         check("--load", str(tok), "--tokenizer-type", "GPT2BPETokenizer")
+    (run / "global_step4" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks mp_rank_00_model_states.pt"):
+        check("--load", str(run), "--save", str(run))
 
 
 def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Path) -> None:
