@@ -109,6 +109,41 @@ def _check_data_files(cfg: TridentConfig) -> None:
                 )
 
 
+def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
+    """Token ids in the --*data-path datasets must be < the tokenizer's vocabulary: a dataset preprocessed with
+    another tokenizer otherwise fails inside the model, on some ranks only. Reads up to ``sample_tokens`` tokens
+    per dataset, spread over 64 chunks of the file (a sample: cheap at any size, and a foreign tokenizer's ids
+    almost always show up in it).
+
+    Raises:
+        ValueError: naming the flag, the prefix, the id found and the vocabulary.
+    """
+    import numpy as np
+
+    from megatron.data.builders import parse_data_path
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+
+    d = cfg.data
+    for flag, values in (
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    ):
+        for prefix in parse_data_path(values, flag)[0] if values else []:
+            dtype = np.dtype(MMapIndexedDataset(prefix).dtype)
+            tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+            chunk = max(1, min(len(tokens), sample_tokens) // 64)
+            starts = np.linspace(0, max(len(tokens) - chunk, 0), num=64, dtype=np.int64)
+            top = max((int(tokens[s : s + chunk].max()) for s in starts if len(tokens)), default=-1)
+            if top >= vocab_size:
+                raise ValueError(
+                    f"{flag} {prefix}: holds token id {top} but the tokenizer has {vocab_size} tokens; the "
+                    "data was preprocessed with another tokenizer. Pass that tokenizer's flags (or "
+                    "re-run tools/preprocess_data.py with this one)."
+                )
+
+
 def build_run_tokenizer(cfg: TridentConfig) -> Any:
     """--tokenizer-type's tokenizer, or NullTokenizer(--vocab-size) when only --vocab-size is given."""
     from megatron.tokenizer.tokenizer import build_tokenizer

@@ -33,7 +33,12 @@ from megatron.log import global_rank
 from megatron.model import padded_vocab_size
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
-from megatron.training.data_iterators import build_iterators, build_run_tokenizer, check_data_flags
+from megatron.training.data_iterators import (
+    build_iterators,
+    build_run_tokenizer,
+    check_data_flags,
+    check_data_vocab,
+)
 from megatron.training.ds_config import (
     build_ds_config,
     global_batch_size,
@@ -119,6 +124,7 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
     cfg = resolve_universal_flag(cfg)
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
+    check_data_vocab(cfg, tokenizer.vocab_size)
     check_checkpoint_dirs(cfg, true_vocab=tokenizer.vocab_size, world_size=world_size)
     return Preflight(
         cfg=cfg, world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer

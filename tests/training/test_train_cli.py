@@ -129,6 +129,7 @@ def test_missing_data_prefix_is_file_not_found(monkeypatch, capsys) -> None:
     [
         (["--split", "abc"], "--split"),
         (["--split", "0,50,50"], "no training documents"),
+        ([], "but the tokenizer has 100 tokens; the data was preprocessed with another tokenizer"),
     ],
 )
 def test_bad_data_split_before_any_group(extra, pattern, monkeypatch, capsys) -> None:
