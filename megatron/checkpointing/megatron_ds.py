@@ -1,0 +1,349 @@
+"""Import a Megatron-DeepSpeed checkpoint (DeepSpeed format, written with ``--deepspeed``) as a Trident checkpoint.
+
+What is read (see ``../shared/reference/megatron-compat.md`` §9.2 for the layout)::
+
+    DIR/latest                                             the tag (``global_stepN``), or --tag
+    DIR/TAG/mp_rank_{mp:02d}_model_states.pt               client state: ``args`` (the run's argparse Namespace),
+                                                           ``universal_checkpoint_info``; with PP = 1 also
+                                                           ``module``: Megatron's NESTED state dict
+                                                           {'language_model': {'embedding': {...}, 'encoder': {...},
+                                                           'output_layer': {...}}}
+    DIR/TAG/layer_{idx:02d}-model_{tp:02d}-model_states.pt pipeline runs: one file per GPTModelPipe layer
+                                                           (01 embedding, 02..L+1 blocks, L+2 final norm, L+3 lm_head
+                                                           when untied): the layout Trident's pipeline uses too
+    DIR/TAG/[bf16_]zero_pp_rank_*_mp_rank_*                ZeRO-3 (PP = 1): the fp32 partitions (``zero3.py``)
+
+The model shape comes from ``args`` (num_layers, hidden_size, num_attention_heads, num_key_value_heads,
+ffn_hidden_size, normalization, swiglu, use_rotary_position_embeddings, rope_theta, add_bias_linear,
+untie_embeddings_and_output_weights, ...); variants Trident does not implement (MoE, partial rotary, LayerNorm-1p,
+post-LN residual, squared ReLU, erf GeLU) are refused by name. The true vocabulary is
+``universal_checkpoint_info.original_vocab_size`` when saved, else the recorded tokenizer's size, else the padded
+size (a warning: the padding rows then count as tokens). Fused QKV rows are Megatron-DeepSpeed's per-KV-group
+layout (before its FPDT change); checkpoints of the FPDT-era ``[q | k | v]`` split per TP rank convert with
+``qkv_layout="thirds"``.
+
+The ``.pt`` files are pickles: they are read with ``torch.load(weights_only=True)``, allowing
+``argparse.Namespace``, NumPy arrays (RNG states) and, as inert placeholders, classes of Megatron-DeepSpeed's own
+``megatron`` package (e.g. ``megatron.core.enums.ModelType`` inside ``args``); any other pickled class is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.convert import (
+    Progress,
+    _no_progress,
+    build_megatron_model,
+    fixed_prompts,
+    megatron_logits_fn,
+    read_checkpoint_weights,
+)
+from megatron.checkpointing.hf_tokenizer import tokenizer_info
+from megatron.checkpointing.layout import fuse_qkv
+from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
+from megatron.checkpointing.reshard import merge_tp_shards
+from megatron.checkpointing.rewrite import (
+    check_new_save_dir,
+    check_target_layout,
+    write_trident_checkpoint,
+)
+from megatron.checkpointing.verify import LogitComparison, compare_logits
+from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
+from megatron.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_NUMPY_GLOBALS = (
+    "numpy.dtype",
+    "numpy.ndarray",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray.scalar",
+    "numpy.core.multiarray.scalar",
+)
+
+
+class ForeignObject:
+    """Stands in for an object of Megatron-DeepSpeed's own classes (enums in ``args``): keeps what it was built
+    from, runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _resolve(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load_mds_file(path: Path) -> dict[str, Any]:
+    """A Megatron-DeepSpeed ``*_model_states.pt`` with ``weights_only=True`` and the allowlist of the docstring.
+
+    Raises:
+        ValueError: the file holds another pickled class (named), or is not a dict.
+    """
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as err:  # not a torch zip file
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint file ({err}).") from None
+    allowed: list[Any] = []
+    for name in names:
+        if name == "argparse.Namespace":
+            allowed.append(argparse.Namespace)
+        elif name in _NUMPY_GLOBALS or name.startswith("numpy.dtypes."):
+            allowed.append(_resolve(name))
+        elif name.split(".")[0] == "megatron":
+            allowed.append((ForeignObject, name))
+        else:
+            raise ValueError(
+                f"{path} holds a pickled {name}, which Trident does not unpickle (it could run code); if the "
+                "file is from a trusted run, re-save its tensors as safetensors."
+            )
+    with torch.serialization.safe_globals(allowed):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
+    return obj
+
+
+def find_mds_tag(root: Path, tag: str | None) -> Path:
+    """The tag directory to import: ``tag``, else the one ``latest`` names.
+
+    Raises:
+        FileNotFoundError: no such directory / no ``latest``.
+    """
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"--load {root} has no 'latest' file; pass --tag with one of its global_step* directories."
+            )
+        tag = latest.read_text(encoding="utf-8").strip()
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")
+    return tag_dir
+
+
+def _client_state_file(tag_dir: Path) -> Path:
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (tag_dir / name).is_file():
+            return tag_dir / name
+    raise FileNotFoundError(
+        f"{tag_dir} has no mp_rank_00_model_states.pt: not a DeepSpeed-format Megatron-DeepSpeed checkpoint "
+        "(Megatron-native iter_*/mp_rank_* checkpoints are not supported)."
+    )
+
+
+def _refuse_variants(a: dict[str, Any], source: Path) -> None:
+    experts = a.get("num_experts") or [1]
+    experts = experts if isinstance(experts, list | tuple) else [experts]
+    problems = []
+    if max(int(e) for e in experts) > 1:
+        problems.append(f"mixture of experts (num_experts {experts})")
+    if a.get("use_rotary_position_embeddings") and float(a.get("rotary_percent", 1.0)) != 1.0:
+        problems.append(f"partial rotary (rotary_percent {a.get('rotary_percent')})")
+    for flag, what in (
+        ("apply_layernorm_1p", "LayerNorm-1p"),
+        ("apply_residual_connection_post_layernorm", "post-LayerNorm residual"),
+        ("squared_relu", "squared ReLU"),
+        ("onnx_safe", "erf GeLU (--onnx-safe)"),
+    ):
+        if a.get(flag):
+            problems.append(what)
+    if a.get("use_rotary_position_embeddings") and a.get("add_position_embedding", False):
+        problems.append("rotary AND learned position embeddings")
+    if problems:
+        raise ValueError(
+            f"{source}: the checkpoint uses {', '.join(problems)}, which Trident's model does not implement."
+        )
+
+
+def _true_vocab(a: dict[str, Any], client: dict[str, Any], tok: dict[str, str] | None) -> int:
+    info = client.get("universal_checkpoint_info") or {}
+    if info.get("original_vocab_size"):
+        return int(info["original_vocab_size"])
+    if tok is not None:
+        from megatron.tokenizer import build_tokenizer
+
+        try:
+            return int(build_tokenizer(**tok).vocab_size)
+        except (ValueError, FileNotFoundError) as err:
+            logger.warning("the recorded tokenizer cannot be built (%s)", err)
+    padded = int(a["padded_vocab_size"])
+    logger.warning(
+        "no true vocabulary size recorded: using the padded size %d (the padding rows become tokens)",
+        padded,
+    )
+    return padded
+
+
+def mds_model_config(a: dict[str, Any], true_vocab: int, source: Path) -> ModelConfig:
+    """Trident's ``ModelConfig`` for a Megatron-DeepSpeed run's ``args`` (as a dict).
+
+    Raises:
+        ValueError: a model variant Trident does not implement, or a missing field.
+    """
+    _refuse_variants(a, source)
+    try:
+        heads = int(a["num_attention_heads"])
+        kv = a.get("num_key_value_heads")
+        return ModelConfig(
+            num_layers=int(a["num_layers"]),
+            hidden_size=int(a["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=None if kv in (None, heads) else int(kv),
+            kv_channels=a.get("kv_channels"),
+            ffn_hidden_size=a.get("ffn_hidden_size"),
+            seq_length=int(a["seq_length"]),
+            max_position_embeddings=a.get("max_position_embeddings"),
+            normalization=str(a.get("normalization", "layernorm")).lower(),  # type: ignore[arg-type]
+            layernorm_epsilon=float(a.get("layernorm_epsilon", 1e-5)),
+            swiglu=bool(a.get("swiglu", False)),
+            use_rotary_position_embeddings=bool(a.get("use_rotary_position_embeddings", False)),
+            rotary_position_embeddings_theta=float(a.get("rope_theta", 10000)),
+            add_bias_linear=bool(a.get("add_bias_linear", True)),
+            untie_embeddings_and_output_weights=bool(
+                a.get("untie_embeddings_and_output_weights", False)
+            ),
+            make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by", 128)),
+            vocab_size=true_vocab,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+        )
+    except KeyError as err:
+        raise ValueError(
+            f"{source}: args lacks {err}; is it a Megatron-DeepSpeed GPT checkpoint?"
+        ) from None
+
+
+def _flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.float()
+    return out
+
+
+def _thirds_to_grouped(shard: dict[str, torch.Tensor], cfg: ModelConfig, tp: int) -> None:
+    """In place: each TP shard's ``[q | k | v]`` QKV rows -> the per-group interleave (``layout.fuse_qkv``)."""
+    n, g, hn = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.head_dim
+    for key in [k for k in shard if ".self_attention.query_key_value." in k]:
+        q, k, v = torch.split(shard[key], [n * hn, g * hn, g * hn], dim=0)  # rows [q | k | v]
+        shard[key] = fuse_qkv(q, k, v, num_heads=n, num_groups=g, head_dim=hn)
+
+
+def read_mds_checkpoint(
+    load: str | Path,
+    *,
+    tag: str | None = None,
+    qkv_layout: str = "grouped",
+    progress: Progress = _no_progress,
+) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, str] | None]:
+    """``(full TP = 1 Megatron state dict, ModelConfig, tokenizer info)`` of a Megatron-DeepSpeed checkpoint.
+
+    Raises:
+        FileNotFoundError / ValueError: missing files, refused pickles, unsupported model variants.
+    """
+    if qkv_layout not in ("grouped", "thirds"):
+        raise ValueError(f"--qkv-layout {qkv_layout!r}: choose 'grouped' or 'thirds'.")
+    tag_dir = find_mds_tag(Path(load), tag)
+    client = load_mds_file(_client_state_file(tag_dir))
+    args = client.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ValueError(
+            f"{tag_dir}: the model-state file holds no Megatron 'args'; not a Megatron-DeepSpeed checkpoint."
+        )
+    a = vars(args)
+    tok = tokenizer_info(
+        tokenizer_type=a.get("tokenizer_type"),
+        vocab_file=a.get("vocab_file"),
+        merge_file=a.get("merge_file"),
+        tokenizer_model=a.get("tokenizer_model"),
+    )
+    cfg = mds_model_config(a, _true_vocab(a, client, tok), tag_dir)
+    tp, pp = (
+        int(a.get("tensor_model_parallel_size", 1)),
+        int(a.get("pipeline_model_parallel_size", 1)),
+    )
+    shards = []
+    for r in range(tp):
+        layer_files = sorted(tag_dir.glob(f"layer_*-model_{r:02d}-model_states.pt"))
+        if layer_files:
+            layers = {
+                int(f.name.split("-")[0].removeprefix("layer_")): load_mds_file(f)
+                for f in layer_files
+            }
+            shard = pipe_layers_to_megatron(
+                {i: {k: v.float() for k, v in sd.items()} for i, sd in layers.items()},
+                cfg.num_layers,
+            )
+        elif is_zero3_checkpoint(tag_dir):
+            shard = read_zero3_tp_shard(tag_dir, r)
+        else:
+            path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing (checkpoint of TP = {tp}, PP = {pp}).")
+            module = load_mds_file(path).get("module")
+            if not isinstance(module, dict) or not module:
+                raise ValueError(f"{path} holds no module weights.")
+            shard = _flatten(module)
+        if qkv_layout == "thirds":
+            _thirds_to_grouped(shard, cfg, tp)
+        shards.append(shard)
+        progress("reading TP shards", r + 1, tp)
+    full = merge_tp_shards(shards, cfg) if tp > 1 else shards[0]
+    return full, dataclasses.replace(cfg), tok
+
+
+def import_megatron_deepspeed(
+    load: str | Path,
+    save: str | Path,
+    *,
+    tp: int,
+    pp: int,
+    tag: str | None = None,
+    qkv_layout: str = "grouped",
+    verify: bool = True,
+    steps: int = 32,
+    progress: Progress = _no_progress,
+) -> LogitComparison | None:
+    """Convert a Megatron-DeepSpeed checkpoint into a Trident checkpoint for ``tp`` x ``pp`` ranks (weights only,
+    iteration 0: training loads it like --finetune).
+
+    Returns:
+        The imported weights vs the written checkpoint, both run in a TP = 1 ``GPTModel`` (None without
+        ``verify``).
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`read_mds_checkpoint`; a --save that is not new; a model that
+            does not split over ``tp`` x ``pp``. All before any rank is spawned.
+    """
+    check_new_save_dir(save, load=load)
+    full, cfg, tok = read_mds_checkpoint(load, tag=tag, qkv_layout=qkv_layout, progress=progress)
+    check_target_layout(cfg, tp=tp, pp=pp)
+    write_trident_checkpoint(full, cfg, save, tp=tp, pp=pp, source=str(load), tokenizer=tok)
+    progress("writing", 1, 1)
+    if not verify:
+        return None
+    back, back_cfg, _ = read_checkpoint_weights(save)
+    a, b = build_megatron_model(full, cfg), build_megatron_model(back, back_cfg)
+    prompts, n = fixed_prompts(cfg.vocab_size, cfg.max_position_embeddings or cfg.seq_length, steps)
+    with torch.no_grad():
+        return compare_logits(
+            megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size
+        )

@@ -1,0 +1,186 @@
+"""Importing Megatron-DeepSpeed (DeepSpeed-format) checkpoints.
+
+No Megatron-DeepSpeed is installed here, so its checkpoints are rebuilt from real Trident training checkpoints in
+Megatron-DeepSpeed's documented layout (megatron-compat.md §9.2): the pipeline layer files are already that layout;
+PP = 1 ``module`` becomes Megatron's nested dict; ``args`` is an argparse Namespace that also holds an enum of a
+``megatron.core.enums`` module (as Megatron-DeepSpeed's does), which the importer must read without running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.checkpointing.convert import read_checkpoint_weights
+from megatron.checkpointing.layout import split_qkv
+from megatron.checkpointing.megatron_ds import read_mds_checkpoint
+from megatron.model.presets import GPT2_FLAGS, LLAMA_FLAGS
+from megatron.testing import run_distributed
+from tools.checkpoint import megatron_deepspeed_to_trident
+
+SHAPE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+]
+COMMON = [
+    *SHAPE, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--mock-data",
+    "--vocab-size", "299", "--eval-iters", "0", "--log-level", "WARNING", "--lr", "1e-2",
+]  # fmt: skip
+GPT_ARGS = {
+    "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "ffn_hidden_size": 128, "kv_channels": 8, "seq_length": 16, "max_position_embeddings": 16,
+    "normalization": "layernorm", "layernorm_epsilon": 1e-5, "swiglu": False,
+    "use_rotary_position_embeddings": False, "add_position_embedding": True, "rotary_percent": 1.0,
+    "rope_theta": 10000, "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+    "make_vocab_size_divisible_by": 128, "padded_vocab_size": 512, "num_experts": [1],
+    "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "tokenizer_type": None,
+}  # fmt: skip
+LLAMA_ARGS = {
+    **GPT_ARGS, "num_key_value_heads": 2, "ffn_hidden_size": 64, "normalization": "rmsnorm",
+    "swiglu": True, "use_rotary_position_embeddings": True, "add_position_embedding": False,
+    "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "padded_vocab_size": 384,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+}  # fmt: skip
+
+
+def _train(root: str) -> None:
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+
+    gpt = [*GPT2_FLAGS, *COMMON, "--max-position-embeddings", "16"]
+    pretrain(parse_args([*gpt, "--tensor-model-parallel-size", "2", "--save", f"{root}/gpt"]))
+    llama = [*LLAMA_FLAGS, *COMMON, "--num-key-value-heads", "2", "--ffn-hidden-size", "64"]
+    pretrain(parse_args([*llama, "--pipeline-model-parallel-size", "2", "--save", f"{root}/llama"]))
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict:
+    """Megatron's state_dict_for_save_checkpoint layout of GPTModel's flat names."""
+    lm: dict = {"embedding": {}, "encoder": {}}
+    for key, t in flat.items():
+        rest = key.removeprefix("language_model.")
+        part, _, name = rest.partition(".")
+        if part == "embedding":
+            module, _, param = name.partition(".")
+            lm["embedding"].setdefault(module, {})[param] = t
+        elif part == "encoder":
+            lm["encoder"][name] = t
+        else:  # output_layer.weight
+            lm.setdefault(part, {})[name] = t
+    return {"language_model": lm}
+
+
+def _to_mds(src: Path, dst: Path, args: dict, *, thirds: bool = False) -> None:
+    """Rewrite a Trident checkpoint as Megatron-DeepSpeed would have saved it."""
+    tag = (src / "latest").read_text()
+    shutil.copytree(src / tag, dst / tag)
+    for extra in [*(dst / tag).glob("rng_state_*"), dst / tag / "trident_meta.json"]:
+        extra.unlink()
+    enums = types.ModuleType("megatron.core.enums")
+    model_type = enum.Enum("ModelType", ["encoder_or_decoder"], module="megatron.core.enums")
+    enums.ModelType = model_type  # type: ignore[attr-defined]
+    sys.modules.update(
+        {"megatron.core": types.ModuleType("megatron.core"), "megatron.core.enums": enums}
+    )
+    try:
+        for path in (dst / tag).glob("mp_rank_*_model_states.pt"):
+            client = torch.load(path, weights_only=True)
+            client.pop("trident_model_config")
+            client["args"] = argparse.Namespace(**args, model_type=model_type.encoder_or_decoder)
+            module = client.get("module")
+            if module:
+                if thirds:  # the FPDT-era [q | k | v] split of each TP shard
+                    tp = args["tensor_model_parallel_size"]
+                    heads, hn = args["num_attention_heads"] // tp, args["kv_channels"]
+                    for key in [k for k in module if "query_key_value" in k]:
+                        q, k, v = split_qkv(
+                            module[key], num_heads=heads, num_groups=heads, head_dim=hn
+                        )
+                        module[key] = torch.cat([q, k, v])
+                client["module"] = _nest(module)
+            torch.save(client, path)
+    finally:
+        for name in ("megatron.core", "megatron.core.enums"):
+            sys.modules.pop(name, None)
+    (dst / "latest").write_text(tag)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mds")
+    run_distributed(_train, 2, str(root), init_process_group=False, timeout=300)
+    return root
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_import_nested_tp2_and_pipeline_checkpoints(trained: Path, tmp_path: Path, capsys) -> None:
+    ref_gpt, _, _ = read_checkpoint_weights(trained / "gpt")
+    _to_mds(trained / "gpt", tmp_path / "mds_gpt", GPT_ARGS)
+    full, cfg, tok = read_mds_checkpoint(tmp_path / "mds_gpt")
+    _same(full, ref_gpt)
+    assert (cfg.vocab_size, cfg.hidden_size, tok) == (300, 32, None)  # --vocab-size 299 + EOD
+    _to_mds(trained / "gpt", tmp_path / "mds_thirds", GPT_ARGS, thirds=True)
+    _same(read_mds_checkpoint(tmp_path / "mds_thirds", qkv_layout="thirds")[0], ref_gpt)
+    ref_llama, ref_cfg, _ = read_checkpoint_weights(trained / "llama")
+    _to_mds(trained / "llama", tmp_path / "mds_llama", LLAMA_ARGS)
+    full, cfg, _ = read_mds_checkpoint(tmp_path / "mds_llama")
+    _same(full, ref_llama)
+    assert cfg.num_query_groups == 2 and cfg.swiglu and cfg.untie_embeddings_and_output_weights
+    # The CLI writes a Trident checkpoint at another layout and verifies it.
+    argv = ["--load", str(tmp_path / "mds_gpt"), "--save", str(tmp_path / "out"), "--no-progress"]
+    assert megatron_deepspeed_to_trident.main(argv) == 0
+    assert "greedy agreement = 1.000 -> OK" in capsys.readouterr().out
+    back, back_cfg, _ = read_checkpoint_weights(tmp_path / "out")
+    assert back_cfg.vocab_size == 300
+    for key in ref_gpt:  # padding rows differ (TP 2 -> TP 1 padding): compare the true vocabulary
+        assert torch.equal(
+            back[key][:300] if "word_embeddings" in key else back[key],
+            (ref_gpt[key][:300] if "word_embeddings" in key else ref_gpt[key]),
+        ), key
+
+
+def test_import_errors(trained: Path, tmp_path: Path, capsys) -> None:
+    _to_mds(trained / "gpt", tmp_path / "moe", {**GPT_ARGS, "num_experts": [4]})
+    argv = ["--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o1")]
+    assert megatron_deepspeed_to_trident.main(argv) == 2
+    assert "mixture of experts (num_experts [4])" in capsys.readouterr().err
+    assert (
+        megatron_deepspeed_to_trident.main(
+            ["--load", str(tmp_path), "--save", str(tmp_path / "o2")]
+        )
+        == 2
+    )
+    assert "has no 'latest' file" in capsys.readouterr().err
+    # A pickled class from outside the allowlist is refused, not unpickled.
+    _to_mds(
+        trained / "gpt",
+        tmp_path / "evil",
+        {**GPT_ARGS, "extra": __import__("decimal").Decimal("1")},
+    )
+    argv = ["--load", str(tmp_path / "evil"), "--save", str(tmp_path / "o3")]
+    assert megatron_deepspeed_to_trident.main(argv) == 2
+    assert (
+        "holds a pickled decimal.Decimal, which Trident does not unpickle"
+        in capsys.readouterr().err
+    )
+    # A Trident checkpoint is not a Megatron-DeepSpeed one.
+    argv = ["--load", str(trained / "gpt"), "--save", str(tmp_path / "o4")]
+    assert megatron_deepspeed_to_trident.main(argv) == 2
+    assert "holds no Megatron 'args'" in capsys.readouterr().err
