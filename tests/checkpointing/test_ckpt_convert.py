@@ -128,7 +128,8 @@ def test_export_over_tolerance_exits_3(tmp_path: Path, capsys) -> None:
     argv = ["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--no-progress"]
     assert trident_to_hf.main([*argv, "--tolerance", "1e-30"]) == 3
     assert "FAILED" in capsys.readouterr().out
-    assert trident_to_hf.main(argv) == 2  # the failed export's files are there: not overwritten silently
+    # The failed export's files are there: a second export does not overwrite them silently.
+    assert trident_to_hf.main(argv) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert trident_to_hf.main([*argv, "--overwrite"]) == 0
 
