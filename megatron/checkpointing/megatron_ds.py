@@ -1,4 +1,10 @@
-"""Import a Megatron-DeepSpeed checkpoint (DeepSpeed format, written with ``--deepspeed``) as a Trident checkpoint.
+"""Import a Megatron-DeepSpeed checkpoint (DeepSpeed format from ``--deepspeed`` runs, or Megatron-native) as a
+Trident checkpoint.
+
+Megatron-native (runs without ``--deepspeed``): ``DIR/latest_checkpointed_iteration.txt`` names ``iter_{N:07d}`` (or
+``release``); ``mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` holds ``args`` and ``model``, the nested state dict
+below with each pipeline stage's ``layers.{i}`` numbered from 0 (renumbered here with Megatron's uniform
+``num_layers // pp`` split; the last stage's ``word_embeddings_for_head`` copy of a tied embedding is dropped).
 
 What is read (see ``../shared/reference/megatron-compat.md`` §9.2 for the layout)::
 
@@ -33,6 +39,7 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +68,7 @@ from megatron.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
+NATIVE_TRACKER = "latest_checkpointed_iteration.txt"
 _NUMPY_GLOBALS = (
     "numpy.dtype",
     "numpy.ndarray",
@@ -110,8 +118,27 @@ def load_mds_file(path: Path) -> dict[str, Any]:
                 f"{path} holds a pickled {name}, which Trident does not unpickle (it could run code); if the "
                 "file is from a trusted run, re-save its tensors as safetensors."
             )
-    with torch.serialization.safe_globals(allowed):
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+    if any(
+        name.startswith("numpy.") for name in names
+    ):  # arrays of any dtype (RNG states are uint32)
+        import numpy.dtypes
+
+        allowed += [
+            getattr(numpy.dtypes, n)
+            for n in dir(numpy.dtypes)
+            if n.endswith("DType") and n[0].isupper()
+        ]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a class found only while unpickling: one clear message
+        text = str(err)
+        found = re.search(r"got <class '([\w.]+)'>|GLOBAL ([\w.]+)", text)
+        what = next((g for g in found.groups() if g), "an object") if found else "an object"
+        raise ValueError(
+            f"{path} holds a pickled {what}, which Trident does not unpickle (it could run code); if the "
+            "file is from a trusted run, re-save its tensors as safetensors."
+        ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
     return obj
@@ -127,7 +154,8 @@ def find_mds_tag(root: Path, tag: str | None) -> Path:
         latest = root / "latest"
         if not latest.is_file():
             raise FileNotFoundError(
-                f"--load {root} has no 'latest' file; pass --tag with one of its global_step* directories."
+                f"--load {root} has no 'latest' (DeepSpeed format) nor {NATIVE_TRACKER} (Megatron-native); "
+                "point --load at a Megatron-DeepSpeed --save directory, or pass --tag."
             )
         tag = latest.read_text(encoding="utf-8").strip()
     tag_dir = root / tag
@@ -141,8 +169,7 @@ def _client_state_file(tag_dir: Path) -> Path:
         if (tag_dir / name).is_file():
             return tag_dir / name
     raise FileNotFoundError(
-        f"{tag_dir} has no mp_rank_00_model_states.pt: not a DeepSpeed-format Megatron-DeepSpeed checkpoint "
-        "(Megatron-native iter_*/mp_rank_* checkpoints are not supported)."
+        f"{tag_dir} has no mp_rank_00_model_states.pt: not a DeepSpeed-format Megatron-DeepSpeed checkpoint."
     )
 
 
@@ -247,26 +274,14 @@ def _thirds_to_grouped(shard: dict[str, torch.Tensor], cfg: ModelConfig, tp: int
         shard[key] = fuse_qkv(q, k, v, num_heads=n, num_groups=g, head_dim=hn)
 
 
-def read_mds_checkpoint(
-    load: str | Path,
-    *,
-    tag: str | None = None,
-    qkv_layout: str = "grouped",
-    progress: Progress = _no_progress,
-) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, str] | None]:
-    """``(full TP = 1 Megatron state dict, ModelConfig, tokenizer info)`` of a Megatron-DeepSpeed checkpoint.
-
-    Raises:
-        FileNotFoundError / ValueError: missing files, refused pickles, unsupported model variants.
-    """
-    if qkv_layout not in ("grouped", "thirds"):
-        raise ValueError(f"--qkv-layout {qkv_layout!r}: choose 'grouped' or 'thirds'.")
-    tag_dir = find_mds_tag(Path(load), tag)
-    client = load_mds_file(_client_state_file(tag_dir))
+def _config_from_client(
+    client: dict[str, Any], source: Path
+) -> tuple[ModelConfig, dict[str, str] | None, int, int]:
+    """``(ModelConfig, tokenizer info, TP, PP)`` from a checkpoint file's saved ``args``."""
     args = client.get("args")
     if not isinstance(args, argparse.Namespace):
         raise ValueError(
-            f"{tag_dir}: the model-state file holds no Megatron 'args'; not a Megatron-DeepSpeed checkpoint."
+            f"{source}: the checkpoint file holds no Megatron 'args'; not a Megatron-DeepSpeed checkpoint."
         )
     a = vars(args)
     tok = tokenizer_info(
@@ -275,33 +290,110 @@ def read_mds_checkpoint(
         merge_file=a.get("merge_file"),
         tokenizer_model=a.get("tokenizer_model"),
     )
-    cfg = mds_model_config(a, _true_vocab(a, client, tok), tag_dir)
-    tp, pp = (
-        int(a.get("tensor_model_parallel_size", 1)),
-        int(a.get("pipeline_model_parallel_size", 1)),
-    )
+    cfg = mds_model_config(a, _true_vocab(a, client, tok), source)
+    tp = int(a.get("tensor_model_parallel_size", 1))
+    return cfg, tok, tp, int(a.get("pipeline_model_parallel_size", 1))
+
+
+def _ds_format_shard(
+    tag_dir: Path, r: int, cfg: ModelConfig, tp: int, pp: int
+) -> dict[str, torch.Tensor]:
+    """TP rank ``r``'s weights (Megatron names) of a DeepSpeed-format checkpoint."""
+    layer_files = sorted(tag_dir.glob(f"layer_*-model_{r:02d}-model_states.pt"))
+    if layer_files:
+        layers = {
+            int(f.name.split("-")[0].removeprefix("layer_")): load_mds_file(f) for f in layer_files
+        }
+        return pipe_layers_to_megatron(
+            {i: {k: v.float() for k, v in sd.items()} for i, sd in layers.items()}, cfg.num_layers
+        )
+    if is_zero3_checkpoint(tag_dir):
+        return read_zero3_tp_shard(tag_dir, r)
+    path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (checkpoint of TP = {tp}, PP = {pp}).")
+    module = load_mds_file(path).get("module")
+    if not isinstance(module, dict) or not module:
+        raise ValueError(f"{path} holds no module weights.")
+    return _flatten(module)
+
+
+def find_native_iteration_dir(root: Path, tag: str | None) -> Path:
+    """Megatron-native layout: ``tag`` (e.g. ``iter_0001000`` or ``release``), else what
+    ``latest_checkpointed_iteration.txt`` names.
+
+    Raises:
+        FileNotFoundError: no such directory.
+    """
+    if tag is None:
+        text = (root / NATIVE_TRACKER).read_text(encoding="utf-8").strip()
+        tag = "release" if text == "release" else f"iter_{int(text):07d}"
+    it_dir = root / tag
+    if not it_dir.is_dir():
+        raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")
+    return it_dir
+
+
+def _native_shard(it_dir: Path, r: int, cfg: ModelConfig, pp: int) -> dict[str, torch.Tensor]:
+    """TP rank ``r``'s weights of a Megatron-native checkpoint: the stages' ``model`` dicts, with each stage's
+    local ``layers.{i}`` renumbered by its offset (``num_layers // pp`` per stage, Megatron's uniform split)."""
+    out: dict[str, torch.Tensor] = {}
+    per_stage = cfg.num_layers // pp
+    for stage in range(pp):
+        name = f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{stage:03d}"
+        path = it_dir / name / "model_optim_rng.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (checkpoint of PP = {pp}).")
+        state = load_mds_file(path)
+        if "model" not in state:
+            raise ValueError(
+                f"{path} has no 'model' (virtual pipeline checkpoints with model0..k are not supported)."
+            )
+        for key, t in _flatten(state["model"]).items():
+            if key.startswith("word_embeddings_for_head."):
+                continue  # the last stage's copy of the tied embedding
+            prefix = "language_model.encoder.layers."
+            if key.startswith(prefix):
+                local, _, rest = key[len(prefix) :].partition(".")
+                key = f"{prefix}{int(local) + stage * per_stage}.{rest}"
+            out[key] = t
+    return out
+
+
+def read_mds_checkpoint(
+    load: str | Path,
+    *,
+    tag: str | None = None,
+    qkv_layout: str = "grouped",
+    progress: Progress = _no_progress,
+) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, str] | None]:
+    """``(full TP = 1 Megatron state dict, ModelConfig, tokenizer info)`` of a Megatron-DeepSpeed checkpoint, in
+    DeepSpeed format (``latest`` + ``global_stepN/``) or Megatron-native (``latest_checkpointed_iteration.txt``
+    + ``iter_NNNNNNN/mp_rank_*/model_optim_rng.pt``).
+
+    Raises:
+        FileNotFoundError / ValueError: missing files, refused pickles, unsupported model variants.
+    """
+    if qkv_layout not in ("grouped", "thirds"):
+        raise ValueError(f"--qkv-layout {qkv_layout!r}: choose 'grouped' or 'thirds'.")
+    root = Path(load)
+    native = not (root / "latest").is_file() and (root / NATIVE_TRACKER).is_file()
+    if native:
+        it_dir = find_native_iteration_dir(root, tag)
+        first = sorted(it_dir.glob("mp_rank_00*/model_optim_rng.pt"))
+        if not first:
+            raise FileNotFoundError(f"{it_dir} has no mp_rank_00*/model_optim_rng.pt.")
+        cfg, tok, tp, pp = _config_from_client(load_mds_file(first[0]), it_dir)
+    else:
+        tag_dir = find_mds_tag(root, tag)
+        cfg, tok, tp, pp = _config_from_client(load_mds_file(_client_state_file(tag_dir)), tag_dir)
     shards = []
     for r in range(tp):
-        layer_files = sorted(tag_dir.glob(f"layer_*-model_{r:02d}-model_states.pt"))
-        if layer_files:
-            layers = {
-                int(f.name.split("-")[0].removeprefix("layer_")): load_mds_file(f)
-                for f in layer_files
-            }
-            shard = pipe_layers_to_megatron(
-                {i: {k: v.float() for k, v in sd.items()} for i, sd in layers.items()},
-                cfg.num_layers,
-            )
-        elif is_zero3_checkpoint(tag_dir):
-            shard = read_zero3_tp_shard(tag_dir, r)
-        else:
-            path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} is missing (checkpoint of TP = {tp}, PP = {pp}).")
-            module = load_mds_file(path).get("module")
-            if not isinstance(module, dict) or not module:
-                raise ValueError(f"{path} holds no module weights.")
-            shard = _flatten(module)
+        shard = (
+            _native_shard(it_dir, r, cfg, pp)
+            if native
+            else _ds_format_shard(tag_dir, r, cfg, tp, pp)
+        )
         if qkv_layout == "thirds":
             _thirds_to_grouped(shard, cfg, tp)
         shards.append(shard)

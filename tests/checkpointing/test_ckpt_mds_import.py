@@ -1,4 +1,4 @@
-"""Importing Megatron-DeepSpeed (DeepSpeed-format) checkpoints.
+"""Importing Megatron-DeepSpeed checkpoints (DeepSpeed format and Megatron-native).
 
 No Megatron-DeepSpeed is installed here, so its checkpoints are rebuilt from real Trident training checkpoints in
 Megatron-DeepSpeed's documented layout (megatron-compat.md §9.2): the pipeline layer files are already that layout;
@@ -167,7 +167,9 @@ def test_import_errors(trained: Path, tmp_path: Path, capsys) -> None:
         )
         == 2
     )
-    assert "has no 'latest' file" in capsys.readouterr().err
+    assert "has no 'latest' (DeepSpeed format) nor latest_checkpointed_iteration.txt" in (
+        capsys.readouterr().err
+    )
     # A pickled class from outside the allowlist is refused, not unpickled.
     _to_mds(
         trained / "gpt",
@@ -184,3 +186,46 @@ def test_import_errors(trained: Path, tmp_path: Path, capsys) -> None:
     argv = ["--load", str(trained / "gpt"), "--save", str(tmp_path / "o4")]
     assert megatron_deepspeed_to_trident.main(argv) == 2
     assert "holds no Megatron 'args'" in capsys.readouterr().err
+
+
+def _native(
+    dst: Path, args: dict, stages: list[list[dict[str, torch.Tensor]]], tracker: str
+) -> None:
+    """A Megatron-native checkpoint: ``stages[pp][tp]`` flat Megatron-named weights with stage-local layer
+    numbers, saved as ``<iter dir>/mp_rank_TT[_PPP]/model_optim_rng.pt``."""
+    import random
+
+    import numpy as np
+
+    name = "release" if tracker == "release" else f"iter_{int(tracker):07d}"
+    pp = len(stages)
+    for stage, per_tp in enumerate(stages):
+        for r, flat in enumerate(per_tp):
+            d = dst / name / (f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{stage:03d}")
+            d.mkdir(parents=True)
+            rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state()}
+            state = {
+                "args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": 2,
+                "model": _nest(flat), "rng_state": [rng],
+            }  # fmt: skip
+            torch.save(state, d / "model_optim_rng.pt")
+    (dst / "latest_checkpointed_iteration.txt").write_text(tracker)
+
+
+def test_import_megatron_native_checkpoints(trained: Path, tmp_path: Path) -> None:
+    tag = (trained / "gpt" / "latest").read_text()
+    shards = [
+        torch.load(trained / "gpt" / tag / f"mp_rank_{r:02d}_model_states.pt")["module"]
+        for r in range(2)
+    ]
+    _native(tmp_path / "gpt", GPT_ARGS, [shards], "2")
+    ref_gpt, _, _ = read_checkpoint_weights(trained / "gpt")
+    _same(read_mds_checkpoint(tmp_path / "gpt")[0], ref_gpt)
+    _native(tmp_path / "rel", GPT_ARGS, [shards], "release")
+    _same(read_mds_checkpoint(tmp_path / "rel")[0], ref_gpt)
+    # PP = 2: each stage numbers its layers from 0; the last stage also holds the final norm and the head.
+    ref, _, _ = read_checkpoint_weights(trained / "llama")
+    first = {k: v for k, v in ref.items() if "embedding" in k or ".layers.0." in k}
+    last = {k.replace(".layers.1.", ".layers.0."): v for k, v in ref.items() if k not in first}
+    _native(tmp_path / "llama", LLAMA_ARGS, [[first], [last]], "2")
+    _same(read_mds_checkpoint(tmp_path / "llama")[0], ref)
