@@ -173,7 +173,7 @@ def _client_state_file(tag_dir: Path) -> Path:
     )
 
 
-def _refuse_variants(a: dict[str, Any], source: Path) -> None:
+def _refuse_variants(a: dict[str, Any], source: Path, version: float) -> None:
     experts = a.get("num_experts") or [1]
     experts = experts if isinstance(experts, list | tuple) else [experts]
     problems = []
@@ -185,10 +185,23 @@ def _refuse_variants(a: dict[str, Any], source: Path) -> None:
         ("apply_layernorm_1p", "LayerNorm-1p"),
         ("apply_residual_connection_post_layernorm", "post-LayerNorm residual"),
         ("squared_relu", "squared ReLU"),
-        ("onnx_safe", "erf GeLU (--onnx-safe)"),
+        ("standalone_embedding_stage", "a standalone embedding pipeline stage"),
     ):
         if a.get(flag):
             problems.append(what)
+    # Megatron's MLP uses the tanh GeLU (Trident's) only through the fused bias-GeLU or --openai-gelu; without the
+    # fusion (--no-bias-gelu-fusion, or no biases) or with --onnx-safe it is the exact erf GeLU.
+    tanh = a.get("openai_gelu") or (
+        a.get("bias_gelu_fusion", True)
+        and a.get("add_bias_linear", True)
+        and not a.get("onnx_safe")
+    )
+    if not a.get("swiglu") and not tanh:
+        problems.append("the exact (erf) GeLU (Trident's MLP uses the tanh approximation)")
+    if version < 2.0:
+        problems.append(
+            f"checkpoint_version {version} (before 2.0 the fused QKV rows had another order)"
+        )
     if a.get("use_rotary_position_embeddings") and a.get("add_position_embedding", False):
         problems.append("rotary AND learned position embeddings")
     if problems:
@@ -198,31 +211,47 @@ def _refuse_variants(a: dict[str, Any], source: Path) -> None:
 
 
 def _true_vocab(a: dict[str, Any], client: dict[str, Any], tok: dict[str, str] | None) -> int:
+    """The tokenizer's vocabulary: the larger of ``original_vocab_size`` and the recorded tokenizer's size (for
+    HFTokenizer, Megatron-DeepSpeed records a size WITHOUT added tokens, whose rows are trained: they must not be
+    dropped as padding); the padded size when neither is known, or for an HFTokenizer that cannot be built here."""
+    padded = int(a["padded_vocab_size"])
     info = client.get("universal_checkpoint_info") or {}
-    if info.get("original_vocab_size"):
-        return int(info["original_vocab_size"])
+    original = int(info.get("original_vocab_size") or 0)
+    built = 0
     if tok is not None:
         from megatron.tokenizer import build_tokenizer
 
         try:
-            return int(build_tokenizer(**tok).vocab_size)
+            built = int(build_tokenizer(**tok).vocab_size)
         except (ValueError, FileNotFoundError) as err:
             logger.warning("the recorded tokenizer cannot be built (%s)", err)
-    padded = int(a["padded_vocab_size"])
-    logger.warning(
-        "no true vocabulary size recorded: using the padded size %d (the padding rows become tokens)",
-        padded,
-    )
-    return padded
+    if built == 0 and (tok or {}).get("tokenizer_type") == "HFTokenizer":
+        logger.warning(
+            "HFTokenizer not available here: keeping all %d rows of the vocabulary (its recorded size %d may "
+            "omit added tokens)",
+            padded,
+            original,
+        )
+        return padded
+    true = max(original, built)
+    if true == 0:
+        logger.warning(
+            "no vocabulary size recorded: using the padded size %d (the padding rows become tokens)",
+            padded,
+        )
+        return padded
+    return min(true, padded)
 
 
-def mds_model_config(a: dict[str, Any], true_vocab: int, source: Path) -> ModelConfig:
+def mds_model_config(
+    a: dict[str, Any], true_vocab: int, source: Path, version: float = 3.0
+) -> ModelConfig:
     """Trident's ``ModelConfig`` for a Megatron-DeepSpeed run's ``args`` (as a dict).
 
     Raises:
         ValueError: a model variant Trident does not implement, or a missing field.
     """
-    _refuse_variants(a, source)
+    _refuse_variants(a, source, version)
     try:
         heads = int(a["num_attention_heads"])
         kv = a.get("num_key_value_heads")
@@ -290,7 +319,8 @@ def _config_from_client(
         merge_file=a.get("merge_file"),
         tokenizer_model=a.get("tokenizer_model"),
     )
-    cfg = mds_model_config(a, _true_vocab(a, client, tok), source)
+    version = float(client.get("checkpoint_version") or 3.0)
+    cfg = mds_model_config(a, _true_vocab(a, client, tok), source, version)
     tp = int(a.get("tensor_model_parallel_size", 1))
     return cfg, tok, tp, int(a.get("pipeline_model_parallel_size", 1))
 
@@ -305,7 +335,7 @@ def _ds_format_shard(
             int(f.name.split("-")[0].removeprefix("layer_")): load_mds_file(f) for f in layer_files
         }
         return pipe_layers_to_megatron(
-            {i: {k: v.float() for k, v in sd.items()} for i, sd in layers.items()}, cfg.num_layers
+            _canonical_pipe_indices(layers, cfg, tag_dir), cfg.num_layers
         )
     if is_zero3_checkpoint(tag_dir):
         return read_zero3_tp_shard(tag_dir, r)
@@ -316,6 +346,38 @@ def _ds_format_shard(
     if not isinstance(module, dict) or not module:
         raise ValueError(f"{path} holds no module weights.")
     return _flatten(module)
+
+
+def _canonical_pipe_indices(
+    layers: dict[int, dict[str, torch.Tensor]], cfg: ModelConfig, tag_dir: Path
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Layer files keyed by GPTModelPipe's current spec indices (1 embedding, 2..L+1 blocks, L+2 final norm, L+3
+    lm head), recognized by their keys: older Megatron-DeepSpeed (and BigScience) specs put a transpose function at
+    index 2, which shifts the blocks to 3..L+2 and the final norm to L+4."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    blocks = []
+    for idx in sorted(layers):
+        sd = {k: v.float() for k, v in layers[idx].items()}
+        keys = set(sd)
+        if any(k.startswith("word_embeddings.") for k in keys):
+            out[1] = sd
+        elif any(k.startswith("input_layernorm.") for k in keys):
+            blocks.append(sd)
+        elif keys == {"lm_head.weight"}:
+            out[cfg.num_layers + 3] = sd
+        elif keys <= {"weight", "bias"}:
+            out[cfg.num_layers + 2] = sd
+        else:
+            raise ValueError(
+                f"{tag_dir}: pipeline layer file {idx} holds {sorted(keys)[:4]}, which is no GPT layer Trident "
+                "knows (an embedding, a transformer block, the final norm or the LM head)."
+            )
+    if len(blocks) != cfg.num_layers:
+        raise ValueError(
+            f"{tag_dir}: {len(blocks)} transformer-block files for a {cfg.num_layers}-layer model (args)."
+        )
+    out.update({2 + i: sd for i, sd in enumerate(blocks)})
+    return out
 
 
 def find_native_iteration_dir(root: Path, tag: str | None) -> Path:
@@ -357,6 +419,13 @@ def _native_shard(it_dir: Path, r: int, cfg: ModelConfig, pp: int) -> dict[str, 
                 local, _, rest = key[len(prefix) :].partition(".")
                 key = f"{prefix}{int(local) + stage * per_stage}.{rest}"
             out[key] = t
+    found = {int(k.split(".")[3]) for k in out if k.startswith("language_model.encoder.layers.")}
+    if found != set(range(cfg.num_layers)):
+        raise ValueError(
+            f"{it_dir}: the stages hold layers {sorted(found)[:8]}... after renumbering with "
+            f"{per_stage} per stage; expected 0..{cfg.num_layers - 1} (an uneven pipeline split is not "
+            "supported)."
+        )
     return out
 
 

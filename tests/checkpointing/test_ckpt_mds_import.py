@@ -229,3 +229,27 @@ def test_import_megatron_native_checkpoints(trained: Path, tmp_path: Path) -> No
     last = {k.replace(".layers.1.", ".layers.0."): v for k, v in ref.items() if k not in first}
     _native(tmp_path / "llama", LLAMA_ARGS, [[first], [last]], "2")
     _same(read_mds_checkpoint(tmp_path / "llama")[0], ref)
+
+
+def test_older_pipeline_layout_and_refusals(trained: Path, tmp_path: Path) -> None:
+    from megatron.checkpointing.megatron_ds import _true_vocab, mds_model_config
+
+    # Older specs put a transpose at index 2: blocks at 3..L+2, the final norm at L+4, the head after it.
+    _to_mds(trained / "llama", tmp_path / "old", LLAMA_ARGS)
+    tag_dir = next((tmp_path / "old").glob("global_step*"))
+    moves = {2: 3, 3: 4, 4: 6, 5: 7}
+    for old in sorted(moves, reverse=True):
+        for f in tag_dir.glob(f"layer_{old:02d}-model_*"):
+            f.rename(f.with_name(f.name.replace(f"layer_{old:02d}", f"layer_{moves[old]:02d}")))
+    ref, _, _ = read_checkpoint_weights(trained / "llama")
+    _same(read_mds_checkpoint(tmp_path / "old")[0], ref)
+    # Silent mismatches become refusals: the exact GeLU (no bias-GeLU fusion), pre-2.0 QKV order.
+    with pytest.raises(ValueError, match=r"the exact \(erf\) GeLU"):
+        mds_model_config({**GPT_ARGS, "bias_gelu_fusion": False}, 300, tmp_path)
+    with pytest.raises(ValueError, match="checkpoint_version 1.0"):
+        mds_model_config(GPT_ARGS, 300, tmp_path, version=1.0)
+    # HFTokenizer records its size without added tokens: when it cannot be built here, keep every row.
+    hf_tok = {"tokenizer_type": "HFTokenizer", "tokenizer_model": str(tmp_path / "gone")}
+    info = {"universal_checkpoint_info": {"original_vocab_size": 300}}
+    assert _true_vocab(GPT_ARGS, info, hf_tok) == 512
+    assert _true_vocab(GPT_ARGS, info, None) == 300
