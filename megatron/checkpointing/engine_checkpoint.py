@@ -424,10 +424,11 @@ def _used_patterns(info: dict[str, Any], module: Any) -> dict[str, Any]:
     return out
 
 
-def resolve_universal_flag(cfg: TridentConfig) -> TridentConfig:
+def resolve_universal_flag(cfg: TridentConfig, world_size: int | None = None) -> TridentConfig:
     """``cfg`` with --universal-checkpoint dropped when --load holds a regular checkpoint newer than the universal
-    conversion (the flag is for the first resume after a layout change; relaunching the same command afterwards
-    must resume the newer regular checkpoint, with one log line)."""
+    conversion, saved at this run's layout (the flag is for the first resume after a layout change; relaunching the
+    same command afterwards must resume the newer regular checkpoint, with one log line). A newer regular
+    checkpoint of ANOTHER layout keeps the flag (and its explanation of the conflict)."""
     ck = cfg.checkpoint
     if not (ck.universal_checkpoint and ck.load and ck.load_tag is None):
         return cfg
@@ -439,8 +440,18 @@ def resolve_universal_flag(cfg: TridentConfig) -> TridentConfig:
     r_tag = regular.read_text(encoding="utf-8").strip()
     if not (is_complete(root, u_tag) and is_complete(root, r_tag)):
         return cfg
-    done = int(read_meta(root, r_tag).get("iteration", 0))
+    meta = read_meta(root, r_tag)
+    done = int(meta.get("iteration", 0))
     if done <= int(read_meta(root, u_tag).get("iteration", 0)):
+        return cfg
+    p = cfg.parallel
+    layout = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size)
+    saved = (
+        meta.get("tensor_model_parallel_size"),
+        meta.get("pipeline_model_parallel_size"),
+        meta.get("world_size") if world_size is not None else None,
+    )
+    if saved != layout:
         return cfg
     if global_rank() == 0:
         logger.info(
@@ -469,10 +480,19 @@ def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
         return
     newest = tags[-1][1]
     if not ck.load or not _same_dir(ck.load, ck.save):
+        drop = [
+            f
+            for f, on in (
+                ("--finetune", ck.finetune),
+                ("--universal-checkpoint", ck.universal_checkpoint),
+            )
+            if on
+        ]
         raise ValueError(
             f"--save {ck.save} already holds checkpoints of a run (newest {newest}); this run would "
-            f"overwrite them. To continue that run pass --load {ck.save}; to start a new one use an empty "
-            "--save directory."
+            f"overwrite them. To continue that run pass --load {ck.save}"
+            + (f" and drop {' and '.join(drop)}" if drop else "")
+            + "; to start a new one use an empty --save directory."
         )
     if ck.finetune and not bool(read_meta(ck.save, newest).get("weights_only", False)):
         raise ValueError(
@@ -517,12 +537,18 @@ def _check_layout(meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag
 
 
 def _check_tokenizer_matches(meta: dict[str, Any], cfg: TridentConfig, tag: str) -> None:
+    """A warning (not an error: e.g. HFTokenizer and GPT2BPETokenizer over GPT-2's files give the same ids) when
+    the tokenizer type differs from the checkpoint's; a different vocabulary size is a shape error already."""
     saved = (meta.get("tokenizer") or {}).get("tokenizer_type")
     now = cfg.data.tokenizer_type
-    if saved and now and saved != now:
-        raise ValueError(
-            f"--load {cfg.checkpoint.load} (tag {tag}) was trained with --tokenizer-type {saved}; this run "
-            f"passes {now}. Token ids would change meaning: use the checkpoint's tokenizer."
+    if saved and now and saved != now and global_rank() == 0:
+        logger.warning(
+            "--load %s (tag %s) was trained with --tokenizer-type %s; this run passes %s: make sure both give the "
+            "same token ids",
+            cfg.checkpoint.load,
+            tag,
+            saved,
+            now,
         )
 
 

@@ -119,7 +119,10 @@ def _check_batch(cfg: TridentConfig, world_size: int) -> None:
         raise ValueError(f"--global-batch-size ({gbs}) must be a positive integer.")
     for flag, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples)):
         if value is not None and value < 1:
-            raise ValueError(f"{flag} ({value}) must be a positive integer (how long to train).")
+            raise ValueError(
+                f"{flag} ({value}) must be a positive integer (how long to train); to only evaluate a "
+                "checkpoint, use --skip-train."
+            )
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ValueError(f"--exit-interval ({t.exit_interval}) must be >= 1 (or left out).")
     if cfg.data.num_workers < 0:

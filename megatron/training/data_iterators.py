@@ -101,7 +101,8 @@ def _check_data_files(cfg: TridentConfig) -> None:
             if flag == "--data-path":
                 bounds = get_train_valid_test_split_(d.split, docs)
                 train_docs = bounds[1] - bounds[0]
-            if flag in ("--data-path", "--train-data-path") and train_docs == 0:
+            training = flag in ("--data-path", "--train-data-path") and not cfg.training.skip_train
+            if training and train_docs == 0:
                 raise ValueError(
                     f"{flag} {prefix}: no training documents ({docs} documents in the dataset"
                     + (f", split {d.split!r} gives training none" if flag == "--data-path" else "")
@@ -112,7 +113,7 @@ def _check_data_files(cfg: TridentConfig) -> None:
 def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
     """Token ids in the --*data-path datasets must be < the tokenizer's vocabulary: a dataset preprocessed with
     another tokenizer otherwise fails inside the model, on some ranks only. Reads up to ``sample_tokens`` tokens
-    per dataset, spread over 64 chunks of the file (a sample: cheap at any size, and a foreign tokenizer's ids
+    in all (a blend's datasets share them), spread over 64 chunks of each file (a sample: cheap at any size, and a foreign tokenizer's ids
     almost always show up in it).
 
     Raises:
@@ -130,10 +131,14 @@ def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1
         ("--valid-data-path", d.valid_data_path),
         ("--test-data-path", d.test_data_path),
     ):
-        for prefix in parse_data_path(values, flag)[0] if values else []:
+        prefixes = parse_data_path(values, flag)[0] if values else []
+        budget = max(1 << 12, sample_tokens // max(1, len(prefixes)))  # a blend shares the sample
+        for prefix in prefixes:
+            if os.path.getsize(prefix + ".bin") == 0:
+                continue
             dtype = np.dtype(MMapIndexedDataset(prefix).dtype)
             tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-            chunk = max(1, min(len(tokens), sample_tokens) // 64)
+            chunk = max(1, min(len(tokens), budget) // 64)
             starts = np.linspace(0, max(len(tokens) - chunk, 0), num=64, dtype=np.int64)
             top = max((int(tokens[s : s + chunk].max()) for s in starts if len(tokens)), default=-1)
             if top >= vocab_size:

@@ -121,7 +121,7 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
         cfg.training, gbs, None
     )  # the schedule's own checks (warmup vs decay length)
     check_output_paths(cfg)
-    cfg = resolve_universal_flag(cfg)
+    cfg = resolve_universal_flag(cfg, world_size)
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
     check_data_vocab(cfg, tokenizer.vocab_size)
