@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -111,16 +112,24 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"unknown path {self.path}; use PUT {API_PATH}."})
             return
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                raise RequestError(f"the body is {length} bytes; at most {MAX_BODY_BYTES}.")
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise RequestError("the Content-Length header is not a number.") from None
+            if not 0 <= length <= MAX_BODY_BYTES:
+                raise RequestError(f"the body is {length} bytes; send 0..{MAX_BODY_BYTES}.")
             try:
                 body = json.loads(self.rfile.read(length) or b"null")
             except json.JSONDecodeError as err:
                 raise RequestError(f"the body is not JSON ({err.msg} at char {err.pos}).") from None
             prompts, tokens, params, seed, stop = parse_request(body)
             with self.lock:
-                g = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+                for prompt in prompts:  # every prompt fits before any is generated
+                    self.generator.check_request(prompt, tokens)
+                # A seed of the request's own (or a fresh one): the global torch RNG is not touched.
+                g = torch.Generator().manual_seed(
+                    seed if seed is not None else secrets.randbits(63)
+                )
                 out = [
                     self.generator.generate(
                         p, max_new_tokens=tokens, params=params, generator=g, stop_at_eod=stop
@@ -129,6 +138,12 @@ class _Handler(BaseHTTPRequestHandler):
                 ]
         except (RequestError, ValueError) as err:
             self._reply(400, {"error": str(err)})
+            return
+        except (
+            Exception
+        ) as err:  # a bug or a device error: answer instead of dropping the connection
+            logger.exception("generation failed")
+            self._reply(500, {"error": f"generation failed: {type(err).__name__}: {err}"})
             return
         self._reply(
             200, {"text": [o.prompt + o.text for o in out], "tokens": [o.tokens for o in out]}

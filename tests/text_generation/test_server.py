@@ -93,6 +93,27 @@ def test_bad_requests_get_400(served, body: bytes, message: str) -> None:
     assert status == 400 and message in answer["error"], answer
 
 
+def test_length_checks_before_generating(served) -> None:
+    import http.client
+
+    base, _ = served
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("PUT", "/api")
+    conn.putheader("Content-Length", "-5")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 400 and "send 0.." in json.loads(resp.read())["error"]
+    conn.close()
+    too_long = " ".join(["1"] * 40)  # the context is 32 tokens
+    status, answer = _raw(
+        f"{base}/api",
+        "PUT",
+        json.dumps({"prompts": ["1", too_long], "tokens_to_generate": 2}).encode(),
+    )
+    assert status == 400 and "context" in answer["error"], answer
+
+
 def test_wrong_method_path_and_cli(served, monkeypatch, capsys) -> None:
     base, _ = served
     assert _raw(f"{base}/api", "GET", None)[0] == 405
