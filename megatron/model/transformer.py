@@ -54,6 +54,23 @@ def bias_dropout_add(
     return residual + x
 
 
+def config_norm(
+    config: ModelConfig,
+    sequence_parallel: bool,
+    params_dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> nn.Module:
+    """The model's norm (``--normalization``, ``--layernorm-epsilon``) over ``[*, h]``."""
+    return build_norm(
+        config.normalization,
+        config.hidden_size,
+        eps=config.layernorm_epsilon,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        device=device,
+    )
+
+
 class ParallelTransformerLayer(nn.Module):
     """One pre-LN decoder layer (state-dict keys ``input_layernorm``, ``self_attention``,
     ``post_attention_layernorm``, ``mlp``).
@@ -80,14 +97,7 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel
-        self.input_layernorm = build_norm(
-            config.normalization,
-            config.hidden_size,
-            eps=config.layernorm_epsilon,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        self.input_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
         self.self_attention = ParallelAttention(
             config,
             layer_number=layer_number,
@@ -96,14 +106,7 @@ class ParallelTransformerLayer(nn.Module):
             params_dtype=params_dtype,
             device=device,
         )
-        self.post_attention_layernorm = build_norm(
-            config.normalization,
-            config.hidden_size,
-            eps=config.layernorm_epsilon,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        self.post_attention_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
         self.mlp = ParallelMLP(
             config,
             layer_number=layer_number,
@@ -176,14 +179,7 @@ class ParallelTransformer(nn.Module):
             )
             for i in range(config.num_layers)
         )
-        self.final_layernorm = build_norm(
-            config.normalization,
-            config.hidden_size,
-            eps=config.layernorm_epsilon,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        self.final_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
 
     def _run_chunk(
         self,
