@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from megatron.checkpointing.verify import LogitComparison
@@ -57,3 +58,26 @@ def report(result: LogitComparison | None, tolerance: float) -> int:
         f"greedy agreement = {result.greedy_agreement:.3f} -> {'OK' if ok else 'FAILED'}"
     )
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
+
+
+def run_checkpoint_writer(
+    convert: Callable[..., LogitComparison | None], a: argparse.Namespace, *args: Any, **kwargs: Any
+) -> int:
+    """The body of a tool that writes a Trident checkpoint at ``--tp`` x ``--pp`` and verifies it: call
+    ``convert(*args, tp=, pp=, verify=, steps=, progress=, **kwargs)``, print one ``error:`` line for bad input
+    (exit 2), else what was written and the verification report (exit 0 or 3)."""
+    try:
+        result = convert(
+            *args,
+            tp=a.tp,
+            pp=a.pp,
+            verify=not a.no_verify,
+            steps=a.verify_steps,
+            progress=Bar(not a.no_progress),
+            **kwargs,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp})")
+    return report(result, a.tolerance)

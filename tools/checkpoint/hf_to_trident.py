@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from megatron.checkpointing.hf_import import import_from_hf
-from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,21 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
     add_verify_args(p)
     a = p.parse_args(argv)
-    try:
-        result = import_from_hf(
-            a.hf_dir,
-            a.save,
-            tp=a.tp,
-            pp=a.pp,
-            verify=not a.no_verify,
-            steps=a.verify_steps,
-            progress=Bar(not a.no_progress),
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
-    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp})")
-    return report(result, a.tolerance)
+    return run_checkpoint_writer(import_from_hf, a, a.hf_dir, a.save)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from megatron.checkpointing.megatron_ds import import_megatron_deepspeed
-from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,23 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_verify_args(p)
     a = p.parse_args(argv)
-    try:
-        result = import_megatron_deepspeed(
-            a.load,
-            a.save,
-            tp=a.tp,
-            pp=a.pp,
-            tag=a.tag,
-            qkv_layout=a.qkv_layout,
-            verify=not a.no_verify,
-            steps=a.verify_steps,
-            progress=Bar(not a.no_progress),
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
-    print(f"wrote {a.save} (TP={a.tp}, PP={a.pp})")
-    return report(result, a.tolerance)
+    return run_checkpoint_writer(
+        import_megatron_deepspeed, a, a.load, a.save, tag=a.tag, qkv_layout=a.qkv_layout
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from megatron.checkpointing.rewrite import reshard_checkpoint
-from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,22 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
     add_verify_args(p)
     a = p.parse_args(argv)
-    try:
-        result = reshard_checkpoint(
-            a.load,
-            a.save,
-            tp=a.tp,
-            pp=a.pp,
-            tag=a.tag,
-            verify=not a.no_verify,
-            steps=a.verify_steps,
-            progress=Bar(not a.no_progress),
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
-    print(f"wrote {a.save} (TP={a.tp}, PP={a.pp})")
-    return report(result, a.tolerance)
+    return run_checkpoint_writer(reshard_checkpoint, a, a.load, a.save, tag=a.tag)
 
 
 if __name__ == "__main__":
