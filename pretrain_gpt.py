@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         setup_logging(getattr(logging, cfg.logging.log_level))
-        preflight(cfg)
+        checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
-        result = pretrain(cfg)
+        result = pretrain(cfg, checked=checked)
     except FileNotFoundError as e:  # a data or tokenizer file that vanished or was never there
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

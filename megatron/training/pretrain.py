@@ -144,18 +144,25 @@ def check_output_paths(cfg: TridentConfig) -> None:
         )
 
 
-def pretrain(cfg: TridentConfig, *, checkpoint_hooks: CheckpointHooks | None = None) -> TrainResult:
+def pretrain(
+    cfg: TridentConfig,
+    *,
+    checkpoint_hooks: CheckpointHooks | None = None,
+    checked: Preflight | None = None,
+) -> TrainResult:
     """Train ``cfg`` on this rank (every rank of the job calls it); see the module docstring.
 
     Args:
         cfg: the run's config (``megatron.config.parse_args``).
         checkpoint_hooks: save/load implementation (``checkpoint_hooks.CheckpointHooks``); default: DeepSpeed
             checkpoints (``megatron.checkpointing.engine_checkpoint.DeepSpeedCheckpointer``) when --save/--load.
+        checked: the result of :func:`preflight` for ``cfg`` when the caller already ran it (the CLI does, to
+            report input errors in one line); None runs it here.
 
     Raises:
         ValueError / FileNotFoundError: from :func:`preflight`, before any process group is created.
     """
-    pre = preflight(cfg, checkpoint_hooks)
+    pre = checked if checked is not None else preflight(cfg, checkpoint_hooks)
     cfg = pre.cfg
     device = initialize.init_distributed(cfg)
     try:
