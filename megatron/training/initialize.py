@@ -191,6 +191,17 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     return device
 
 
+def destroy_distributed() -> None:
+    """Destroy every process group (the default one included) of this process, if any.
+
+    For a process that is done with collectives (the end of ``pretrain_gpt.py``): torch asks for it before exit,
+    NCCL communicators are then torn down cleanly. ``pretrain`` itself leaves the groups in place so a caller can
+    call it again in the same process.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def set_seeds(seed: int) -> None:
     """One seed everywhere: torch's default generator and the model-parallel RNG tracker.
 
