@@ -181,6 +181,32 @@ def _check_no_client_sections(user: dict[str, Any], source: str) -> None:
             )
 
 
+def _offload_device(user: dict[str, Any], key: str) -> str | None:
+    """The device of ``zero_optimization.<key>`` in the user's config (None when absent or ``"none"``)."""
+    present, section = _get(user, f"zero_optimization.{key}")
+    if not present or section is None:
+        return None
+    device = section.get("device", "none") if isinstance(section, dict) else "cpu"
+    return None if device in (None, "none") else str(device)
+
+
+def _check_offload(user: dict[str, Any], stage: int, source: str) -> None:
+    """ZeRO offload only exists at the stages that partition what it moves (DeepSpeed ignores it elsewhere)."""
+    opt = _offload_device(user, "offload_optimizer")
+    if opt is not None and stage == 0:
+        raise ValueError(
+            f"{source} has zero_optimization.offload_optimizer (device {opt}), but the ZeRO stage is 0, where "
+            "DeepSpeed ignores it; pass --zero-stage 1 (or 2/3) or remove offload_optimizer from "
+            f"{source}."
+        )
+    param = _offload_device(user, "offload_param")
+    if param is not None and stage != 3:
+        raise ValueError(
+            f"{source} has zero_optimization.offload_param (device {param}), but the ZeRO stage is {stage}; "
+            f"parameter offload needs --zero-stage 3 (or remove offload_param from {source})."
+        )
+
+
 def build_ds_config(
     cfg: TridentConfig, world_size: int, user: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -195,8 +221,8 @@ def build_ds_config(
         A fresh dict: the user's keys, then Trident's owned keys on top.
 
     Raises:
-        ValueError: a user key contradicts a flag (naming the flag, the key and both values), or the user JSON
-            has an optimizer/scheduler section.
+        ValueError: a user key contradicts a flag (naming the flag, the key and both values), the user JSON
+            has an optimizer/scheduler section, or it asks for ZeRO offload at a stage without it.
         FileNotFoundError: --deepspeed_config names a missing file.
     """
     source = "the DeepSpeed config"
@@ -216,6 +242,7 @@ def build_ds_config(
                 f"{json.dumps(theirs)}; remove the key from {source} or change the flag."
             )
         _set(merged, key, value)
+    _check_offload(user, effective_zero_stage(cfg), source)
     return merged
 
 

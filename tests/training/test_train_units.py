@@ -111,6 +111,25 @@ def test_user_json_adds_keys_and_conflicts_name_both_sources(tmp_path) -> None:
     build_ds_config(_cfg("--clip-grad", "1"), world_size=1, user={"gradient_clipping": 1})
 
 
+def test_zero_offload_only_at_stages_that_have_it() -> None:
+    opt = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(
+        ValueError, match=r"offload_optimizer \(device cpu\).*stage is 0.*--zero-stage 1"
+    ):
+        build_ds_config(_cfg(), world_size=1, user=opt)
+    assert build_ds_config(_cfg("--zero-stage", "1"), world_size=1, user=opt)["zero_optimization"][
+        "offload_optimizer"
+    ] == {"device": "cpu"}
+    off = {"zero_optimization": {"offload_optimizer": {"device": "none"}}}
+    build_ds_config(_cfg(), world_size=1, user=off)  # "none" is no offload
+    param = {"zero_optimization": {"offload_param": {"device": "nvme"}}}
+    with pytest.raises(
+        ValueError, match=r"offload_param \(device nvme\).*stage is 2.*--zero-stage 3"
+    ):
+        build_ds_config(_cfg("--zero-stage", "2"), world_size=1, user=param)
+    build_ds_config(_cfg("--zero-stage", "3"), world_size=1, user=param)
+
+
 def test_user_json_file_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="--deepspeed_config .*no such file"):
         build_ds_config(_cfg("--deepspeed_config", str(tmp_path / "nope.json")), world_size=1)
