@@ -323,7 +323,8 @@ def export_to_hf(
     with tempfile.TemporaryDirectory() as staging:
         # The tokenizer is written and checked first, aside: a refused tokenizer leaves out_dir untouched.
         if write_tokenizer:
-            say(export_tokenizer(tok_info, staging, cfg.vocab_size))
+            trained = (meta.get("tokenizer") or {}).get("fingerprint")
+            say(export_tokenizer(tok_info, staging, cfg.vocab_size, trained))
         out.mkdir(parents=True, exist_ok=True)
         if overwrite and (removed := remove_stale_export_files(out)):
             say(f"--overwrite: removed {', '.join(removed)} from {out}")

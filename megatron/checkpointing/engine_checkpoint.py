@@ -223,12 +223,21 @@ class DeepSpeedCheckpointer:
         true_vocab: the tokenizer's vocabulary size (``cfg.model.vocab_size`` may be 0 before it is known).
         padded_vocab: the run's padded vocabulary (for ``universal_checkpoint_info``).
         world_size: number of ranks of the run.
+        tokenizer_fingerprint: ``megatron.tokenizer.encoding_fingerprint`` of the run's tokenizer (recorded in
+            the meta, checked when a run loads the checkpoint).
     """
 
     def __init__(
-        self, cfg: TridentConfig, *, true_vocab: int, padded_vocab: int, world_size: int
+        self,
+        cfg: TridentConfig,
+        *,
+        true_vocab: int,
+        padded_vocab: int,
+        world_size: int,
+        tokenizer_fingerprint: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.tokenizer_fingerprint = tokenizer_fingerprint
         self.model = dataclasses.replace(cfg.model, vocab_size=true_vocab)
         self.padded_vocab = padded_vocab
         self.world_size = world_size
@@ -278,6 +287,7 @@ class DeepSpeedCheckpointer:
                 vocab_file=d.vocab_file,
                 merge_file=d.merge_file,
                 tokenizer_model=d.tokenizer_model,
+                fingerprint=self.tokenizer_fingerprint,
             )
             meta = {
                 "version": META_VERSION,
@@ -536,10 +546,46 @@ def _check_layout(meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag
         )
 
 
-def _check_tokenizer_matches(meta: dict[str, Any], cfg: TridentConfig, tag: str) -> None:
-    """A warning (not an error: e.g. HFTokenizer and GPT2BPETokenizer over GPT-2's files give the same ids) when
-    the tokenizer type differs from the checkpoint's; a different vocabulary size is a shape error already."""
-    saved = (meta.get("tokenizer") or {}).get("tokenizer_type")
+def _check_tokenizer_matches(
+    meta: dict[str, Any], cfg: TridentConfig, tag: str, fingerprint: str | None
+) -> None:
+    """The run's tokenizer must encode like the checkpoint's: both fingerprints known and different is an error
+    (a warning with --finetune, which may change tokenizers on purpose). Without fingerprints, a warning (not an
+    error: e.g. HFTokenizer and GPT2BPETokenizer over GPT-2's files give the same ids) when the tokenizer type
+    differs; a different vocabulary size is a shape error already."""
+    recorded = meta.get("tokenizer") or {}
+    saved_print = recorded.get("fingerprint")
+    if saved_print and fingerprint and saved_print != fingerprint:
+        d = cfg.data
+        files = [
+            f"{flag} {value}"
+            for flag, value in (
+                ("--vocab-file", d.vocab_file),
+                ("--merge-file", d.merge_file),
+                ("--tokenizer-model", d.tokenizer_model),
+            )
+            if value
+        ]
+        was = [
+            f"{key} {recorded[key]}"
+            for key in ("vocab_file", "merge_file", "tokenizer_model")
+            if key in recorded
+        ]
+        msg = (
+            f"--load {cfg.checkpoint.load} (tag {tag}) was trained with a tokenizer that encodes text into other "
+            f"ids than this run's (--tokenizer-type {d.tokenizer_type}{', ' if files else ''}{', '.join(files)}), "
+            "so its embeddings would be read with the wrong tokens"
+        )
+        if not cfg.checkpoint.finetune:
+            raise ValueError(
+                f"{msg}. Pass the tokenizer it was trained with (--tokenizer-type "
+                f"{recorded.get('tokenizer_type')}{', ' if was else ''}{', '.join(was)}; the files must be "
+                "unchanged), or start a new run from its weights with --finetune."
+            )
+        if global_rank() == 0:
+            logger.warning("%s (--finetune: continuing on purpose?)", msg)
+        return
+    saved = recorded.get("tokenizer_type")
     now = cfg.data.tokenizer_type
     if saved and now and saved != now and global_rank() == 0:
         logger.warning(
@@ -553,15 +599,18 @@ def _check_tokenizer_matches(meta: dict[str, Any], cfg: TridentConfig, tag: str)
 
 
 def check_checkpoint_dirs(
-    cfg: TridentConfig, true_vocab: int | None = None, world_size: int | None = None
+    cfg: TridentConfig,
+    true_vocab: int | None = None,
+    world_size: int | None = None,
+    tokenizer_fingerprint: str | None = None,
 ) -> None:
     """Preflight (before any process group), identical on every rank.
 
     --save must be writable and must not hold another run's checkpoints; --load must be a directory (a missing
     one is an error unless it is the --save of an auto-resumed run); --load-tag, --finetune,
     --universal-checkpoint need --load, and --finetune / --skip-train need a checkpoint there; with
-    ``true_vocab`` (the tokenizer's) a checkpoint found in --load must match the model flags, the tokenizer type,
-    the --universal-checkpoint kind and (with ``world_size``) the parallel layout. No checkpoint in an existing
+    ``true_vocab`` (the tokenizer's) a checkpoint found in --load must match the model flags, the tokenizer
+    (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and (with ``world_size``) the parallel layout. No checkpoint in an existing
     --load is fine otherwise (the run starts from scratch, with one log line).
 
     Raises:
@@ -607,7 +656,7 @@ def check_checkpoint_dirs(
             ck.load, tag, dataclasses.replace(cfg.model, vocab_size=true_vocab)
         )
         _check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
-        _check_tokenizer_matches(meta, cfg, tag)
+        _check_tokenizer_matches(meta, cfg, tag, tokenizer_fingerprint)
         if world_size is not None:
             _check_layout(meta, cfg, world_size, tag)
         _check_model_state_files(root / tag, meta)

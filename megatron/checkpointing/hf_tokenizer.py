@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer import build_tokenizer, encoding_fingerprint
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
@@ -54,11 +54,17 @@ def tokenizer_info(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
+    fingerprint: str | None = None,
 ) -> dict[str, str] | None:
-    """The ``"tokenizer"`` entry of ``trident_meta.json`` (absolute paths), or None without a tokenizer type."""
+    """The ``"tokenizer"`` entry of ``trident_meta.json`` (absolute paths), or None without a tokenizer type.
+
+    ``fingerprint``: ``megatron.tokenizer.encoding_fingerprint`` of the tokenizer (how it encodes fixed texts).
+    """
     if not tokenizer_type:
         return None
     info = {"tokenizer_type": tokenizer_type}
+    if fingerprint:
+        info["fingerprint"] = fingerprint
     for key, value in (
         ("vocab_file", vocab_file),
         ("merge_file", merge_file),
@@ -191,7 +197,10 @@ def _write_files(info: dict[str, str], out: Path) -> str:
 
 
 def export_tokenizer(
-    info: dict[str, str] | None, out_dir: str | Path, model_vocab: int | None = None
+    info: dict[str, str] | None,
+    out_dir: str | Path,
+    model_vocab: int | None = None,
+    trained_fingerprint: str | None = None,
 ) -> str:
     """Write the tokenizer files of ``info`` into ``out_dir`` and check that transformers encodes like training.
 
@@ -199,14 +208,17 @@ def export_tokenizer(
         info: the ``"tokenizer"`` entry of the meta (:func:`tokenizer_info`), or None.
         out_dir: the HF directory being written.
         model_vocab: the model's true vocabulary; the tokenizer must have exactly this many tokens.
+        trained_fingerprint: the training tokenizer's ``encoding_fingerprint`` recorded in the checkpoint; the
+            tokenizer of ``info`` must still have it (files edited or replaced since training are refused).
 
     Returns:
         One line saying what was written (or why nothing was).
 
     Raises:
         FileNotFoundError: a recorded tokenizer file is gone (the message names the flag to pass).
-        ValueError: the tokenizer's vocabulary differs from the model's, or the written tokenizer encodes
-            :data:`SAMPLE_TEXT` differently from the training tokenizer.
+        ValueError: the tokenizer's vocabulary differs from the model's, it no longer encodes like the training
+            tokenizer (``trained_fingerprint``), or the written tokenizer encodes :data:`CHECK_TEXTS` differently
+            from it.
     """
     if not info or not info.get("tokenizer_type"):
         return "tokenizer: none recorded in the checkpoint (pass --tokenizer-type and its files to add one)"
@@ -219,6 +231,16 @@ def export_tokenizer(
         raise ValueError(
             f"the {kind} tokenizer has {ours.vocab_size} tokens but the model was trained with "
             f"{model_vocab}; pass the training tokenizer's flags, or --no-tokenizer."
+        )
+    if trained_fingerprint and encoding_fingerprint(ours) != trained_fingerprint:
+        files = ", ".join(
+            f"{k} {info[k]}" for k in ("vocab_file", "merge_file", "tokenizer_model") if k in info
+        )
+        raise ValueError(
+            f"the {kind} tokenizer ({files}) encodes text into other ids than the tokenizer the model was "
+            "trained with (its files changed since training, or these are another tokenizer's); pass the "
+            "training tokenizer's files (--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model), or "
+            "--no-tokenizer."
         )
     written = _write_files(info, out)
     from transformers import AutoTokenizer

@@ -19,7 +19,7 @@ from megatron.checkpointing.convert import build_megatron_model, read_checkpoint
 from megatron.config import ModelConfig
 from megatron.model import InferenceParams
 from megatron.text_generation.sampling import SamplingParams, sample_next
-from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer import build_tokenizer, encoding_fingerprint
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """``tokens [1, s] int64 -> logits [1, s, v']`` (``v' >= vocab``): the whole sequence each call."""
@@ -171,11 +171,22 @@ class TextGenerator:
         # EOD = the last id), as the run used.
         fallback = not (tokenizer or meta.get("tokenizer"))
         info = tokenizer or meta.get("tokenizer") or {"tokenizer_type": "NullTokenizer"}
-        tok = build_tokenizer(**info, vocab_size=cfg.vocab_size - 1)
+        files = {
+            k: info.get(k)
+            for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+        }
+        tok = build_tokenizer(**files, vocab_size=cfg.vocab_size - 1)
         if tok.vocab_size != cfg.vocab_size:
             raise ValueError(
                 f"the {info['tokenizer_type']} tokenizer has {tok.vocab_size} tokens but the model was "
                 f"trained with {cfg.vocab_size}; pass the training tokenizer's flags."
+            )
+        trained = (meta.get("tokenizer") or {}).get("fingerprint")
+        if trained and encoding_fingerprint(tok) != trained:
+            raise ValueError(
+                f"the {info['tokenizer_type']} tokenizer encodes text into other ids than the one the model was "
+                "trained with (its files changed since training, or they are another tokenizer's); pass the "
+                "training tokenizer's flags."
             )
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_megatron_model(full, cfg).to(device=dev, dtype=dtype)

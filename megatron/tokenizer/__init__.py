@@ -7,6 +7,7 @@ from megatron.tokenizer.tokenizer import (
     MegatronTokenizer,
     NullTokenizer,
     build_tokenizer,
+    encoding_fingerprint,
     vocab_size_with_padding,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "MegatronTokenizer",
     "NullTokenizer",
     "build_tokenizer",
+    "encoding_fingerprint",
     "vocab_size_with_padding",
 ]

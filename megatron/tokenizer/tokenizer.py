@@ -18,6 +18,7 @@ Padding of the vocabulary for tensor parallelism is a separate function, :func:`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -393,3 +394,26 @@ def build_tokenizer(
     raise ValueError(
         f"--tokenizer-type {kind} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}."
     )
+
+
+FINGERPRINT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{}",
+    "  Leading spaces,\ttabs\nand newlines;   runs   of   spaces.",
+    "Ünïcödé: façade, straße, Ελληνικά, русский, 日本語, 한국어, العربية, 🙂🚀",
+    "def f(x):\n    return x ** 2  # code, CamelCase and snake_case",
+)
+"""Fixed texts whose ids identify how a tokenizer encodes (see :func:`encoding_fingerprint`)."""
+
+
+def encoding_fingerprint(tokenizer: MegatronTokenizer) -> str | None:
+    """A short hash of the ids ``tokenizer`` gives :data:`FINGERPRINT_TEXTS` (plus its vocabulary size and EOD).
+
+    Two tokenizers with the same fingerprint encode those texts identically; a checkpoint records its training
+    tokenizer's fingerprint so a run that resumes it with other tokenizer files (same type and vocabulary size,
+    but other ids) is caught. None for :class:`NullTokenizer` (its "text" is ids already).
+    """
+    if isinstance(tokenizer, NullTokenizer):
+        return None
+    ids = [tokenizer.tokenize(t) for t in FINGERPRINT_TEXTS]
+    payload = json.dumps([tokenizer.vocab_size, tokenizer.eod, ids], separators=(",", ":"))
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]

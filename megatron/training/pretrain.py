@@ -31,6 +31,7 @@ from megatron.checkpointing.engine_checkpoint import (
 from megatron.config import TridentConfig, validate
 from megatron.log import global_rank
 from megatron.model import padded_vocab_size
+from megatron.tokenizer import encoding_fingerprint
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import (
@@ -72,6 +73,8 @@ class Preflight:
     ds_config: dict[str, Any]
     tokenizer: Any
     """The run's tokenizer (its files are read here, so a missing one fails before any group exists)."""
+    tokenizer_fingerprint: str | None = None
+    """``megatron.tokenizer.encoding_fingerprint`` of ``tokenizer`` (recorded in checkpoints, checked on load)."""
 
 
 @dataclass
@@ -125,9 +128,20 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
     ds_config = build_ds_config(cfg, world_size)
     tokenizer = build_run_tokenizer(cfg)
     check_data_vocab(cfg, tokenizer.vocab_size)
-    check_checkpoint_dirs(cfg, true_vocab=tokenizer.vocab_size, world_size=world_size)
+    fingerprint = encoding_fingerprint(tokenizer)
+    check_checkpoint_dirs(
+        cfg,
+        true_vocab=tokenizer.vocab_size,
+        world_size=world_size,
+        tokenizer_fingerprint=fingerprint,
+    )
     return Preflight(
-        cfg=cfg, world_size=world_size, device_type=dev, ds_config=ds_config, tokenizer=tokenizer
+        cfg=cfg,
+        world_size=world_size,
+        device_type=dev,
+        ds_config=ds_config,
+        tokenizer=tokenizer,
+        tokenizer_fingerprint=fingerprint,
     )
 
 
@@ -206,7 +220,11 @@ def _run(
     scheduler = build_lr_scheduler(cfg.training, gbs, bundle.client_optimizer)
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
         hooks = DeepSpeedCheckpointer(
-            cfg, true_vocab=tokenizer.vocab_size, padded_vocab=padded_vocab, world_size=world
+            cfg,
+            true_vocab=tokenizer.vocab_size,
+            padded_vocab=padded_vocab,
+            world_size=world,
+            tokenizer_fingerprint=pre.tokenizer_fingerprint,
         )
     state = TrainState()
     if hooks is not None and cfg.checkpoint.load:

@@ -27,7 +27,7 @@ from megatron.checkpointing.hf_tokenizer import (
 from megatron.checkpointing.zero3 import merge_zero3_partitions
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
-from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer import build_tokenizer, encoding_fingerprint
 from megatron.tokenizer.train import train_bpe, train_sentencepiece
 from tools.checkpoint import trident_to_hf
 
@@ -106,6 +106,8 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     assert any((z3 / "global_step2").glob("zero_pp_rank_1_mp_rank_01_optim_states.pt"))
     meta = json.loads((z3 / "global_step2" / "trident_meta.json").read_text())
     assert meta["tokenizer"]["tokenizer_type"] == "GPT2BPETokenizer" and meta["zero_stage"] == 3
+    ours = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert meta["tokenizer"]["fingerprint"] == encoding_fingerprint(ours)
 
     out3, out1 = tmp_path / "hf3", tmp_path / "hf1"
     assert trident_to_hf.main(["--load", str(z3), "--out", str(out3), "--no-progress"]) == 0
@@ -130,7 +132,6 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     assert worst <= 1e-5
 
     # The exported tokenizer loads offline, encodes like ours, and config.json carries its ids.
-    ours = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     hf_tok = AutoTokenizer.from_pretrained(str(out3), local_files_only=True)
     assert hf_tok.encode(TEXTS[3], add_special_tokens=False) == ours.tokenize(TEXTS[3])
     config = json.loads((out3 / "config.json").read_text())
@@ -146,6 +147,20 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "w"), *wrong]) == 2
     assert "has 400 tokens but the model was trained with 512" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+    # Same type and size, other ids (two tokens swapped): not the training tokenizer.
+    swapped_vocab = json.loads(Path(vocab).read_text())
+    swapped_vocab["e"], swapped_vocab["t"] = swapped_vocab["t"], swapped_vocab["e"]
+    (tmp_path / "swapped.json").write_text(json.dumps(swapped_vocab))
+    swapped = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "swapped.json"),
+    ]
+    swapped += ["--merge-file", merges]
+    assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "v"), *swapped]) == 2
+    assert "encodes text into other ids than the tokenizer the model was" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
     moved = tmp_path / "moved_vocab.json"
     shutil.move(vocab, moved)
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "x")]) == 2

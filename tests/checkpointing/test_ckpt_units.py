@@ -172,6 +172,30 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     _run_checkpoint(tok, "global_step1", model, tokenizer={"tokenizer_type": "NullTokenizer"})
     check("--load", str(tok), "--tokenizer-type", "GPT2BPETokenizer")
     assert "trained with --tokenizer-type NullTokenizer" in caplog.text
+    # Recorded encoding fingerprints that differ: an error (same type, other files), a warning with --finetune.
+    printed = tmp_path / "printed"
+    recorded = {
+        "tokenizer_type": "HFTokenizer",
+        "tokenizer_model": "/data/tok",
+        "fingerprint": "aa11",
+    }
+    _run_checkpoint(printed, "global_step1", model, tokenizer=recorded)
+
+    def check_print(fingerprint: str | None, *flags: str) -> None:
+        argv = [*tiny, "--load", str(printed), *flags]
+        check_checkpoint_dirs(parse_args(argv), true_vocab=99, tokenizer_fingerprint=fingerprint)
+
+    check_print("aa11")
+    check_print(None)  # a NullTokenizer run cannot tell: no check
+    with pytest.raises(
+        ValueError,
+        match=r"encodes text into other ids than this run's .*Pass the tokenizer it was trained with "
+        r"\(--tokenizer-type HFTokenizer, tokenizer_model /data/tok; .*or start a new run .* --finetune",
+    ):
+        check_print("bb22")
+    caplog.clear()
+    check_print("bb22", "--finetune")
+    assert "encodes text into other ids" in caplog.text and "--finetune" in caplog.text
     with pytest.raises(ValueError, match="pass --load .* and drop --finetune"):
         check("--load", str(imported), "--save", str(run), "--finetune")
     (run / "global_step4" / "mp_rank_00_model_states.pt").unlink()

@@ -16,6 +16,7 @@ from megatron.tokenizer import (
     HFTokenizer,
     NullTokenizer,
     build_tokenizer,
+    encoding_fingerprint,
     vocab_size_with_padding,
 )
 from megatron.tokenizer.sentencepiece_tokenizer import (
@@ -69,6 +70,32 @@ def test_byte_level_bpe_round_trip_and_ids(trained: dict[str, str]) -> None:
     assert isinstance(hf, HFTokenizer)
     assert hf.vocab_size == 512 and hf.eod == 0
     assert hf.tokenize_batch(TEXTS[:20]) == tok.tokenize_batch(TEXTS[:20])
+
+
+def test_encoding_fingerprint_tells_tokenizers_apart(
+    trained: dict[str, str], tmp_path: Path
+) -> None:
+    bpe = {"vocab_file": trained["vocab_file"], "merge_file": trained["merge_file"]}
+    tok = build_tokenizer(tokenizer_type="GPT2BPETokenizer", **bpe)
+    again = build_tokenizer(tokenizer_type="GPT2BPETokenizer", **bpe)
+    via_json = build_tokenizer(tokenizer_type="HFTokenizer", tokenizer_model=trained["bpe_dir"])
+    printed = encoding_fingerprint(tok)
+    assert printed and len(printed) == 16
+    assert encoding_fingerprint(again) == encoding_fingerprint(via_json) == printed  # same ids
+    vocab = json.loads(Path(bpe["vocab_file"]).read_text())
+    vocab["a"], vocab["o"] = vocab["o"], vocab["a"]  # same type and size, two ids swapped
+    (tmp_path / "swapped.json").write_text(json.dumps(vocab))
+    swapped = build_tokenizer(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=str(tmp_path / "swapped.json"),
+        merge_file=bpe["merge_file"],
+    )
+    assert swapped.vocab_size == tok.vocab_size and encoding_fingerprint(swapped) != printed
+    sp = build_tokenizer(
+        tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=trained["tokenizer_model"]
+    )
+    assert encoding_fingerprint(sp) not in (None, printed)
+    assert encoding_fingerprint(NullTokenizer(99)) is None
 
 
 def test_sentencepiece_flavours(trained: dict[str, str]) -> None:

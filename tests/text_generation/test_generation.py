@@ -143,6 +143,22 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     assert "holds no Trident checkpoint" in capsys.readouterr().err
     assert generate_text.main(["--load", ck, "--vocab-file", paths["vocab_file"]]) == 2
     assert "need --tokenizer-type" in capsys.readouterr().err
+    vocab = json.loads(Path(paths["vocab_file"]).read_text())
+    vocab["a"], vocab["o"] = (
+        vocab["o"],
+        vocab["a"],
+    )  # same size, other ids: not the training tokenizer
+    (tmp_path / "swapped.json").write_text(json.dumps(vocab))
+    swapped = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "swapped.json"),
+    ]
+    assert generate_text.main(["--load", ck, *swapped, "--merge-file", paths["merge_file"]]) == 2
+    assert "encodes text into other ids than the one the model was trained with" in (
+        capsys.readouterr().err
+    )
     if not torch.cuda.is_available():
         assert generate_text.main(["--load", ck, "--device", "cuda"]) == 2
         assert "sees no CUDA device" in capsys.readouterr().err
