@@ -27,6 +27,7 @@ from megatron.checkpointing.hf_tokenizer import (
 from megatron.checkpointing.zero3 import merge_zero3_partitions
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
+from megatron.testing.tokenizers import swapped_vocab
 from megatron.tokenizer import build_tokenizer, encoding_fingerprint
 from megatron.tokenizer.train import train_bpe, train_sentencepiece
 from tools.checkpoint import trident_to_hf
@@ -148,15 +149,8 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     assert "has 400 tokens but the model was trained with 512" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
     # Same type and size, other ids (two tokens swapped): not the training tokenizer.
-    swapped_vocab = json.loads(Path(vocab).read_text())
-    swapped_vocab["e"], swapped_vocab["t"] = swapped_vocab["t"], swapped_vocab["e"]
-    (tmp_path / "swapped.json").write_text(json.dumps(swapped_vocab))
-    swapped = [
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        str(tmp_path / "swapped.json"),
-    ]
+    other_ids = swapped_vocab(vocab, tmp_path / "swapped.json")
+    swapped = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", other_ids]
     swapped += ["--merge-file", merges]
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "v"), *swapped]) == 2
     assert "encodes text into other ids than the tokenizer the model was" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron.config.data import DataConfig
+from megatron.testing.tokenizers import swapped_vocab
 from megatron.tokenizer import (
     GPT2BPETokenizer,
     HFTokenizer,
@@ -82,12 +83,10 @@ def test_encoding_fingerprint_tells_tokenizers_apart(
     printed = encoding_fingerprint(tok)
     assert printed and len(printed) == 16
     assert encoding_fingerprint(again) == encoding_fingerprint(via_json) == printed  # same ids
-    vocab = json.loads(Path(bpe["vocab_file"]).read_text())
-    vocab["a"], vocab["o"] = vocab["o"], vocab["a"]  # same type and size, two ids swapped
-    (tmp_path / "swapped.json").write_text(json.dumps(vocab))
+    other_ids = swapped_vocab(bpe["vocab_file"], tmp_path / "swapped.json")  # same type and size
     swapped = build_tokenizer(
         tokenizer_type="GPT2BPETokenizer",
-        vocab_file=str(tmp_path / "swapped.json"),
+        vocab_file=other_ids,
         merge_file=bpe["merge_file"],
     )
     assert swapped.vocab_size == tok.vocab_size and encoding_fingerprint(swapped) != printed

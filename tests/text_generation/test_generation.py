@@ -15,6 +15,7 @@ import torch
 
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
+from megatron.testing.tokenizers import swapped_vocab
 from megatron.text_generation import SamplingParams, TextGenerator, filter_logits, sample_next
 from tools import generate_text
 
@@ -143,18 +144,10 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     assert "holds no Trident checkpoint" in capsys.readouterr().err
     assert generate_text.main(["--load", ck, "--vocab-file", paths["vocab_file"]]) == 2
     assert "need --tokenizer-type" in capsys.readouterr().err
-    vocab = json.loads(Path(paths["vocab_file"]).read_text())
-    vocab["a"], vocab["o"] = (
-        vocab["o"],
-        vocab["a"],
-    )  # same size, other ids: not the training tokenizer
-    (tmp_path / "swapped.json").write_text(json.dumps(vocab))
-    swapped = [
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        str(tmp_path / "swapped.json"),
-    ]
+    other_ids = swapped_vocab(
+        paths["vocab_file"], tmp_path / "swapped.json"
+    )  # same size, other ids
+    swapped = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", other_ids]
     assert generate_text.main(["--load", ck, *swapped, "--merge-file", paths["merge_file"]]) == 2
     assert "encodes text into other ids than the one the model was trained with" in (
         capsys.readouterr().err
