@@ -7,7 +7,7 @@ code name                            meaning
 1    (Python's default)              an unexpected exception (a bug or an environment failure: traceback printed)
 2    ``EXIT_CONFIG_ERROR``           bad flags, a contradicting --deepspeed_config, a missing file: one ``error: ...``
                                      line on stderr, no traceback; raised before any process group exists
-3    ``EXIT_INTERVAL``               stopped by --exit-interval (iteration % N == 0); a checkpoint was saved if --save
+3    ``EXIT_INTERVAL``               stopped by --exit-interval (iteration % N == 0, before the last); saved if --save
 4    ``EXIT_DURATION``               stopped by --exit-duration-in-mins (max elapsed time over ranks); saved if --save
 5    ``EXIT_SIGNAL``                 stopped by SIGTERM (exit signal handler); saved if --save
 ==== =============================== ===============================================================================

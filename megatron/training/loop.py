@@ -10,7 +10,7 @@ as consumed, advance the schedule unless the step was skipped, then log (every -
 * SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``.
 
 Each of them saves a checkpoint first when a save hook is present. Reaching --train-iters returns ``EXIT_OK`` (after
-saving the final iteration, unless --save-interval just did).
+saving the final iteration, unless --save-interval just did), also when that iteration is an exit point.
 """
 
 from __future__ import annotations
@@ -229,7 +229,10 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
             if spec.save and spec.save_interval and state.iteration % spec.save_interval == 0:
                 spec.save(state)
                 saved = True
-            code = _exit_code(spec, state, start, sigterm)
+            # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
+            # resubmits on 3/4/5 would only relaunch a finished run.
+            finished = state.iteration >= spec.train_iters
+            code = None if finished else _exit_code(spec, state, start, sigterm)
             if code is not None:
                 if spec.save and not saved:
                     spec.save(state)

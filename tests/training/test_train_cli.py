@@ -209,8 +209,9 @@ def test_exit_duration_and_finish(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     ok = _run(
         [PY, "pretrain_gpt.py", *TINY, "--train-samples", "24", "--eval-interval", "100",
-         "--metrics-file", str(metrics)],
+         "--metrics-file", str(metrics), "--exit-interval", "3"],
     )  # fmt: skip
+    # 24 samples = 3 iterations: the last one is also an --exit-interval point, but the run finished (exit 0).
     assert ok.returncode == EXIT_OK, ok.stderr[-3000:]
     train, evals = _records(metrics)
     assert len(train) == 3 and [r["iteration"] for r in evals] == [3]  # final evaluation
