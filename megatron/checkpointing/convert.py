@@ -37,6 +37,7 @@ from megatron.checkpointing.hf_llama import megatron_to_llama_hf
 from megatron.checkpointing.hf_tokenizer import export_tokenizer, special_token_ids
 from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
 from megatron.checkpointing.reshard import merge_tp_shards, pad_vocab_for_tp
+from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.verify import LogitComparison, compare_logits
 from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
 from megatron.config import ModelConfig
@@ -52,16 +53,6 @@ _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 def _no_progress(what: str, done: int, total: int) -> None:
     return None
-
-
-def _torch_load_safe(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # unpickling refused or corrupt file: one clear message
-        raise ValueError(
-            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); is it a Trident/DeepSpeed checkpoint file?"
-        ) from None
 
 
 def find_tag(
@@ -144,7 +135,7 @@ def read_checkpoint_weights(
             path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing (checkpoint saved at TP = {tp}).")
-            module = _torch_load_safe(path).get("module") or {}
+            module = torch_load_checkpoint_file(path).get("module") or {}
             if not module:
                 raise ValueError(f"{path} holds no module weights; is the checkpoint complete?")
             shards.append({k: v.float() for k, v in module.items()})
@@ -157,7 +148,7 @@ def read_checkpoint_weights(
             if m is None:
                 continue
             idx, r = int(m.group(1)), int(m.group(2))
-            sd = _torch_load_safe(path)
+            sd = torch_load_checkpoint_file(path)
             per_rank[r][idx] = {k: v.float() for k, v in sd.items()}
             progress("reading layer files", i + 1, len(files))
         for r in range(tp):

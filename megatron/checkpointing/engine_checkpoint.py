@@ -35,8 +35,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
+from megatron import mpu
 from megatron.checkpointing.hf_tokenizer import tokenizer_info
 from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
+from megatron.checkpointing.weights_only import (
+    assign_weights,
+    needs_own_weight_loader,
+    read_tp_rank_weights,
+    stage_family,
+)
 from megatron.config import ModelConfig, TridentConfig
 from megatron.log import global_rank
 from megatron.model.checkpoint_info import universal_checkpoint_info
@@ -319,6 +326,18 @@ class DeepSpeedCheckpointer:
             )
 
     # ------------------------------------------------------------------ load
+    def _own_weight_loader(self, engine: Any, meta: dict[str, Any]) -> bool:
+        """Whether weights-only loading must bypass DeepSpeed's loader (``weights_only.py``)."""
+        if int(meta.get("pipeline_model_parallel_size", 1)) != 1 or "zero_stage" not in meta:
+            return False
+        model_parallel = int(meta["tensor_model_parallel_size"])
+        return needs_own_weight_loader(
+            saved_stage=int(meta["zero_stage"]),
+            run_stage=int(engine.zero_optimization_stage()),
+            saved_dp=int(meta.get("world_size", self.world_size)) // model_parallel,
+            run_dp=self.world_size // model_parallel,
+        )
+
     def restore_rng(self) -> None:
         """Apply the RNG states found by :meth:`load` (pretrain calls it after building the data iterators)."""
         if self._pending_rng is not None:
@@ -340,14 +359,22 @@ class DeepSpeedCheckpointer:
         _check_universal_kind(meta, universal, load_dir, tag)
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
-        _, client = engine.load_checkpoint(
-            load_dir,
-            tag=tag,
-            load_module_strict=True,
-            load_optimizer_states=not (ck.no_load_optim or finetune),
-            load_lr_scheduler_states=False,
-            load_module_only=finetune,
-        )
+        client: dict[str, Any] | None
+        if finetune and not universal and self._own_weight_loader(engine, meta):
+            weights = read_tp_rank_weights(
+                Path(load_dir) / tag, meta, mpu.get_tensor_model_parallel_rank()
+            )
+            assign_weights(engine, weights, f"--load {load_dir} (tag {tag})")
+            client = {"iteration": int(meta.get("iteration", 0))}
+        else:
+            _, client = engine.load_checkpoint(
+                load_dir,
+                tag=tag,
+                load_module_strict=True,
+                load_optimizer_states=not (ck.no_load_optim or finetune),
+                load_lr_scheduler_states=False,
+                load_module_only=finetune,
+            )
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
         if not finetune:
@@ -512,9 +539,12 @@ def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
         )
 
 
-def _check_layout(meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag: str) -> None:
-    """TP/PP (and, when the optimizer state or ZeRO-3 weights are partitioned over DP, the DP size) of the
-    checkpoint must be the run's: other layouts go through a universal checkpoint or an offline reshard."""
+def _check_layout(
+    meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag: str, zero_stage: int | None
+) -> None:
+    """TP/PP of the checkpoint must be the run's (other layouts go through a universal checkpoint or an offline
+    reshard); unless only weights are loaded, so must the ZeRO stage's storage kind (:func:`stage_family`) and,
+    when the optimizer state or ZeRO-3 weights are partitioned over DP, the DP size."""
     ck, p = cfg.checkpoint, cfg.parallel
     if ck.universal_checkpoint or "tensor_model_parallel_size" not in meta:
         return
@@ -533,9 +563,25 @@ def _check_layout(meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag
         )
     weights_only = ck.finetune or bool(meta.get("weights_only", False))
     stage = int(meta.get("zero_stage", p.zero_stage))
+    run_stage = p.zero_stage if zero_stage is None else zero_stage
+    if weights_only:
+        return  # any ZeRO stage and DP size: weights_only.py reads what DeepSpeed's loader cannot
+    if (stage == 3) != (run_stage == 3):
+        raise ValueError(
+            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses ZeRO-{run_stage}, and "
+            "DeepSpeed keeps ZeRO-3's weights in other files than ZeRO-0/1/2's. Pass "
+            f"--zero-stage {stage} to resume, or --finetune to start a new run from its weights."
+        )
+    if not ck.no_load_optim and stage_family(stage) != stage_family(run_stage):
+        raise ValueError(
+            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses ZeRO-{run_stage}, whose "
+            f"optimizer state DeepSpeed stores differently. Pass --zero-stage {stage}"
+            + (" (or 2)" if stage == 1 else " (or 1)" if stage == 2 else "")
+            + ", or --no-load-optim (same iteration, fresh optimizer state)."
+        )
     dp_saved = int(meta.get("world_size", world_size)) // (tp * pp)
     dp_now = world_size // (now_tp * now_pp)
-    partitioned = stage == 3 or (stage >= 1 and not (ck.no_load_optim or weights_only))
+    partitioned = stage == 3 or (stage >= 1 and not ck.no_load_optim)
     if dp_saved != dp_now and partitioned:
         raise ValueError(
             f"--load {ck.load} (tag {tag}) was saved by {dp_saved} data-parallel ranks with ZeRO-{stage}, "
@@ -603,6 +649,7 @@ def check_checkpoint_dirs(
     true_vocab: int | None = None,
     world_size: int | None = None,
     tokenizer_fingerprint: str | None = None,
+    zero_stage: int | None = None,
 ) -> None:
     """Preflight (before any process group), identical on every rank.
 
@@ -610,8 +657,9 @@ def check_checkpoint_dirs(
     one is an error unless it is the --save of an auto-resumed run); --load-tag, --finetune,
     --universal-checkpoint need --load, and --finetune / --skip-train need a checkpoint there; with
     ``true_vocab`` (the tokenizer's) a checkpoint found in --load must match the model flags, the tokenizer
-    (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and (with ``world_size``) the parallel layout. No checkpoint in an existing
-    --load is fine otherwise (the run starts from scratch, with one log line).
+    (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and (with ``world_size``) the
+    parallel layout and ZeRO stage (``zero_stage``: the stage the run really uses; default --zero-stage). No
+    checkpoint in an existing --load is fine otherwise (the run starts from scratch, with one log line).
 
     Raises:
         ValueError / FileNotFoundError: naming the flag, the problem and the fix.
@@ -658,7 +706,7 @@ def check_checkpoint_dirs(
         _check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
         _check_tokenizer_matches(meta, cfg, tag, tokenizer_fingerprint)
         if world_size is not None:
-            _check_layout(meta, cfg, world_size, tag)
+            _check_layout(meta, cfg, world_size, tag, zero_stage)
         _check_model_state_files(root / tag, meta)
 
 

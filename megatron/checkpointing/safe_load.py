@@ -42,6 +42,21 @@ def _load_pickle_weights_only(path: Path) -> Any:
         ) from None
 
 
+def torch_load_checkpoint_file(path: Path) -> Any:
+    """A Trident/DeepSpeed checkpoint file (``*_model_states.pt``) read with ``torch.load(weights_only=True)``.
+
+    Raises:
+        ValueError: unpickling was refused or the file is corrupt (one message naming the file).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unpickling refused or corrupt file: one clear message
+        raise ValueError(
+            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); is it a Trident/DeepSpeed checkpoint file?"
+        ) from None
+
+
 def _check_state_dict(obj: Any, path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict):
         raise ValueError(

@@ -42,6 +42,7 @@ from megatron.training.data_iterators import (
 )
 from megatron.training.ds_config import (
     build_ds_config,
+    effective_zero_stage,
     global_batch_size,
     gradient_accumulation_steps,
     log_zero_upgrade,
@@ -134,6 +135,7 @@ def preflight(cfg: TridentConfig, checkpoint_hooks: CheckpointHooks | None = Non
         true_vocab=tokenizer.vocab_size,
         world_size=world_size,
         tokenizer_fingerprint=fingerprint,
+        zero_stage=effective_zero_stage(cfg),
     )
     return Preflight(
         cfg=cfg,

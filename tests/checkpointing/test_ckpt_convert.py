@@ -69,6 +69,11 @@ def _train_from(ckpt: str, pp: int) -> tuple[list[float], list[float]]:
     loaded = pretrain(parse_args([*flags, "--load", ckpt]))
     fresh = pretrain(parse_args(flags))
     assert loaded.iteration == 1  # weights only: counted from 0
+    if (
+        pp == 1
+    ):  # the import (ZeRO-0 files) fine-tuned under ZeRO-3: Trident's own weights-only loader
+        zero3 = pretrain(parse_args([*flags, "--load", ckpt, "--zero-stage", "3"]))
+        assert zero3.losses == pytest.approx(loaded.losses, rel=1e-6)
     return loaded.losses, fresh.losses
 
 

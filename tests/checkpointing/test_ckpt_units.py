@@ -120,7 +120,7 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     tiny = [
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "2",
-        "--mock-data", "--vocab-size", "99",
+        "--mock-data", "--vocab-size", "99", "--zero-stage", "1",
     ]  # fmt: skip
     model = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -153,7 +153,26 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     z3 = tmp_path / "z3"
     _run_checkpoint(z3, "global_step2", model, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3, whose weights and optimizer state"):
-        check("--load", str(z3), "--no-load-optim", world=2)
+        check("--load", str(z3), "--no-load-optim", "--zero-stage", "3", world=2)
+    check("--load", str(z3), "--finetune", world=2)  # weights only: any stage, any DP size
+    # ZeRO stage changes: 3 <-> 0/1/2 only for weights; 0 <-> 1/2 without the optimizer state; 1 <-> 2 freely.
+    with pytest.raises(
+        ValueError,
+        match=r"saved with ZeRO-3; this run uses ZeRO-1, .* other files .* --zero-stage 3 to resume, or "
+        "--finetune",
+    ):
+        check("--load", str(z3))
+    with pytest.raises(ValueError, match="saved with ZeRO-1; this run uses ZeRO-3"):
+        check("--load", str(run), "--zero-stage", "3", "--no-load-optim")
+    with pytest.raises(
+        ValueError,
+        match=r"saved with ZeRO-1; this run uses ZeRO-0, whose optimizer state DeepSpeed stores "
+        r"differently. Pass --zero-stage 1 \(or 2\), or --no-load-optim",
+    ):
+        check("--load", str(run), "--zero-stage", "0")
+    check("--load", str(run), "--zero-stage", "0", "--no-load-optim")
+    check("--load", str(run), "--zero-stage", "2")
+    check("--load", str(run), "--zero-stage", "3", "--finetune")
     # --load mistakes.
     with pytest.raises(ValueError, match="is a file"):
         check("--load", str(run / "latest"))
