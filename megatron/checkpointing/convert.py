@@ -39,7 +39,7 @@ from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
 from megatron.checkpointing.reshard import merge_tp_shards, pad_vocab_for_tp
 from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.verify import LogitComparison, compare_logits
-from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
+from megatron.checkpointing.weights_only import read_tp_rank_weights
 from megatron.config import ModelConfig
 from megatron.data.indexed_dataset import apply_umask_mode
 
@@ -127,18 +127,10 @@ def read_checkpoint_weights(
     pp = int(meta["pipeline_model_parallel_size"])
     tag_dir = root / found
     shards: list[dict[str, torch.Tensor]] = []
-    if pp == 1 and is_zero3_checkpoint(tag_dir, meta):
-        # ZeRO-3: the module weights are placeholders; rebuild them from the fp32 partitions.
-        shards = [read_zero3_tp_shard(tag_dir, r, progress) for r in range(tp)]
-    elif pp == 1:
+    if pp == 1:
+        # ZeRO-3's module weights are placeholders: read_tp_rank_weights rebuilds them from the fp32 partitions.
         for r in range(tp):
-            path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} is missing (checkpoint saved at TP = {tp}).")
-            module = torch_load_checkpoint_file(path).get("module") or {}
-            if not module:
-                raise ValueError(f"{path} holds no module weights; is the checkpoint complete?")
-            shards.append({k: v.float() for k, v in module.items()})
+            shards.append(read_tp_rank_weights(tag_dir, meta, r, progress))
             progress("reading TP shards", r + 1, tp)
     else:
         files = sorted(tag_dir.glob("layer_*-model_*-model_states.pt"))

@@ -11,6 +11,7 @@ Pipelines (PP > 1) never need this: their layer files are the same at every stag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,25 @@ def needs_own_weight_loader(saved_stage: int, run_stage: int, saved_dp: int, run
 
 
 def read_tp_rank_weights(
-    tag_dir: Path, meta: dict[str, Any], tp_rank: int
+    tag_dir: Path,
+    meta: dict[str, Any],
+    tp_rank: int,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of TP rank ``tp_rank`` (TP-local shapes, module names) of a PP = 1 checkpoint."""
+    """The full fp32 weights of TP rank ``tp_rank`` (TP-local shapes, module names) of a PP = 1 checkpoint.
+
+    Raises:
+        FileNotFoundError: a model- or optimizer-state file is missing.
+        ValueError: a file cannot be read safely, or holds no weights.
+    """
     if is_zero3_checkpoint(tag_dir, meta):
-        return read_zero3_tp_shard(tag_dir, tp_rank)
+        return read_zero3_tp_shard(tag_dir, tp_rank, progress)
     path = tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; copy the whole checkpoint directory.")
+        raise FileNotFoundError(
+            f"{path} is missing (checkpoint saved at TP = {meta.get('tensor_model_parallel_size')}); "
+            "copy the whole checkpoint directory."
+        )
     module = torch_load_checkpoint_file(path).get("module") or {}
     if not module:
         raise ValueError(f"{path} holds no module weights; is the checkpoint complete?")
