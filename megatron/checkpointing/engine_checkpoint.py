@@ -307,6 +307,7 @@ class DeepSpeedCheckpointer:
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                 "world_size": self.world_size,
                 "zero_stage": int(engine.zero_optimization_stage()),
+                "precision": _precision(self.cfg),
                 **({"tokenizer": tokenizer} if tokenizer else {}),
                 **self.extra_meta,
             }
@@ -539,6 +540,11 @@ def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
         )
 
 
+def _precision(cfg: TridentConfig) -> str:
+    """The run's training precision as recorded in ``trident_meta.json``: ``bf16``, ``fp16`` or ``fp32``."""
+    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
+
+
 def _check_layout(
     meta: dict[str, Any], cfg: TridentConfig, world_size: int, tag: str, zero_stage: int | None
 ) -> None:
@@ -578,6 +584,16 @@ def _check_layout(
             f"optimizer state DeepSpeed stores differently. Pass --zero-stage {stage}"
             + (" (or 2)" if stage == 1 else " (or 1)" if stage == 2 else "")
             + ", or --no-load-optim (same iteration, fresh optimizer state)."
+        )
+    saved_precision, precision = meta.get("precision"), _precision(cfg)
+    if not ck.no_load_optim and saved_precision and saved_precision != precision:
+        flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}[
+            saved_precision
+        ]
+        raise ValueError(
+            f"--load {ck.load} (tag {tag}) was trained in {saved_precision}; this run uses {precision}, and "
+            "DeepSpeed keeps the optimizer state of each precision in other files. Pass "
+            f"{flag} as before, or --no-load-optim (same iteration, fresh optimizer state)."
         )
     dp_saved = int(meta.get("world_size", world_size)) // (tp * pp)
     dp_now = world_size // (now_tp * now_pp)

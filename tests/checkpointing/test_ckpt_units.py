@@ -173,6 +173,17 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     check("--load", str(run), "--zero-stage", "0", "--no-load-optim")
     check("--load", str(run), "--zero-stage", "2")
     check("--load", str(run), "--zero-stage", "3", "--finetune")
+    # Precision: the optimizer state of bf16 and fp32 runs lives in other files.
+    bf16 = tmp_path / "bf16"
+    _run_checkpoint(bf16, "global_step2", model, precision="bf16")
+    with pytest.raises(
+        ValueError,
+        match=r"was trained in bf16; this run uses fp32, .* Pass --bf16 as before, or --no-load-optim",
+    ):
+        check("--load", str(bf16))
+    check("--load", str(bf16), "--bf16")
+    check("--load", str(bf16), "--no-load-optim")
+    check("--load", str(bf16), "--finetune")
     # --load mistakes.
     with pytest.raises(ValueError, match="is a file"):
         check("--load", str(run / "latest"))

@@ -7,6 +7,7 @@ on spawned ranks (gloo, the DeepSpeed engine), dropout off so a fine-tune's loss
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,8 @@ def test_zero3_resume_and_finetune_across_stages_and_dp(tmp_path: Path) -> None:
         _save_and_resume, 2, str(tmp_path), init_process_group=False, timeout=600
     )[0]
     assert saved["resumed"] == saved["z3"]  # exact resume under ZeRO-3 (bit for bit, fp32)
+    meta = json.loads((tmp_path / "z3" / "global_step4" / "trident_meta.json").read_text())
+    assert (meta["zero_stage"], meta["precision"], meta["world_size"]) == (3, "fp32", 2)
     assert saved["z1"] == pytest.approx(
         saved["z3"], rel=1e-5
     )  # same training: the two sources agree
