@@ -20,23 +20,21 @@ from megatron.testing import run_distributed
 
 
 def _assert_matches_reference(group: dist.ProcessGroup, world: int) -> int:
-    """Every comparison of the self-check: bit-identical where no reduction is on the path, else <= RTOL."""
+    """Every comparison of the self-check: bit-identical where the same operations run on the same numbers,
+    else (a sum over ranks, a matrix product of another shape) <= RTOL."""
     comps = selfcheck.all_comparisons(group)
     by_key = {(c.check, c.quantity): c for c in comps}
     for c in comps:
         if c.exact:
             assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
         else:
-            # a sum over TP ranks in another order: a few fp32 roundings, far below 1e-6 of the largest value
+            # the same terms summed in another order: a few fp32 roundings, far below 1e-6 of the largest value
             assert c.error() <= selfcheck.RTOL, (c.check, c.quantity, c.error())
     # the pairs that must be exact are exact (a sanity check on the shared table itself)
     for key in [
-        ("ColumnParallelLinear", "output"),
-        ("ColumnParallelLinear", "weight grad"),
-        ("ColumnParallelLinear(gather_output=True, stride=2)", "output"),
-        ("ColumnParallelLinear(sequence_parallel=True)", "output"),
-        ("RowParallelLinear(input_is_parallel=True)", "input grad"),
-        ("RowParallelLinear(input_is_parallel=True, sequence_parallel=True)", "weight grad"),
+        ("ColumnParallelLinear", "init == master"),
+        ("RowParallelLinear(input_is_parallel=True)", "init == master"),
+        ("RowParallelLinear(input_is_parallel=True)", "bias grad"),
         ("VocabParallelEmbedding(padded)", "output"),
         ("VocabParallelEmbedding(padded)", "weight grad"),
         ("gather_from_tensor_model_parallel_region", "forward"),
@@ -46,6 +44,8 @@ def _assert_matches_reference(group: dist.ProcessGroup, world: int) -> int:
     # and the reductions really were across ranks: the reduced pairs are tolerance pairs at this TP size
     assert not by_key[("RowParallelLinear(input_is_parallel=True)", "output")].exact
     assert not by_key[("ColumnParallelLinear(sequence_parallel=True)", "input grad")].exact
+    # and a rank's slice of a matrix product is a tolerance pair (CPU BLAS blocking depends on the shape)
+    assert not by_key[("RowParallelLinear(input_is_parallel=True)", "weight grad")].exact
     return len(comps)
 
 

@@ -177,10 +177,12 @@ def test_ds_config_conflict_fails_on_every_rank_before_groups(tmp_path: Path) ->
          "--deepspeed_config", str(ds)],
     )  # fmt: skip
     assert p.returncode != 0
-    # One error per rank (counted as substrings: two ranks writing at once can share an output line).
+    # The first rank to fail exits with the config-error code, and torchrun then stops the other one (SIGTERM), so
+    # the second rank's own message appears only when it got there first (a timing race: 1 or 2 copies).
     out = p.stdout + p.stderr
-    assert out.count("error: --zero-stage (1)") == 2, p.stderr[-3000:]
-    assert out.count("zero_optimization.stage = 3") == 2
+    assert 1 <= out.count("error: --zero-stage (1)") <= 2, p.stderr[-3000:]
+    assert "zero_optimization.stage = 3" in out
+    assert re.search(rf"exitcode\s*: {EXIT_CONFIG_ERROR} ", p.stderr), p.stderr[-3000:]
     assert 'File "' + str(ROOT / "megatron") not in p.stderr  # no traceback from our code
 
 
