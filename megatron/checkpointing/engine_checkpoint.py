@@ -42,8 +42,11 @@ from megatron.checkpointing.weights_only import (
     assign_weights,
     needs_own_weight_loader,
     read_tp_rank_weights,
+    refresh_master_weights,
+    saved_zero_stage,
     stage_family,
 )
+from megatron.checkpointing.zero3 import read_zero3_client_state
 from megatron.config import ModelConfig, TridentConfig
 from megatron.log import global_rank
 from megatron.model.checkpoint_info import universal_checkpoint_info
@@ -327,16 +330,16 @@ class DeepSpeedCheckpointer:
             )
 
     # ------------------------------------------------------------------ load
-    def _own_weight_loader(self, engine: Any, meta: dict[str, Any]) -> bool:
-        """Whether weights-only loading must bypass DeepSpeed's loader (``weights_only.py``)."""
-        if int(meta.get("pipeline_model_parallel_size", 1)) != 1 or "zero_stage" not in meta:
+    def _own_weight_loader(
+        self, engine: Any, meta: dict[str, Any], tag_dir: Path, optimizer_state: bool
+    ) -> bool:
+        """Whether the weights must be read by ``weights_only.py`` instead of DeepSpeed's loader."""
+        if int(meta.get("pipeline_model_parallel_size", 1)) != 1:
             return False
-        model_parallel = int(meta["tensor_model_parallel_size"])
         return needs_own_weight_loader(
-            saved_stage=int(meta["zero_stage"]),
+            saved_stage=saved_zero_stage(tag_dir, meta),
             run_stage=int(engine.zero_optimization_stage()),
-            saved_dp=int(meta.get("world_size", self.world_size)) // model_parallel,
-            run_dp=self.world_size // model_parallel,
+            optimizer_state=optimizer_state,
         )
 
     def restore_rng(self) -> None:
@@ -360,22 +363,28 @@ class DeepSpeedCheckpointer:
         _check_universal_kind(meta, universal, load_dir, tag)
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
+        load_optim = not (ck.no_load_optim or finetune)
         client: dict[str, Any] | None
-        if finetune and not universal and self._own_weight_loader(engine, meta):
-            weights = read_tp_rank_weights(
-                Path(load_dir) / tag, meta, mpu.get_tensor_model_parallel_rank()
-            )
+        tag_dir = Path(load_dir) / tag
+        if not universal and self._own_weight_loader(engine, meta, tag_dir, load_optim):
+            tp_rank = mpu.get_tensor_model_parallel_rank()
+            weights = read_tp_rank_weights(tag_dir, meta, tp_rank)
             assign_weights(engine, weights, f"--load {load_dir} (tag {tag})")
-            client = {"iteration": int(meta.get("iteration", 0))}
+            if finetune:
+                client = {"iteration": int(meta.get("iteration", 0))}
+            else:  # --no-load-optim of a ZeRO-3 checkpoint (_check_layout: the run is ZeRO-3 too)
+                client = read_zero3_client_state(tag_dir, tp_rank)
         else:
             _, client = engine.load_checkpoint(
                 load_dir,
                 tag=tag,
                 load_module_strict=True,
-                load_optimizer_states=not (ck.no_load_optim or finetune),
+                load_optimizer_states=load_optim,
                 load_lr_scheduler_states=False,
                 load_module_only=finetune,
             )
+            if not load_optim:
+                refresh_master_weights(engine)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
         if not finetune:
@@ -568,21 +577,31 @@ def _check_layout(
             f"checkpoint's sizes, or {hint}"
         )
     weights_only = ck.finetune or bool(meta.get("weights_only", False))
-    stage = int(meta.get("zero_stage", p.zero_stage))
     run_stage = p.zero_stage if zero_stage is None else zero_stage
+    stage = saved_zero_stage(Path(ck.load or "") / tag, meta, default=run_stage)
     if weights_only:
         return  # any ZeRO stage and DP size: weights_only.py reads what DeepSpeed's loader cannot
+    uses = f"ZeRO-{run_stage}"
+    fix = f"--zero-stage {stage}"
+    if run_stage != p.zero_stage:  # ds_config.effective_zero_stage
+        uses += (
+            f" (--zero-stage {p.zero_stage} becomes 1 with pipeline parallelism and --clip-grad, where "
+            "ZeRO-0 computes a wrong gradient norm)"
+        )
+        if stage == 0:
+            fix = "--clip-grad 0 (as when it was saved)"
     if (stage == 3) != (run_stage == 3):
         raise ValueError(
-            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses ZeRO-{run_stage}, and "
-            "DeepSpeed keeps ZeRO-3's weights in other files than ZeRO-0/1/2's. Pass "
-            f"--zero-stage {stage} to resume, or --finetune to start a new run from its weights."
+            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses {uses}, and "
+            f"DeepSpeed keeps ZeRO-3's weights in other files than ZeRO-0/1/2's. Pass {fix} to resume, or "
+            "--finetune to start a new run from its weights."
         )
     if not ck.no_load_optim and stage_family(stage) != stage_family(run_stage):
+        other = {1: 2, 2: 1}.get(stage) if now_pp == 1 else None  # pipelines refuse ZeRO-2
         raise ValueError(
-            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses ZeRO-{run_stage}, whose "
-            f"optimizer state DeepSpeed stores differently. Pass --zero-stage {stage}"
-            + (" (or 2)" if stage == 1 else " (or 1)" if stage == 2 else "")
+            f"--load {ck.load} (tag {tag}) was saved with ZeRO-{stage}; this run uses {uses}, whose "
+            f"optimizer state DeepSpeed stores differently. Pass {fix}"
+            + (f" (or {other})" if other is not None and fix.startswith("--zero-stage") else "")
             + ", or --no-load-optim (same iteration, fresh optimizer state)."
         )
     saved_precision, precision = meta.get("precision"), _precision(cfg)
@@ -597,13 +616,14 @@ def _check_layout(
         )
     dp_saved = int(meta.get("world_size", world_size)) // (tp * pp)
     dp_now = world_size // (now_tp * now_pp)
-    partitioned = stage == 3 or (stage >= 1 and not ck.no_load_optim)
+    # Without optimizer state, even ZeRO-3's weights load at another DP size (weights_only.py).
+    partitioned = stage >= 1 and not ck.no_load_optim
     if dp_saved != dp_now and partitioned:
         raise ValueError(
             f"--load {ck.load} (tag {tag}) was saved by {dp_saved} data-parallel ranks with ZeRO-{stage}, "
             f"whose {'weights and ' if stage == 3 else ''}optimizer state are partitioned over them; "
             f"this run has {dp_now}. Launch {dp_saved * now_tp * now_pp} processes, "
-            + ("pass --no-load-optim (fresh optimizer), or " if stage < 3 else "")
+            + "pass --no-load-optim (fresh optimizer), or "
             + hint
         )
 

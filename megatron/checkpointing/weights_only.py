@@ -1,5 +1,6 @@
-"""Weights-only loading (``--finetune``) that DeepSpeed's ``load_checkpoint`` cannot do: across ZeRO-3 and the other
-stages, and from ZeRO-3 at another data-parallel size.
+"""Loading weights without optimizer state (``--finetune``, ``--no-load-optim``) where DeepSpeed's ``load_checkpoint``
+cannot: across ZeRO-3 and the other stages, from ZeRO-3 at another data-parallel size, and ZeRO-3 to ZeRO-3 (where
+DeepSpeed reads the tag ``latest`` names instead of the one asked for, and mixes up TP ranks' files).
 
 DeepSpeed names its model-state files by stage (ZeRO-3: ``zero_pp_rank_D_mp_rank_TT_model_states.pt`` holding
 placeholders, the weights living in the fp32 optimizer partitions; ZeRO-0/1/2: ``mp_rank_TT_model_states.pt``), and
@@ -28,11 +29,20 @@ def stage_family(stage: int) -> str:
     return {0: "0", 1: "1/2", 2: "1/2"}.get(stage, "3")
 
 
-def needs_own_weight_loader(saved_stage: int, run_stage: int, saved_dp: int, run_dp: int) -> bool:
-    """Whether a weights-only load (PP = 1) must bypass ``engine.load_checkpoint``."""
-    if (saved_stage == 3) != (run_stage == 3):
-        return True
-    return saved_stage == 3 and saved_dp != run_dp
+def saved_zero_stage(tag_dir: Path, meta: dict[str, Any], default: int = 1) -> int:
+    """The ZeRO stage a checkpoint was saved with: ``meta["zero_stage"]``, or for checkpoints written before it
+    was recorded, 3 when ZeRO-3 files are present and ``default`` otherwise."""
+    if "zero_stage" in meta:
+        return int(meta["zero_stage"])
+    return 3 if is_zero3_checkpoint(tag_dir) else default
+
+
+def needs_own_weight_loader(saved_stage: int, run_stage: int, optimizer_state: bool) -> bool:
+    """Whether a load (PP = 1) must bypass ``engine.load_checkpoint``: whenever ZeRO-3 is on either side and the
+    optimizer state is not loaded (``--finetune``, ``--no-load-optim``). DeepSpeed's loader cannot cross between
+    ZeRO-3 and the other stages or ZeRO-3 data-parallel sizes, and for ZeRO-3 without optimizer state it reads the
+    tag named by ``latest`` (not the one asked for) and cannot tell TP ranks' files apart."""
+    return not optimizer_state and 3 in (saved_stage, run_stage)
 
 
 def read_tp_rank_weights(
@@ -62,13 +72,18 @@ def read_tp_rank_weights(
 
 
 def assign_weights(engine: Any, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Write ``weights`` into the parameters of ``engine.module`` (every rank passes the same values).
+    """Write ``weights`` into the parameters of ``engine.module`` (every rank passes the same values), and into the
+    optimizer's fp32 master copy when there is one, so the first step starts from them.
+
+    The master copy is set exactly from ``weights`` where DeepSpeed links it to the parameter (ZeRO-1/2 and its
+    bf16 optimizer) or keeps it per parameter (its unfused fp16/bf16 optimizer at ZeRO-0); under ZeRO-3 it is
+    refreshed from the re-partitioned working copy (exact in fp32; bf16 rounds, as DeepSpeed's own weights-only
+    load does).
 
     Raises:
         ValueError: a parameter has no weight in ``weights`` or another shape.
     """
     import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param
 
     params = dict(engine.module.named_parameters())
     missing = sorted(set(params) - set(weights))
@@ -76,18 +91,49 @@ def assign_weights(engine: Any, weights: dict[str, torch.Tensor], source: str) -
         raise ValueError(
             f"{source} has no weights for {', '.join(missing[:4])}; is it this model's checkpoint?"
         )
+    masters = _per_parameter_masters(engine.optimizer)
+    zero3 = False
     for name, p in params.items():
         shape = tuple(getattr(p, "ds_shape", p.shape))
         value = weights[name]
         if tuple(value.shape) != shape:
             raise ValueError(f"{source}: {name} has shape {tuple(value.shape)}, the model {shape}.")
-        zero3 = hasattr(
-            p, "ds_id"
-        )  # gathered, written on every rank, re-partitioned from rank 0's copy
-        gathered = (
-            deepspeed.zero.GatheredParameters([p], modifier_rank=0) if zero3 else nullcontext()
-        )
+        # ZeRO-3: gathered, written, re-partitioned from rank 0's copy.
+        partitioned = hasattr(p, "ds_id")
+        zero3 = zero3 or partitioned
+        gather = deepspeed.zero.GatheredParameters
+        gathered = gather([p], modifier_rank=0) if partitioned else nullcontext()
         with gathered, torch.no_grad():
             p.data.copy_(value.to(device=p.device, dtype=p.dtype))
-        # The optimizer's fp32 master copy (ZeRO-1/2/3, bf16): a no-op for a parameter without one.
-        safe_set_full_fp32_param(p, value.to(device=p.device, dtype=torch.float32))
+        if partitioned:
+            continue  # master copy refreshed below
+        fp32 = value.to(device=p.device, dtype=torch.float32)
+        if hasattr(p, "_hp_mapping"):
+            p.set_full_hp_param(fp32)
+        elif id(p) in masters:
+            with torch.no_grad():
+                masters[id(p)].copy_(fp32.view_as(masters[id(p)]))
+    if zero3:
+        # DeepSpeed's per-parameter setter overruns the last rank's piece when DP does not divide a size.
+        engine.optimizer.refresh_fp32_params()
+
+
+def _per_parameter_masters(optimizer: Any) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> fp32 master`` for DeepSpeed's unfused low-precision optimizer (ZeRO-0 with --bf16)."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not isinstance(low, list) or not isinstance(high, list):
+        return {}
+    out = {}
+    for low_group, high_group in zip(low, high, strict=False):
+        if isinstance(low_group, list) and isinstance(high_group, list):
+            out.update({id(lp): hp for lp, hp in zip(low_group, high_group, strict=False)})
+    return out
+
+
+def refresh_master_weights(engine: Any) -> None:
+    """After loading weights without optimizer state (``--no-load-optim``): the optimizer's fp32 master copy,
+    where DeepSpeed keeps one, takes the loaded weights (DeepSpeed does this itself for ZeRO-1/2/3, but not for
+    its ZeRO-0 low-precision optimizer, whose first step would otherwise bring back the initial weights)."""
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if callable(refresh):
+        refresh()

@@ -89,7 +89,8 @@ def load_zero_file(path: Path) -> dict[str, Any]:
     """
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            # mmap: only the tensors used are paged in (the Adam moments beside the weights are not).
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # refused global or corrupt file: one clear message
         text = _ANSI.sub("", str(err))
         refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
@@ -208,3 +209,17 @@ def read_zero3_tp_shard(
         if progress is not None:
             progress(f"reading ZeRO-3 partitions (TP rank {tp_rank})", d + 1, len(model_files))
     return merge_zero3_partitions(shapes, flat)
+
+
+def read_zero3_client_state(tag_dir: Path, tp_rank: int) -> dict[str, Any]:
+    """The state saved beside the weights of a ZeRO-3 checkpoint (iteration, consumed samples, LR scheduler, ...:
+    the same in every rank's model-state file; read from data-parallel rank 0's of ``tp_rank``).
+
+    Raises:
+        FileNotFoundError: the TP rank has no model-state file.
+        ValueError: the file cannot be read safely.
+    """
+    model_files = zero3_model_files(tag_dir, tp_rank)
+    if not model_files:
+        raise FileNotFoundError(f"{tag_dir} has no ZeRO-3 model-state files for TP rank {tp_rank}.")
+    return load_zero_file(model_files[0])

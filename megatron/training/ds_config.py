@@ -181,25 +181,34 @@ def _check_no_client_sections(user: dict[str, Any], source: str) -> None:
             )
 
 
-def _offload_device(user: dict[str, Any], key: str) -> str | None:
-    """The device of ``zero_optimization.<key>`` in the user's config (None when absent or ``"none"``)."""
+def _offload_device(user: dict[str, Any], key: str, source: str) -> str | None:
+    """The device of ``zero_optimization.<key>`` in the user's config (None when absent or ``"none"``).
+
+    Raises:
+        ValueError: the section is not an object.
+    """
     present, section = _get(user, f"zero_optimization.{key}")
     if not present or section is None:
         return None
-    device = section.get("device", "none") if isinstance(section, dict) else "cpu"
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"zero_optimization.{key} in {source} is {section!r}; DeepSpeed expects an object such "
+            f'as {{"device": "cpu"}} (or {{"device": "none"}} to turn it off).'
+        )
+    device = section.get("device", "none")
     return None if device in (None, "none") else str(device)
 
 
 def _check_offload(user: dict[str, Any], stage: int, source: str) -> None:
     """ZeRO offload only exists at the stages that partition what it moves (DeepSpeed ignores it elsewhere)."""
-    opt = _offload_device(user, "offload_optimizer")
+    opt = _offload_device(user, "offload_optimizer", source)
     if opt is not None and stage == 0:
         raise ValueError(
             f"{source} has zero_optimization.offload_optimizer (device {opt}), but the ZeRO stage is 0, where "
             "DeepSpeed ignores it; pass --zero-stage 1 (or 2/3) or remove offload_optimizer from "
             f"{source}."
         )
-    param = _offload_device(user, "offload_param")
+    param = _offload_device(user, "offload_param", source)
     if param is not None and stage != 3:
         raise ValueError(
             f"{source} has zero_optimization.offload_param (device {param}), but the ZeRO stage is {stage}; "

@@ -106,6 +106,7 @@ def _run_checkpoint(root: Path, tag: str, model: ModelConfig, **meta: object) ->
         "zero_stage": 1,
         **meta,
     }
+    full = {k: v for k, v in full.items() if v is not None}  # None: a key older checkpoints lack
     (root / tag / META_FILE).write_text(json.dumps(full))
     (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
     (root / "latest").write_text(tag)
@@ -129,8 +130,10 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     run = tmp_path / "run"
     _run_checkpoint(run, "global_step4", model)
 
-    def check(*flags: str, world: int = 1) -> None:
-        check_checkpoint_dirs(parse_args([*tiny, *flags]), true_vocab=99, world_size=world)
+    def check(*flags: str, world: int = 1, zero_stage: int | None = None) -> None:
+        check_checkpoint_dirs(
+            parse_args([*tiny, *flags]), true_vocab=99, world_size=world, zero_stage=zero_stage
+        )
 
     check("--load", str(run), "--save", str(run))  # auto-resume: fine
     with pytest.raises(
@@ -153,8 +156,16 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     z3 = tmp_path / "z3"
     _run_checkpoint(z3, "global_step2", model, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3, whose weights and optimizer state"):
-        check("--load", str(z3), "--no-load-optim", "--zero-stage", "3", world=2)
+        check("--load", str(z3), "--zero-stage", "3", world=2)
+    # Without the optimizer state Trident reads ZeRO-3 weights itself: any DP size.
+    check("--load", str(z3), "--no-load-optim", "--zero-stage", "3", world=2)
     check("--load", str(z3), "--finetune", world=2)  # weights only: any stage, any DP size
+    # A checkpoint from before the stage was recorded: ZeRO-3 recognized by its files.
+    old_z3 = tmp_path / "old_z3"
+    _run_checkpoint(old_z3, "global_step2", model, zero_stage=None)
+    (old_z3 / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="saved with ZeRO-3; this run uses ZeRO-1"):
+        check("--load", str(old_z3))
     # ZeRO stage changes: 3 <-> 0/1/2 only for weights; 0 <-> 1/2 without the optimizer state; 1 <-> 2 freely.
     with pytest.raises(
         ValueError,
@@ -172,6 +183,23 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         check("--load", str(run), "--zero-stage", "0")
     check("--load", str(run), "--zero-stage", "0", "--no-load-optim")
     check("--load", str(run), "--zero-stage", "2")
+    # Pipelines: no ZeRO-2 to suggest; ZeRO-0 raised to 1 by --clip-grad is explained.
+    pp = ["--pipeline-model-parallel-size", "2"]
+    pipe1 = tmp_path / "pipe1"
+    _run_checkpoint(pipe1, "global_step2", model, pipeline_model_parallel_size=2, world_size=2)
+    with pytest.raises(ValueError, match=r"Pass --zero-stage 1, or --no-load-optim"):
+        check("--load", str(pipe1), *pp, "--zero-stage", "0", "--clip-grad", "0", world=2)
+    pipe0 = tmp_path / "pipe0"
+    _run_checkpoint(
+        pipe0, "global_step2", model, pipeline_model_parallel_size=2, world_size=2, zero_stage=0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"uses ZeRO-1 \(--zero-stage 0 becomes 1 with pipeline parallelism and --clip-grad.*"
+        r"Pass --clip-grad 0 \(as when it was saved\), or --no-load-optim",
+    ):
+        clipped = ["--zero-stage", "0", "--clip-grad", "1"]
+        check("--load", str(pipe0), *pp, *clipped, world=2, zero_stage=1)
     check("--load", str(run), "--zero-stage", "3", "--finetune")
     # Precision: the optimizer state of bf16 and fp32 runs lives in other files.
     bf16 = tmp_path / "bf16"

@@ -128,6 +128,12 @@ def test_zero_offload_only_at_stages_that_have_it() -> None:
     ):
         build_ds_config(_cfg("--zero-stage", "2"), world_size=1, user=param)
     build_ds_config(_cfg("--zero-stage", "3"), world_size=1, user=param)
+    with pytest.raises(ValueError, match=r"offload_param in .* is 'cpu'.*\{\"device\": \"cpu\"\}"):
+        build_ds_config(
+            _cfg("--zero-stage", "3"),
+            world_size=1,
+            user={"zero_optimization": {"offload_param": "cpu"}},
+        )
 
 
 def test_user_json_file_errors(tmp_path) -> None:
