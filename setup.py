@@ -74,7 +74,7 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=[
         "torch>=2.1",
-        "deepspeed>=0.19.8",
+        "deepspeed==0.19.8",  # the release megatron/deepspeed_internals.py is tested with
         "transformers",
         "sentencepiece",
         "safetensors",

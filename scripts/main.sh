@@ -52,7 +52,7 @@ ARGS=(
 )
 # Known-harmless deprecation warnings from DeepSpeed 0.19.8 on torch 2.13 (see the DeepSpeed CPU notes).
 export PYTHONWARNINGS="ignore::FutureWarning,ignore::UserWarning"
-deepspeed --num_gpus "$NPROC" --master_port "$(python -c 'from megatron.testing import find_free_port; print(find_free_port())')" \
+deepspeed --num_gpus "$NPROC" --master_port "$(python -c 'from megatron.training.spawn import find_free_port; print(find_free_port())')" \
   pretrain_gpt.py "${ARGS[@]}"
 
 echo "== 5/6 plot"

@@ -11,7 +11,7 @@ echo "[test] ruff check"
 ruff check .
 echo "[test] ruff format --check"
 ruff format --check .
-echo "[test] mypy (megatron/config, mpu, model)"
+echo "[test] mypy (megatron/config, mpu, model, layout)"
 mypy
 echo "[test] codespell"
 codespell

@@ -30,8 +30,8 @@ def build_generator(a: argparse.Namespace) -> Any:
     """
     import torch
 
-    from megatron.checkpointing.hf_tokenizer import tokenizer_info
     from megatron.text_generation import TextGenerator
+    from megatron.tokenizer.info import tokenizer_info
 
     if not a.tokenizer_type and (a.vocab_file or a.merge_file or a.tokenizer_model):
         raise ValueError("--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,55 @@ _CONVERT_HINT = (
 )
 
 
+_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)|got <class '([\w.]+)'>")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def refused_class(err: BaseException) -> str | None:
+    """The class a weights-only ``torch.load`` refused to unpickle, read from its error (None: another failure)."""
+    found = _REFUSED.search(_ANSI.sub("", str(err)))
+    return next(g for g in found.groups() if g) if found else None
+
+
+def load_weights_only(
+    path: Path, *, allowed: Sequence[Any] = (), mmap: bool = False, kind: str = "checkpoint file"
+) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU, unpickling no class but those in ``allowed``.
+
+    Args:
+        path: a ``torch.save`` file.
+        allowed: classes the file may hold (e.g. DeepSpeed's ZeRO stage enum).
+        mmap: map the file instead of reading it (only the tensors used are paged in).
+        kind: what the file should be, for the message.
+
+    Raises:
+        ValueError: one line naming the file and the class that was refused, or why it is unreadable.
+    """
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - unpickling refused or corrupt file: one clear message
+        refused = refused_class(err)
+        if refused:
+            raise ValueError(
+                f"{path} holds a pickled {refused}, which Trident does not unpickle (it could run code); if "
+                "the file is from a trusted run, re-save its tensors as safetensors."
+            ) from None
+        text = _ANSI.sub("", str(err))
+        raise ValueError(
+            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: "
+            f"{text.splitlines()[0] if text else ''}); is it a {kind}?"
+        ) from None
+
+
 def _load_pickle_weights_only(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        if found:
+        refused = refused_class(err)
+        if refused:
             raise ValueError(
-                f"{path} contains pickled Python objects (e.g. {found.group(1)}), which Trident refuses to "
+                f"{path} contains pickled Python objects (e.g. {refused}), which Trident refuses to "
                 "unpickle because that can run arbitrary code. It must come from a trusted source; if it "
                 "does, convert it once to safetensors with: "
                 + _CONVERT_HINT.format(path=path, stem=path.with_suffix(""))
@@ -48,13 +90,21 @@ def torch_load_checkpoint_file(path: Path) -> Any:
     Raises:
         ValueError: unpickling was refused or the file is corrupt (one message naming the file).
     """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - unpickling refused or corrupt file: one clear message
-        raise ValueError(
-            f"{path} cannot be read with torch.load(weights_only=True) ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); is it a Trident/DeepSpeed checkpoint file?"
-        ) from None
+    return load_weights_only(path, kind="Trident/DeepSpeed checkpoint file")
+
+
+def load_state_dict_of(
+    path: Path, *, allowed: Sequence[Any] = (), mmap: bool = False
+) -> dict[str, Any]:
+    """:func:`load_weights_only` of a DeepSpeed state-dict file, which must hold a dict.
+
+    Raises:
+        ValueError: as :func:`load_weights_only`, or the file holds something else than a dict.
+    """
+    obj = load_weights_only(path, allowed=allowed, mmap=mmap, kind="DeepSpeed checkpoint file")
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
+    return obj
 
 
 def _check_state_dict(obj: Any, path: Path) -> dict[str, torch.Tensor]:

@@ -21,6 +21,13 @@ import torch
 
 from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
+from megatron.deepspeed_internals import (
+    full_shape,
+    is_zero3_partitioned,
+    per_parameter_masters,
+    refresh_master_copy,
+    set_linked_master,
+)
 
 
 def stage_family(stage: int) -> str:
@@ -91,15 +98,15 @@ def assign_weights(engine: Any, weights: dict[str, torch.Tensor], source: str) -
         raise ValueError(
             f"{source} has no weights for {', '.join(missing[:4])}; is it this model's checkpoint?"
         )
-    masters = _per_parameter_masters(engine.optimizer)
+    masters = per_parameter_masters(engine.optimizer)
     zero3 = False
     for name, p in params.items():
-        shape = tuple(getattr(p, "ds_shape", p.shape))
+        shape = full_shape(p)
         value = weights[name]
         if tuple(value.shape) != shape:
             raise ValueError(f"{source}: {name} has shape {tuple(value.shape)}, the model {shape}.")
         # ZeRO-3: gathered, written, re-partitioned from rank 0's copy.
-        partitioned = hasattr(p, "ds_id")
+        partitioned = is_zero3_partitioned(p)
         zero3 = zero3 or partitioned
         gather = deepspeed.zero.GatheredParameters
         gathered = gather([p], modifier_rank=0) if partitioned else nullcontext()
@@ -108,32 +115,16 @@ def assign_weights(engine: Any, weights: dict[str, torch.Tensor], source: str) -
         if partitioned:
             continue  # master copy refreshed below
         fp32 = value.to(device=p.device, dtype=torch.float32)
-        if hasattr(p, "_hp_mapping"):
-            p.set_full_hp_param(fp32)
-        elif id(p) in masters:
+        if not set_linked_master(p, fp32) and id(p) in masters:
             with torch.no_grad():
                 masters[id(p)].copy_(fp32.view_as(masters[id(p)]))
     if zero3:
         # DeepSpeed's per-parameter setter overruns the last rank's piece when DP does not divide a size.
-        engine.optimizer.refresh_fp32_params()
-
-
-def _per_parameter_masters(optimizer: Any) -> dict[int, torch.Tensor]:
-    """``id(parameter) -> fp32 master`` for DeepSpeed's unfused low-precision optimizer (ZeRO-0 with --bf16)."""
-    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
-    if not isinstance(low, list) or not isinstance(high, list):
-        return {}
-    out = {}
-    for low_group, high_group in zip(low, high, strict=False):
-        if isinstance(low_group, list) and isinstance(high_group, list):
-            out.update({id(lp): hp for lp, hp in zip(low_group, high_group, strict=False)})
-    return out
+        refresh_master_copy(engine.optimizer)
 
 
 def refresh_master_weights(engine: Any) -> None:
     """After loading weights without optimizer state (``--no-load-optim``): the optimizer's fp32 master copy,
     where DeepSpeed keeps one, takes the loaded weights (DeepSpeed does this itself for ZeRO-1/2/3, but not for
     its ZeRO-0 low-precision optimizer, whose first step would otherwise bring back the initial weights)."""
-    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
-    if callable(refresh):
-        refresh()
+    refresh_master_copy(engine.optimizer)

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.safe_load import load_state_dict_of
+from megatron.deepspeed_internals import zero_checkpoint_classes
+
 _MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def zero3_model_files(tag_dir: Path, tp_rank: int) -> list[Path]:
@@ -73,39 +75,14 @@ def is_zero3_checkpoint(tag_dir: Path, meta: dict[str, Any] | None = None) -> bo
     return any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
 
 
-def _safe_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
 def load_zero_file(path: Path) -> dict[str, Any]:
     """``torch.load(weights_only=True)`` of a DeepSpeed model/optimizer-state file (allowing DeepSpeed's enum and
-    loss-scaler classes only).
+    loss-scaler classes only; memory-mapped: only the tensors used are paged in, not the Adam moments beside).
 
     Raises:
         ValueError: the file is corrupt or holds other pickled objects (named in the message).
     """
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            # mmap: only the tensors used are paged in (the Adam moments beside the weights are not).
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # refused global or corrupt file: one clear message
-        text = _ANSI.sub("", str(err))
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        reason = (
-            f"it holds a pickled {refused.group(1)}, which Trident does not unpickle"
-            if refused
-            else f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
-        )
-        raise ValueError(
-            f"{path} cannot be read with torch.load(weights_only=True) ({reason}); is it a DeepSpeed ZeRO "
-            "checkpoint file from a trusted run?"
-        ) from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
-    return obj
+    return load_state_dict_of(path, allowed=zero_checkpoint_classes(), mmap=True)
 
 
 def _param_shapes(model_state: dict[str, Any], path: Path) -> list[dict[str, torch.Size]]:

@@ -6,6 +6,7 @@ from megatron.config.data import DataConfig
 from megatron.config.logging_config import LoggingConfig
 from megatron.config.model import ModelConfig
 from megatron.config.parallel import ParallelConfig
+from megatron.config.plan import RunPlan
 from megatron.config.training import TrainingConfig
 from megatron.config.validate import validate
 
@@ -15,6 +16,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "ParallelConfig",
+    "RunPlan",
     "TrainingConfig",
     "TridentConfig",
     "build_parser",

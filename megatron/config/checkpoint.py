@@ -10,18 +10,18 @@ class CheckpointConfig:
     """Checkpoint flags (DeepSpeed layout: global_stepN/, latest, latest_checkpointed_iteration.txt)."""
 
     save: str | None = None
-    """--save: directory to write checkpoints into."""
+    """Directory to write checkpoints into."""
     save_interval: int | None = None
-    """--save-interval: iterations between saves."""
+    """Iterations between saves (the last iteration and every early exit save too)."""
     load: str | None = None
-    """--load: directory to resume from (no checkpoint there = start from scratch)."""
+    """Directory to resume from (no checkpoint there: start from scratch; the same as --save: auto-resume)."""
     load_tag: str | None = None
-    """--load-tag: a specific tag instead of `latest`."""
+    """Load this tag instead of the one 'latest' names."""
     no_load_optim: bool = False
-    """--no-load-optim: weights (and scheduler) only."""
+    """Load weights, schedule and iteration but not the optimizer state."""
     no_load_rng: bool = False
-    """--no-load-rng: keep fresh RNG states."""
+    """Keep fresh RNG states instead of the checkpoint's."""
     finetune: bool = False
-    """--finetune: load weights only and restart at iteration 0."""
+    """Load weights only and start at iteration 0."""
     universal_checkpoint: bool = False
-    """--universal-checkpoint: load a DeepSpeed universal checkpoint (any TP/PP/DP)."""
+    """Load a DeepSpeed universal checkpoint (any TP/PP/DP; from tools/checkpoint/to_universal)."""

@@ -11,38 +11,38 @@ class DataConfig:
     """Where tokens come from and how they are ordered."""
 
     data_path: tuple[str, ...] = ()
-    """--data-path: PREFIX, or W1 PREFIX1 W2 PREFIX2 ... for a blend."""
+    """Dataset prefix from tools/preprocess_data.py, or a blend W1 PREFIX1 W2 PREFIX2 ..."""
     split: str = "969, 30, 1"
-    """--split: train/valid/test proportions of each --data-path dataset."""
+    """Train/valid/test proportions of each --data-path dataset."""
     train_data_path: tuple[str, ...] = ()
-    """--train-data-path: separate train dataset(s) (then --split is ignored)."""
+    """Separate training dataset(s) (then --split is not used)."""
     valid_data_path: tuple[str, ...] = ()
-    """--valid-data-path."""
+    """Separate validation dataset(s)."""
     test_data_path: tuple[str, ...] = ()
-    """--test-data-path."""
+    """Separate test dataset(s)."""
     data_cache_path: str | None = None
-    """--data-cache-path: where index arrays are cached (default: index-cache/ beside the data)."""
+    """Where the index arrays are cached (default: index-cache/ beside the data)."""
     mock_data: bool = False
-    """--mock-data: deterministic synthetic tokens (no files), for smoke tests and benchmarks."""
+    """Deterministic synthetic tokens (no files), for smoke tests and benchmarks."""
     dataloader_type: Literal["single", "cyclic"] = "single"
-    """--dataloader-type: Megatron's sequential pretraining sampler or the cyclic random sampler."""
+    """Megatron's sequential pretraining sampler (single) or its cyclic random sampler."""
     num_workers: int = 0
-    """--num-workers: DataLoader worker processes."""
+    """DataLoader worker processes (0: load in the main process)."""
     tokenizer_type: str | None = None
-    """--tokenizer-type: GPT2BPETokenizer, (GPT)SentencePieceTokenizer, HFTokenizer, NullTokenizer."""
+    """GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer."""
     vocab_file: str | None = None
-    """--vocab-file: GPT-2 vocab.json."""
+    """GPT-2 BPE vocab.json."""
     merge_file: str | None = None
-    """--merge-file: GPT-2 merges.txt."""
+    """GPT-2 BPE merges.txt."""
     tokenizer_model: str | None = None
-    """--tokenizer-model: SentencePiece .model, or a local HF tokenizer dir / tokenizer.json."""
+    """SentencePiece .model file, or a local Hugging Face tokenizer directory / tokenizer.json."""
     vocab_size: int | None = None
-    """--vocab-size: NullTokenizer vocabulary (ids 0..V-1; EOD = V)."""
+    """NullTokenizer vocabulary: token ids 0..V-1, EOD = V."""
     eod_mask_loss: bool = False
-    """--eod-mask-loss: no loss on EOD tokens."""
+    """No loss on end-of-document tokens."""
     reset_position_ids: bool = False
-    """--reset-position-ids: positions restart after each EOD."""
+    """Positions restart after each end-of-document token."""
     reset_attention_mask: bool = False
-    """--reset-attention-mask: no attention across EOD."""
+    """No attention across end-of-document tokens."""
     extra: dict[str, str] = field(default_factory=dict)
-    """Reserved for tool-specific settings; empty for training."""
+    """Reserved for tool-specific settings; empty for training (not a flag)."""

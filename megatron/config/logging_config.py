@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -10,10 +11,10 @@ class LoggingConfig:
     """Progress lines, TensorBoard and the metrics JSONL."""
 
     log_interval: int = 100
-    """--log-interval: iterations between progress lines."""
+    """Iterations between progress lines."""
     tensorboard_dir: str | None = None
-    """--tensorboard-dir: write TensorBoard scalars here."""
+    """Write TensorBoard scalars into this directory."""
     metrics_file: str | None = None
-    """--metrics-file: JSONL, one object per logged iteration and per evaluation (rank 0)."""
-    log_level: str = "INFO"
-    """--log-level: Python logging level."""
+    """JSONL file with one object per logged iteration and per evaluation (rank 0)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level."""

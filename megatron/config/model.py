@@ -8,56 +8,65 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a GPT/LLaMA-style decoder; every field mirrors a Megatron flag."""
+    """Architecture of a GPT/LLaMA-style decoder.
+
+    Every field but ``vocab_size`` (the tokenizer's) is a Megatron flag of the same name.
+    """
 
     num_layers: int = 2
-    """--num-layers: number of transformer layers."""
+    """Number of transformer layers L."""
     hidden_size: int = 64
-    """--hidden-size: model width h."""
+    """Model width h."""
     num_attention_heads: int = 4
-    """--num-attention-heads: query heads n."""
+    """Query heads n."""
     num_key_value_heads: int | None = None
-    """--num-key-value-heads: K/V heads for GQA (None = num_attention_heads, i.e. MHA)."""
+    """Key/value heads for grouped-query attention (default: as many as query heads, i.e. MHA)."""
     kv_channels: int | None = None
-    """--kv-channels: per-head dim (None = hidden_size / num_attention_heads)."""
+    """Channels per head (default: hidden size / attention heads)."""
     ffn_hidden_size: int | None = None
-    """--ffn-hidden-size: MLP width (None = 4h, or int(8h/3/64)*64 with --swiglu as in Megatron)."""
+    """MLP width (default: 4h, or int(8h/3/64)*64 with --swiglu, as in Megatron)."""
     seq_length: int = 128
-    """--seq-length: training sequence length s."""
+    """Training sequence length s."""
     max_position_embeddings: int | None = None
-    """--max-position-embeddings: learned position table size (None = seq_length)."""
+    """Rows of the learned position table (default: the sequence length)."""
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """--normalization: layernorm (GPT-2) or rmsnorm (LLaMA)."""
+    """Norm of every layer: layernorm (GPT-2) or rmsnorm (LLaMA)."""
     layernorm_epsilon: float = 1e-5
-    """--layernorm-epsilon: epsilon of every norm."""
+    """Epsilon of every norm."""
     swiglu: bool = False
-    """--swiglu: gated SiLU MLP instead of GeLU."""
+    """Gated SiLU MLP (LLaMA) instead of GeLU."""
     use_rotary_position_embeddings: bool = False
-    """--use-rotary-position-embeddings: RoPE (half-split, HF LLaMA convention) instead of learned positions."""
+    """Rotary position embeddings (half-split, HF LLaMA convention) instead of learned positions."""
     rotary_position_embeddings_theta: float = 10000.0
-    """--rotary-position-embeddings-theta: RoPE base."""
+    """Base of the rotary frequencies."""
     add_bias_linear: bool = True
-    """Inverse of --disable-bias-linear: biases on QKV, attention output and both MLP linears."""
+    """Biases on QKV, the attention output and both MLP linears."""
     untie_embeddings_and_output_weights: bool = False
-    """--untie-embeddings-and-output-weights: separate output projection instead of the tied embedding."""
+    """A separate output projection instead of the tied word embeddings."""
     attention_dropout: float = 0.1
-    """--attention-dropout: dropout on attention probabilities."""
+    """Dropout on the attention probabilities."""
     hidden_dropout: float = 0.1
-    """--hidden-dropout: dropout after attention and MLP (before the residual add)."""
+    """Dropout after attention and MLP, before the residual add."""
     init_method_std: float = 0.02
-    """--init-method-std: std of the normal init; output layers use std / sqrt(2 * num_layers)."""
+    """Std of the normal initialization; output layers use std / sqrt(2 L)."""
     make_vocab_size_divisible_by: int = 128
-    """--make-vocab-size-divisible-by: the vocab is padded to a multiple of this times the TP size."""
+    """The vocabulary is padded to a multiple of this times the tensor-parallel size."""
     vocab_size: int = 0
     """True (unpadded) vocabulary size; set from the tokenizer by the trainer, not a flag."""
     recompute_granularity: Literal["full", "selective"] | None = None
-    """--recompute-granularity (or --checkpoint-activations = full): activation recomputation."""
+    """Activation recomputation: full (whole layers) or selective (core attention only); --checkpoint-activations
+    is full."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recomputation: uniform checkpoints every chunk of --recompute-num-layers layers (the default),
+    block only the first --recompute-num-layers layers of each pipeline stage."""
     recompute_num_layers: int = 1
-    """--recompute-num-layers / --checkpoint-num-layers: layers per recomputed chunk."""
+    """Layers per recomputed chunk (uniform) or layers recomputed per stage (block); alias
+    --checkpoint-num-layers."""
     use_flash_attn: bool = True
-    """Attention through torch SDPA (flash kernels on GPU); --no-flash-attn selects the plain reference path."""
+    """Attention through torch SDPA (flash kernels on GPU) instead of the plain reference path."""
     layout_invariant_init: bool = True
-    """Each parameter's full value depends on (seed, name) only; --per-shard-init trades that for speed."""
+    """Layout-invariant initialization: each parameter's full value depends only on (seed, name), whatever the
+    TP size (off: each TP shard is drawn on its own, faster)."""
 
     @property
     def num_query_groups(self) -> int:

@@ -8,24 +8,24 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout. The data-parallel degree is derived: world_size / (tp * pp)."""
+    """Parallel layout. The data-parallel degree is derived: world size / (TP x PP)."""
 
     tensor_model_parallel_size: int = 1
-    """--tensor-model-parallel-size: TP degree p (Megatron column/row-parallel layers)."""
+    """Tensor-parallel degree p (Megatron column/row-parallel layers)."""
     pipeline_model_parallel_size: int = 1
-    """--pipeline-model-parallel-size: PP degree (DeepSpeed PipelineModule stages)."""
+    """Pipeline-parallel degree (DeepSpeed PipelineModule stages)."""
     sequence_parallel: bool = False
-    """--sequence-parallel: Megatron sequence parallelism (activations sharded on s between TP regions; TP > 1)."""
+    """Megatron sequence parallelism: activations sharded on the sequence between TP regions (TP > 1)."""
     zero_stage: int = 0
-    """--zero-stage: DeepSpeed ZeRO stage 0-3 (2/3 only without pipeline parallelism)."""
+    """DeepSpeed ZeRO stage 0-3 (2 and 3 only without pipeline parallelism)."""
     no_pipeline_parallel: bool = False
-    """--no-pipeline-parallel: use the plain GPTModel with DeepSpeedEngine (needs PP = 1; required for ZeRO-2/3)."""
+    """Use the plain GPTModel with DeepSpeedEngine (needs pipeline size 1; always so at PP = 1)."""
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """--distributed-backend: auto = nccl with CUDA, gloo on CPU."""
+    """Process-group backend: auto is nccl with CUDA, gloo on CPU."""
     distributed_timeout_minutes: int = 10
-    """--distributed-timeout-minutes: process-group timeout."""
+    """Timeout of every collective, in minutes."""
     local_rank: int | None = None
-    """--local_rank / --local-rank: passed by the deepspeed launcher (LOCAL_RANK env otherwise)."""
+    """This process's rank on its node, as the deepspeed launcher passes it (else the LOCAL_RANK variable)."""
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP degree for ``world_size`` ranks (validate() guarantees divisibility)."""

@@ -11,73 +11,74 @@ class TrainingConfig:
     """Everything that drives the optimization loop (Megatron flag spellings)."""
 
     micro_batch_size: int = 1
-    """--micro-batch-size: samples per rank per forward/backward."""
+    """Samples per rank per forward/backward."""
     global_batch_size: int | None = None
-    """--global-batch-size: samples per optimizer step (None = micro_batch_size * data-parallel size)."""
+    """Samples per optimizer step (default: micro batch x data-parallel size)."""
     seed: int = 1234
-    """--seed: the one seed; initialization and data order derive from it, never from the rank."""
+    """The one seed: initialization and data order derive from it, never from the rank."""
     train_iters: int | None = None
-    """--train-iters: optimizer steps (exclusive with --train-samples)."""
+    """Optimizer steps to train (exclusive with --train-samples)."""
     train_samples: int | None = None
-    """--train-samples: samples to train on (exclusive with --train-iters)."""
+    """Samples to train on (exclusive with --train-iters); the LR schedule then counts samples."""
     optimizer: Literal["adam", "sgd"] = "adam"
-    """--optimizer: adam (decoupled weight decay, i.e. AdamW) or sgd."""
+    """adam (decoupled weight decay, i.e. AdamW) or sgd."""
     lr: float = 1e-4
-    """--lr: peak learning rate."""
+    """Peak learning rate."""
     min_lr: float = 0.0
-    """--min-lr: floor of the decay."""
+    """Floor of the LR decay."""
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "linear"
-    """--lr-decay-style."""
+    """Shape of the LR decay after warmup."""
     lr_decay_iters: int | None = None
-    """--lr-decay-iters (None = train iters)."""
+    """Iterations the LR decays over (default: --train-iters)."""
     lr_decay_samples: int | None = None
-    """--lr-decay-samples (sample-based schedule)."""
+    """Samples the LR decays over, for a --train-samples run (default: --train-samples)."""
     lr_warmup_iters: int = 0
-    """--lr-warmup-iters."""
+    """Iterations of linear LR warmup."""
     lr_warmup_fraction: float | None = None
-    """--lr-warmup-fraction: warmup as a fraction of the decay length."""
+    """LR warmup as a fraction of the decay length."""
     lr_warmup_samples: int = 0
-    """--lr-warmup-samples."""
+    """Samples of linear LR warmup, for a --train-samples run."""
     weight_decay: float = 0.01
-    """--weight-decay (not applied to biases and norm weights)."""
+    """Weight decay (not applied to biases and norm weights)."""
     adam_beta1: float = 0.9
-    """--adam-beta1."""
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.999
-    """--adam-beta2."""
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
-    """--adam-eps."""
+    """Adam's epsilon (added to the denominator)."""
     sgd_momentum: float = 0.9
-    """--sgd-momentum."""
+    """Momentum of --optimizer sgd."""
     clip_grad: float = 1.0
-    """--clip-grad: global grad-norm clipping (0 disables)."""
+    """Clip the global gradient norm to this (0 disables clipping)."""
     bf16: bool = False
-    """--bf16: bfloat16 parameters and activations (fp32 master weights in DeepSpeed)."""
+    """bfloat16 parameters and activations (fp32 master weights in DeepSpeed)."""
     fp16: bool = False
-    """--fp16: float16 with dynamic loss scaling (GPU only)."""
+    """float16 with dynamic loss scaling (GPU only)."""
     loss_scale: float | None = None
-    """--loss-scale: static loss scale for fp16 (None = dynamic)."""
+    """Static fp16 loss scale (default: dynamic)."""
     initial_loss_scale: float = 2.0**32
-    """--initial-loss-scale: dynamic scaler's start."""
+    """Starting value of the dynamic fp16 loss scale."""
     min_loss_scale: float = 1.0
-    """--min-loss-scale."""
+    """Floor of the dynamic fp16 loss scale."""
     loss_scale_window: int = 1000
-    """--loss-scale-window: clean steps before the scale grows."""
+    """Overflow-free steps before the dynamic loss scale grows."""
     hysteresis: int = 2
-    """--hysteresis: overflows tolerated before the scale shrinks."""
+    """Overflows tolerated before the dynamic loss scale shrinks."""
     eval_interval: int = 1000
-    """--eval-interval: iterations between evaluations."""
+    """Iterations between evaluations on the validation split."""
     eval_iters: int = 100
-    """--eval-iters: batches per evaluation (0 disables)."""
+    """Global batches per evaluation (0 disables evaluation)."""
     exit_interval: int | None = None
-    """--exit-interval: stop (and save) when iteration % N == 0."""
+    """Stop (after saving) when the iteration is a multiple of this; exit code 3."""
     exit_duration_in_mins: float | None = None
-    """--exit-duration-in-mins: stop (and save) after this wall time."""
+    """Stop (after saving) once this many minutes have passed; exit code 4."""
     exit_signal_handler: bool = True
-    """SIGTERM saves a checkpoint and exits (--no-exit-signal-handler disables)."""
+    """SIGTERM saves a checkpoint and exits with code 5."""
     skip_train: bool = False
-    """--skip-train: no training iterations; only the end-of-training evaluations (valid, test) of the model
-    (e.g. a --load'ed checkpoint)."""
+    """No training iterations: only the end-of-training evaluations (validation, test) of the model, e.g. of a
+    --load'ed checkpoint."""
     deepspeed_config: str | None = None
-    """--deepspeed_config / --deepspeed-config: JSON adding DeepSpeed keys Trident does not own."""
+    """A DeepSpeed JSON that adds keys Trident does not own (ZeRO tuning, offload); keys that contradict a flag
+    are an error."""
     peak_tflops: float | None = None
-    """--peak-tflops: per-device peak for MFU (None = look up the GPU, or none on CPU)."""
+    """Peak TFLOP/s of one device for MFU (default: looked up for known GPUs; none on CPU)."""

@@ -7,11 +7,8 @@ fix. It depends only on the flags, the world size and the device type, so every 
 from __future__ import annotations
 
 from megatron.config.arguments import TridentConfig
-
-
-def _divisors(n: int) -> str:
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, ds[:-1])) + (f" or {ds[-1]}" if len(ds) > 1 else str(ds[-1]))
+from megatron.config.plan import global_batch_size
+from megatron.config.rules import check_head_layout, check_tensor_parallel_split
 
 
 def _check_positive(cfg: TridentConfig) -> None:
@@ -41,37 +38,29 @@ def _check_positive(cfg: TridentConfig) -> None:
 
 
 def _check_model(cfg: TridentConfig) -> None:
-    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    n, g = m.num_attention_heads, m.num_query_groups
-    if m.kv_channels is None and m.hidden_size % n:
-        raise ValueError(
-            f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads ({n}); "
-            f"use a head count among {_divisors(m.hidden_size)}, or set --kv-channels."
-        )
-    if n % tp:
-        raise ValueError(
-            f"--num-attention-heads ({n}) must be divisible by --tensor-model-parallel-size ({tp}); "
-            f"use {_divisors(n)}."
-        )
-    if g < 1 or n % g:
-        raise ValueError(
-            f"--num-key-value-heads ({g}) must divide --num-attention-heads ({n}); use {_divisors(n)}."
-        )
-    if g % tp:
-        raise ValueError(
-            f"--num-key-value-heads ({g}) must be divisible by --tensor-model-parallel-size ({tp}); "
-            f"use a TP size among {_divisors(g)}, or more key/value heads."
-        )
-    if m.ffn_size % tp:
-        raise ValueError(
-            f"--ffn-hidden-size ({m.ffn_size}) must be divisible by --tensor-model-parallel-size ({tp})."
-        )
-    if m.use_rotary_position_embeddings and m.head_dim % 2:
-        raise ValueError(f"rotary embeddings need an even head dim; hidden/heads = {m.head_dim}.")
+    m = cfg.model
+    check_head_layout(m)
+    check_tensor_parallel_split(m, cfg.parallel.tensor_model_parallel_size)
     if not m.use_rotary_position_embeddings and m.seq_length > m.max_positions:
         raise ValueError(
             f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_positions}); "
             "raise --max-position-embeddings or use --use-rotary-position-embeddings."
+        )
+
+
+def _check_recompute(cfg: TridentConfig) -> None:
+    m = cfg.model
+    if m.recompute_num_layers < 1:
+        raise ValueError(f"--recompute-num-layers ({m.recompute_num_layers}) must be >= 1.")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ValueError(
+            f"--recompute-method {m.recompute_method} chooses which layers full recomputation checkpoints; add "
+            "--recompute-granularity full (or --checkpoint-activations), or drop --recompute-method."
+        )
+    if m.recompute_method == "block" and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "--recompute-method block needs --pipeline-model-parallel-size 1: DeepSpeed's pipeline engine "
+            "recomputes uniform chunks of --recompute-num-layers layers only; use --recompute-method uniform."
         )
 
 
@@ -106,7 +95,7 @@ def _check_parallel(cfg: TridentConfig, world_size: int) -> None:
 def _check_batch(cfg: TridentConfig, world_size: int) -> None:
     t, p = cfg.training, cfg.parallel
     dp = p.data_parallel_size(world_size)
-    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    gbs = global_batch_size(cfg, world_size)
     if gbs % (t.micro_batch_size * dp):
         raise ValueError(
             f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size ({t.micro_batch_size}) x "
@@ -177,6 +166,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
         raise ValueError(f"world size ({world_size}) must be at least 1.")
     _check_positive(cfg)
     _check_model(cfg)
+    _check_recompute(cfg)
     _check_parallel(cfg, world_size)
     _check_batch(cfg, world_size)
     _check_precision(cfg, device_type)

@@ -3,17 +3,18 @@
 - :class:`GPTModel`: whole model on one stage (no pipeline; the ZeRO-2/3 path).
 - :class:`GPTModelPipe`: the same model as a DeepSpeed ``PipelineModule`` (pipeline + ZeRO-0/1).
 - :func:`loss_func`: masked mean of a per-token loss.
-- :func:`padded_vocab_size`, :func:`num_parameters`; :mod:`megatron.model.presets` (flag lists).
-- :func:`universal_checkpoint_info`, :func:`param_layout`: TP/PP layout of every parameter by name.
+- :func:`num_parameters`; :mod:`megatron.model.presets` (flag lists).
 - :class:`InferenceParams`: the KV cache ``GPTModel`` takes for generation.
+
+Parameter names and how each parameter is split over TP/PP: :mod:`megatron.layout`; the padded vocabulary:
+:func:`megatron.config.rules.padded_vocab_size`.
 """
 
 from megatron.model import presets
-from megatron.model.checkpoint_info import param_layout, universal_checkpoint_info
 from megatron.model.gpt_model import GPTModel
-from megatron.model.gpt_model_pipe import GPTModelPipe, pipe_loss_fn, pipe_to_megatron_name
+from megatron.model.gpt_model_pipe import GPTModelPipe, pipe_loss_fn
 from megatron.model.inference import InferenceParams
-from megatron.model.utils import loss_func, num_parameters, padded_vocab_size
+from megatron.model.utils import loss_func, num_parameters
 
 __all__ = [
     "GPTModel",
@@ -21,10 +22,6 @@ __all__ = [
     "InferenceParams",
     "loss_func",
     "num_parameters",
-    "padded_vocab_size",
-    "param_layout",
     "pipe_loss_fn",
-    "pipe_to_megatron_name",
     "presets",
-    "universal_checkpoint_info",
 ]

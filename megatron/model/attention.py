@@ -27,16 +27,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
 from megatron.model.rotary import apply_rotary_pos_emb
-from megatron.model.utils import layer_param_name
+from megatron.model.utils import init_seed
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
     scaled_init_method_normal,
 )
-from megatron.mpu.random import checkpoint, get_cuda_rng_tracker, param_seed
+from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
 
 
 def _expand_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -108,26 +110,19 @@ class ParallelAttention(nn.Module):
 
     Args:
         config: model shape (heads, groups, head dim, bias, dropout, flash, recompute, init std).
+        parallel: the TP group the heads are split over; sequence parallelism (input and output
+            ``[s/p, b, h]``, else full ``s``); the seed (weights from ``param_seed(seed, global name)``); dtype, device.
         layer_number: global 0-based layer index (names and seeds: ``layers.{i}.self_attention.*``).
-        seed: the run's seed; weights are drawn from ``param_seed(seed, global name)``.
-        sequence_parallel: input ``[s/p, b, h]``, output ``[s/p, b, h]`` (Megatron SP); else full ``s``.
-        params_dtype, device: of the parameters.
 
     The forward returns ``(output, bias)`` like Megatron: the output projection's bias is NOT added (the caller's
     bias-dropout-add does it), ``bias`` is None with ``--disable-bias-linear``.
     """
 
     def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        layer_number: int,
-        seed: int,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
+        self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
     ) -> None:
         super().__init__()
+        self.tp_group = parallel.tp_group
         n, g, hn = config.num_attention_heads, config.num_query_groups, config.head_dim
         self.layer_number = layer_number
         self.head_dim = hn
@@ -137,9 +132,9 @@ class ParallelAttention(nn.Module):
         self.selective_recompute = config.recompute_granularity == "selective"
 
         def seed_of(suffix: str) -> int | None:
-            if not config.layout_invariant_init:
-                return None
-            return param_seed(seed, layer_param_name(layer_number, f"self_attention.{suffix}"))
+            return init_seed(
+                config, parallel, layer_param_name(layer_number, f"self_attention.{suffix}")
+            )
 
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
@@ -147,10 +142,11 @@ class ParallelAttention(nn.Module):
             bias=config.add_bias_linear,
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
+            sequence_parallel=parallel.sequence_parallel,
+            params_dtype=parallel.params_dtype,
+            device=parallel.device,
             init_seed=seed_of("query_key_value.weight"),
+            group=parallel.tp_group,
         )
         self.dense = RowParallelLinear(
             n * hn,
@@ -159,10 +155,11 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             skip_bias_add=True,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
+            sequence_parallel=parallel.sequence_parallel,
+            params_dtype=parallel.params_dtype,
+            device=parallel.device,
             init_seed=seed_of("dense.weight"),
+            group=parallel.tp_group,
         )
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,7 +216,12 @@ class ParallelAttention(nn.Module):
             k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]
         if self.selective_recompute and self.training:
             ctx = checkpoint(
-                lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask), False, q, k, v
+                lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask),
+                False,
+                q,
+                k,
+                v,
+                group=self.tp_group,
             )
         else:
             ctx = self._core(q, k, v, attention_mask)  # [s, b, np*hn]

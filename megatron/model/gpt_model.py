@@ -9,9 +9,9 @@ Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size, ``v`` pa
       -> logits (tied word embeddings, or language_model.output_layer)   [s, b, vp], padded columns -inf
       -> labels given: per-token vocab-parallel cross entropy [b, s] fp32; else logits [b, s, vp]
 
-State-dict keys are Megatron's (``language_model.embedding.word_embeddings.weight``, ...). Every parameter's full
-value is a function of ``(seed, global name)`` (see ``megatron.model.utils``), so any TP layout starts from the
-same model.
+State-dict keys are Megatron's (``language_model.embedding.word_embeddings.weight``, ...; ``megatron.layout.names``).
+Every parameter's full value is a function of ``(seed, global name)``, so any TP layout starts from the same model.
+The TP group and the build settings come from the ``ParallelContext`` the model is given, never from globals.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.config.rules import padded_vocab_size
 from megatron.model.inference import InferenceParams
 from megatron.model.language_model import (
     Embedding,
@@ -29,11 +30,8 @@ from megatron.model.language_model import (
 )
 from megatron.model.rotary import rotary_cos_sin
 from megatron.model.transformer import ParallelTransformer
-from megatron.model.utils import (
-    check_tensor_parallel_shapes,
-    padded_vocab_size,
-    tensor_parallel_rank_and_size,
-)
+from megatron.model.utils import check_tensor_parallel_shapes
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -70,49 +68,19 @@ class TransformerLanguageModel(nn.Module):
     Args: as :class:`GPTModel`.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        seed: int,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        sequence_parallel: bool = False,
-    ) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tensor_parallel_rank_and_size()
-        check_tensor_parallel_shapes(config, self.tp_size)
+        check_tensor_parallel_shapes(config, parallel.tp_size)
         self.config = config
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.params_dtype = params_dtype
+        self.parallel = parallel
         self.padded_vocab = padded_vocab_size(
-            config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size
+            config.vocab_size, config.make_vocab_size_divisible_by, parallel.tp_size
         )
-        self.embedding = Embedding(
-            config,
-            padded_vocab=self.padded_vocab,
-            sequence_parallel=self.sequence_parallel,
-            seed=seed,
-            params_dtype=params_dtype,
-            device=device,
-        )
-        self.encoder = ParallelTransformer(
-            config,
-            sequence_parallel=self.sequence_parallel,
-            seed=seed,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        self.embedding = Embedding(config, parallel, padded_vocab=self.padded_vocab)
+        self.encoder = ParallelTransformer(config, parallel)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = build_output_layer(
-                config,
-                padded_vocab=self.padded_vocab,
-                tp_rank=self.tp_rank,
-                seed=seed,
-                params_dtype=params_dtype,
-                device=device,
-            )
+            self.output_layer = build_output_layer(config, parallel, padded_vocab=self.padded_vocab)
 
     def output_weight(self) -> torch.Tensor:
         """The ``[vp, h]`` matrix of the logits: the untied output layer's, else the word embeddings'."""
@@ -139,49 +107,29 @@ class TransformerLanguageModel(nn.Module):
             )  # 2 x [s, b, 1, hn]
         hidden = self.encoder(hidden, rotary, attention_mask, inference_params)  # [s(/p), b, h]
         logits = parallel_lm_logits(
-            hidden,
-            self.output_weight(),
-            sequence_parallel=self.sequence_parallel,
-            tp_size=self.tp_size,
+            hidden, self.output_weight(), self.parallel
         )  # [s(/p), b, h] -> [s, b, vp]
-        return mask_padded_vocab(logits, self.config.vocab_size, self.tp_rank)
+        return mask_padded_vocab(logits, self.config.vocab_size, self.parallel.tp_rank)
 
 
 class GPTModel(nn.Module):
-    """GPT/LLaMA decoder (no pipeline parallelism), tensor-parallel over the ``parallel_state`` TP group.
+    """GPT/LLaMA decoder (no pipeline parallelism), tensor-parallel over the group of its ``ParallelContext``.
 
     Args:
         config: architecture (``config.vocab_size`` = the tokenizer's true vocabulary, must be set).
-        seed: the run's seed; parameter values = f(seed, global Megatron name) (layout-invariant init).
-        params_dtype: parameter dtype (fp32 or bf16); initial values are drawn in fp32 then cast.
-        device: where parameters live (None = CPU).
-        sequence_parallel: Megatron sequence parallelism (a no-op at TP = 1).
-
-    The TP degree and rank come from ``megatron.mpu.parallel_state`` (a single process without
-    ``torch.distributed`` is TP = 1).
+        parallel: the TP group (``ParallelContext.from_parallel_state`` for the run's; the default, no group, is
+            one process without torch.distributed), sequence parallelism (a no-op at TP = 1), the run's seed
+            (parameter values = f(seed, global Megatron name): layout-invariant init), the parameters' dtype (drawn
+            in fp32, then cast) and device.
 
     Raises:
         ValueError: unset vocab size or heads/groups/ffn not divisible by the TP size.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        seed: int,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        sequence_parallel: bool = False,
-    ) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         self.config = config
-        self.language_model = TransformerLanguageModel(
-            config,
-            seed=seed,
-            params_dtype=params_dtype,
-            device=device,
-            sequence_parallel=sequence_parallel,
-        )
+        self.language_model = TransformerLanguageModel(config, parallel)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -211,15 +159,18 @@ class GPTModel(nn.Module):
             logits ``[b, s, vp]`` with padded-vocab columns ``-inf``.
         """
         lm = self.language_model
+        parallel = lm.parallel
         check_batch(
             input_ids,
             position_ids,
             labels,
-            sequence_parallel=lm.sequence_parallel,
-            tp_size=lm.tp_size,
+            sequence_parallel=parallel.sequence_parallel,
+            tp_size=parallel.tp_size,
         )
         logits = lm(input_ids, position_ids, attention_mask, inference_params)  # [s, b, vp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, vp] -> [b, s, vp]
-        loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1))  # [s, b]
+        loss = vocab_parallel_cross_entropy(
+            logits.float(), labels.transpose(0, 1), group=parallel.tp_group
+        )  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -22,9 +22,8 @@ on every stage), so ``GPTModelPipe`` and ``GPTModel`` start from identical weigh
 
 from __future__ import annotations
 
-import re
+import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.config.rules import padded_vocab_size
 from megatron.model.language_model import (
     Embedding,
     build_output_layer,
@@ -41,47 +41,46 @@ from megatron.model.language_model import (
 )
 from megatron.model.norms import LayerNorm, RMSNorm
 from megatron.model.rotary import rotary_cos_sin
-from megatron.model.transformer import ParallelTransformerLayer
-from megatron.model.utils import (
-    FINAL_NORM_PREFIX,
-    OUTPUT_LAYER_NAME,
-    check_tensor_parallel_shapes,
-    layer_param_name,
-    loss_func,
-    padded_vocab_size,
-    tensor_parallel_rank_and_size,
-)
-from megatron.mpu import parallel_state
+from megatron.model.transformer import ParallelTransformerLayer, norm_kwargs
+from megatron.model.utils import check_tensor_parallel_shapes, loss_func
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.parallel_state import ProcessGroup
 from megatron.mpu.random import checkpoint
 
 PipeActivation = tuple[torch.Tensor, torch.Tensor]
 
 
-class _VocabInfo:
+class _VocabLogits:
     """What the logits need besides the weight (kept on the modules that produce logits)."""
 
-    def __init__(
-        self, vocab_size: int, tp_rank: int, tp_size: int, sequence_parallel: bool
-    ) -> None:
+    def __init__(self, vocab_size: int, parallel: ParallelContext) -> None:
         self.vocab_size = vocab_size
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.sequence_parallel = sequence_parallel
+        self.parallel = parallel
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = parallel_lm_logits(
-            hidden, weight, sequence_parallel=self.sequence_parallel, tp_size=self.tp_size
-        )  # [s(/p), b, h] -> [s, b, vp]
-        return mask_padded_vocab(out, self.vocab_size, self.tp_rank)
+        out = parallel_lm_logits(hidden, weight, self.parallel)  # [s(/p), b, h] -> [s, b, vp]
+        return mask_padded_vocab(out, self.vocab_size, self.parallel.tp_rank)
 
 
 class EmbeddingPipe(Embedding):
     """:class:`Embedding` taking and returning pipe tuples; also the tied output layer (``_tied_logits``)."""
 
-    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.vocab_info = vocab_info
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        *,
+        padded_vocab: int,
+        with_position_embeddings: bool = True,
+    ) -> None:
+        super().__init__(
+            config,
+            parallel,
+            padded_vocab=padded_vocab,
+            with_position_embeddings=with_position_embeddings,
+        )
+        self.vocab_logits = _VocabLogits(config.vocab_size, parallel)
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
         """``(input_ids [b, s], position_ids [b, s]) -> (hidden [s(/p), b, h], position_ids)``."""
@@ -91,14 +90,16 @@ class EmbeddingPipe(Embedding):
 
 def _tied_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """Output layer tied to the word embeddings: ``[s(/p), b, h] -> [s, b, vp]`` (padded columns ``-inf``)."""
-    return embedding.vocab_info.logits(hidden, embedding.word_embeddings.weight)
+    return embedding.vocab_logits.logits(hidden, embedding.word_embeddings.weight)
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     """:class:`ParallelTransformerLayer` on pipe tuples; RoPE tables from ``position_ids`` (never sent)."""
 
-    def __init__(self, config: ModelConfig, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+    def __init__(
+        self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
+    ) -> None:
+        super().__init__(config, parallel, layer_number=layer_number)
         self.rope = config.use_rotary_position_embeddings
         self.head_dim = config.head_dim
         self.theta = config.rotary_position_embeddings_theta
@@ -129,13 +130,15 @@ class RMSNormPipe(RMSNorm):
 class LMHeadPipe(nn.Module):
     """Untied output layer (``lm_head``, column-parallel ``[vp, h]``): ``[s(/p), b, h] -> [s, b, vp]``."""
 
-    def __init__(self, config: ModelConfig, *, vocab_info: _VocabInfo, **kwargs: Any) -> None:
+    def __init__(
+        self, config: ModelConfig, parallel: ParallelContext, *, padded_vocab: int
+    ) -> None:
         super().__init__()
-        self.vocab_info = vocab_info
-        self.lm_head = build_output_layer(config, tp_rank=vocab_info.tp_rank, **kwargs)
+        self.vocab_logits = _VocabLogits(config.vocab_size, parallel)
+        self.lm_head = build_output_layer(config, parallel, padded_vocab=padded_vocab)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.vocab_info.logits(hidden, self.lm_head.weight)
+        return self.vocab_logits.logits(hidden, self.lm_head.weight)
 
 
 def _check_pipe_inputs(inputs: PipeActivation) -> PipeActivation:
@@ -165,75 +168,52 @@ def _logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def pipe_loss_fn(
-    logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]
+    logits: torch.Tensor,
+    labels_and_mask: tuple[torch.Tensor, torch.Tensor],
+    *,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy.
 
     Args:
         logits: ``[s, b, vp]`` fp32 (padded columns ``-inf``).
         labels_and_mask: ``(labels [b, s] int64, loss_mask [b, s])``.
+        group: the TP group the vocabulary is split over (``GPTModelPipe`` binds its context's).
     """
     labels, loss_mask = labels_and_mask
-    per_token = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())  # [s, b]
+    per_token = vocab_parallel_cross_entropy(
+        logits, labels.transpose(0, 1).contiguous(), group=group
+    )  # [s, b]
     return loss_func(per_token.transpose(0, 1), loss_mask)  # [s, b] -> [b, s] -> scalar
 
 
 def _checkpoint_chunk(
-    function: Callable[..., PipeActivation], hidden: torch.Tensor, *rest: torch.Tensor
+    function: Callable[..., PipeActivation],
+    hidden: torch.Tensor,
+    *rest: torch.Tensor,
+    group: ProcessGroup | None = None,
 ) -> PipeActivation:
     """Activation checkpointing of a chunk of transformer layers on ``(hidden, position_ids)``.
 
     Only ``hidden`` is saved and differentiated; ``position_ids`` (no gradient) is passed through. Uses
-    ``mpu.random.checkpoint``, which restores the CPU/CUDA and tracker RNG states for the recomputation.
+    ``mpu.random.checkpoint`` (on the model's TP ``group``), which restores the CPU/CUDA and tracker RNG states for
+    the recomputation.
     """
-    out = checkpoint(lambda h: function(h, *rest)[0], False, hidden)
+    out = checkpoint(lambda h: function(h, *rest)[0], False, hidden, group=group)
     return (out, *rest)
 
 
-def pipe_to_megatron_name(key: str, num_layers: int) -> str:
-    """Map a ``GPTModelPipe`` state-dict key to its ``GPTModel`` (Megatron) name.
-
-    ``tied_modules.embed.word_embeddings.weight`` -> ``language_model.embedding.word_embeddings.weight``,
-    ``3.self_attention.dense.weight`` -> ``language_model.encoder.layers.1.self_attention.dense.weight``,
-    ``{L+2}.weight`` -> ``language_model.encoder.final_layernorm.weight``,
-    ``{L+3}.lm_head.weight`` -> ``language_model.output_layer.weight``.
-
-    Raises:
-        ValueError: for a key that is not part of ``GPTModelPipe``.
-    """
-    if key.startswith("tied_modules.embed."):
-        return "language_model.embedding." + key[len("tied_modules.embed.") :]
-    m = re.fullmatch(r"(\d+)\.(.+)", key)
-    if m:
-        idx, rest = int(m.group(1)), m.group(2)
-        if idx == 1:
-            return "language_model.embedding." + rest
-        if 2 <= idx < num_layers + 2:
-            return layer_param_name(idx - 2, rest)
-        if idx == num_layers + 2:
-            return f"{FINAL_NORM_PREFIX}.{rest}"
-        if idx == num_layers + 3 and rest == "lm_head.weight":
-            return OUTPUT_LAYER_NAME
-    raise ValueError(f"{key!r} is not a GPTModelPipe parameter of a {num_layers}-layer model.")
-
-
-def _check_topology(topology: ProcessTopology, tp_rank: int, tp_size: int) -> None:
+def _check_topology(topology: ProcessTopology, parallel: ParallelContext) -> None:
+    """DeepSpeed's topology must place this rank where the context's TP group does (the pipeline coordinates are
+    checked against ``parallel_state`` by the trainer once the engine exists)."""
     rank = dist.get_rank()
     coord = topology.get_coord(rank)
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if (
-        topology.get_dim("model"),
-        topology.get_dim("pipe"),
-        coord.model,
-        coord.pipe,
-    ) != (tp_size, pp_size, tp_rank, pp_rank):
+    tp_size, tp_rank = parallel.tp_size, parallel.tp_rank
+    if (topology.get_dim("model"), coord.model) != (tp_size, tp_rank):
         raise RuntimeError(
-            f"GPTModelPipe topology (pipe={topology.get_dim('pipe')}, model={topology.get_dim('model')}; "
-            f"rank {rank} at pipe {coord.pipe}, model {coord.model}) disagrees with "
-            f"megatron.mpu.parallel_state (pp={pp_size}, tp={tp_size}; pipe rank {pp_rank}, tp rank "
-            f"{tp_rank}); build it as PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) "
-            "after initialize_model_parallel(tp, pp)."
+            f"GPTModelPipe topology (model={topology.get_dim('model')}; rank {rank} at model {coord.model}) "
+            f"disagrees with its ParallelContext (tp={tp_size}, tp rank {tp_rank}); build it as "
+            "PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) over the same TP groups."
         )
 
 
@@ -242,91 +222,76 @@ class GPTModelPipe(PipelineModule):
 
     Args:
         config: architecture (``vocab_size`` set).
-        seed: the run's seed (same values as ``GPTModel`` for every parameter).
-        topology: ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``, matching ``parallel_state``.
-        params_dtype, device: of the parameters (DeepSpeed moves the module to the accelerator anyway).
-        sequence_parallel: Megatron SP (no-op at TP = 1). With TP > 1 and SP set the DeepSpeed config's
-            ``pipeline.pipe_partitioned`` / ``grad_partitioned`` to false (they assume TP-replicated activations).
+        parallel: the TP group, sequence parallelism, seed (the same values as ``GPTModel`` for every parameter),
+            dtype and device of the parameters (DeepSpeed moves the module to the accelerator anyway). With TP > 1
+            and sequence parallelism set the DeepSpeed config's ``pipeline.pipe_partitioned`` /
+            ``grad_partitioned`` to false (they assume TP-replicated activations).
+        topology: ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``, over the same TP groups.
         activation_checkpoint_interval: layers per checkpointed chunk (0 = off); only chunks made entirely of
             ``ParallelTransformerLayerPipe`` are checkpointed, through ``mpu.random.checkpoint``.
 
     Raises:
-        ValueError: bad shapes for the TP size; RuntimeError: topology and ``parallel_state`` disagree.
+        ValueError: bad shapes for the TP size; RuntimeError: topology and ``parallel`` disagree.
     """
 
     def __init__(
         self,
         config: ModelConfig,
+        parallel: ParallelContext,
         *,
-        seed: int,
         topology: ProcessTopology,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        sequence_parallel: bool = False,
         activation_checkpoint_interval: int = 0,
     ) -> None:
-        tp_rank, tp_size = tensor_parallel_rank_and_size()
-        check_tensor_parallel_shapes(config, tp_size)
-        _check_topology(topology, tp_rank, tp_size)
-        sp = sequence_parallel and tp_size > 1
-        padded = padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp_size)
-        info = _VocabInfo(config.vocab_size, tp_rank, tp_size, sp)
-        common = {"seed": seed, "params_dtype": params_dtype, "device": device}
-        embed = {"padded_vocab": padded, "sequence_parallel": sp, "vocab_info": info, **common}
+        check_tensor_parallel_shapes(config, parallel.tp_size)
+        _check_topology(topology, parallel)
+        padded = padded_vocab_size(
+            config.vocab_size, config.make_vocab_size_divisible_by, parallel.tp_size
+        )
         specs: list = [_check_pipe_inputs]
         if config.untie_embeddings_and_output_weights:
-            specs.append(LayerSpec(EmbeddingPipe, config, **embed))
+            specs.append(LayerSpec(EmbeddingPipe, config, parallel, padded_vocab=padded))
         else:
             specs.append(
                 TiedLayerSpec(
                     "embed",
                     EmbeddingPipe,
                     config,
+                    parallel,
+                    padded_vocab=padded,
                     tied_weight_attr=["word_embeddings.weight"],
-                    **embed,
                 )
             )
         specs += [
-            LayerSpec(
-                ParallelTransformerLayerPipe, config, layer_number=i, sequence_parallel=sp, **common
-            )
+            LayerSpec(ParallelTransformerLayerPipe, config, parallel, layer_number=i)
             for i in range(config.num_layers)
         ]
         norm_cls = RMSNormPipe if config.normalization == "rmsnorm" else LayerNormPipe
-        specs.append(
-            LayerSpec(
-                norm_cls,
-                config.hidden_size,
-                eps=config.layernorm_epsilon,
-                sequence_parallel=sp,
-                params_dtype=params_dtype,
-                device=device,
-            )
-        )
+        specs.append(LayerSpec(norm_cls, config.hidden_size, **norm_kwargs(config, parallel)))
         if config.untie_embeddings_and_output_weights:
-            specs.append(
-                LayerSpec(LMHeadPipe, config, padded_vocab=padded, vocab_info=info, **common)
-            )
+            specs.append(LayerSpec(LMHeadPipe, config, parallel, padded_vocab=padded))
         else:
             specs.append(
                 TiedLayerSpec(
                     "embed",
                     EmbeddingPipe,
                     config,
+                    parallel,
+                    padded_vocab=padded,
                     with_position_embeddings=False,
                     forward_fn=_tied_logits,
                     tied_weight_attr=["word_embeddings.weight"],
-                    **embed,
                 )
             )
         specs.append(_logits_to_fp32)
         super().__init__(
             layers=specs,
             topology=topology,
-            loss_fn=pipe_loss_fn,
+            loss_fn=functools.partial(pipe_loss_fn, group=parallel.tp_group),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,
-            activation_checkpoint_func=_checkpoint_chunk,
+            activation_checkpoint_func=functools.partial(
+                _checkpoint_chunk, group=parallel.tp_group
+            ),
             checkpointable_layers=["ParallelTransformerLayerPipe"],
         )
         self.config = config

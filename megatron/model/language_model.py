@@ -17,36 +17,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.utils import (
-    OUTPUT_LAYER_NAME,
-    POSITION_EMBEDDINGS_NAME,
-    WORD_EMBEDDINGS_NAME,
+from megatron.layout.names import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from megatron.model.utils import init_seed
+from megatron.mpu.context import ParallelContext
+from megatron.mpu.layers import (
+    ColumnParallelLinear,
     InitMethod,
+    VocabParallelEmbedding,
+    init_method_normal,
 )
-from megatron.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 from megatron.mpu.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron.mpu.random import get_cuda_rng_tracker, param_seed
+from megatron.mpu.random import get_cuda_rng_tracker
 
 
-def _position_table(
-    config: ModelConfig,
-    *,
-    seed: int,
-    params_dtype: torch.dtype,
-    device: torch.device | str | None,
-) -> nn.Embedding:
+def _position_table(config: ModelConfig, parallel: ParallelContext) -> nn.Embedding:
     """Learned position table ``[max_positions, h]``, N(0, std) drawn from ``param_seed(seed, name)``."""
     master = torch.empty(config.max_positions, config.hidden_size, dtype=torch.float32)
     init = init_method_normal(config.init_method_std)
-    if config.layout_invariant_init:
-        init(master, torch.Generator().manual_seed(param_seed(seed, POSITION_EMBEDDINGS_NAME)))
-    else:
-        init(master, None)
-    weight = master.to(dtype=params_dtype, device=device)
+    seed = init_seed(config, parallel, POSITION_EMBEDDINGS)
+    init(master, None if seed is None else torch.Generator().manual_seed(seed))
+    weight = master.to(dtype=parallel.params_dtype, device=parallel.device)
     return nn.Embedding(config.max_positions, config.hidden_size, _weight=weight)
 
 
@@ -55,45 +49,37 @@ class Embedding(nn.Module):
 
     Args:
         config: model config (``vocab_size`` = true vocab, must be set).
-        seed: the run's seed (values = f(seed, global name)).
+        parallel: TP group, sequence parallelism (scatter the output to ``[s/p, b, h]``), seed, dtype, device.
         padded_vocab: padded vocabulary ``v`` (multiple of ``make_vocab_size_divisible_by * p``).
-        sequence_parallel: scatter the output to ``[s/p, b, h]`` (Megatron SP).
         with_position_embeddings: False builds only the word embeddings (the tied output copy on the last
             pipeline stage has no use for positions).
-        params_dtype, device: of the parameters.
     """
 
     def __init__(
         self,
         config: ModelConfig,
+        parallel: ParallelContext,
         *,
-        seed: int,
         padded_vocab: int,
-        sequence_parallel: bool = False,
         with_position_embeddings: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.parallel = parallel
         self.hidden_dropout = config.hidden_dropout
         self.max_positions = config.max_positions
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab,
             config.hidden_size,
             init_method=init_method_normal(config.init_method_std),
-            params_dtype=params_dtype,
-            device=device,
-            init_seed=param_seed(seed, WORD_EMBEDDINGS_NAME)
-            if config.layout_invariant_init
-            else None,
+            params_dtype=parallel.params_dtype,
+            device=parallel.device,
+            init_seed=init_seed(config, parallel, WORD_EMBEDDINGS),
             true_vocab_size=config.vocab_size,
+            group=parallel.tp_group,
         )
         self.position_embeddings: nn.Embedding | None = None
         if with_position_embeddings and not config.use_rotary_position_embeddings:
-            self.position_embeddings = _position_table(
-                config, seed=seed, params_dtype=params_dtype, device=device
-            )
+            self.position_embeddings = _position_table(config, parallel)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids, position_ids [b, s] -> [s, b, h]`` (``[s/p, b, h]`` under sequence parallelism).
@@ -112,14 +98,11 @@ class Embedding(nn.Module):
                 )
             x = x + self.position_embeddings(position_ids)  # [b, s, h]
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x)  # [s, b, h] -> [s/p, b, h]
+        sequence_parallel = self.parallel.sequence_parallel
+        if sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.parallel.tp_group)  # -> [s/p, b, h]
         if self.training and self.hidden_dropout > 0.0:
-            rng = (
-                get_cuda_rng_tracker().fork()
-                if self.sequence_parallel
-                else contextlib.nullcontext()
-            )
+            rng = get_cuda_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
             with rng:
                 x = F.dropout(x, p=self.hidden_dropout, training=True)
         return x
@@ -137,13 +120,7 @@ def _true_rows_init(std: float, true_vocab: int) -> InitMethod:
 
 
 def build_output_layer(
-    config: ModelConfig,
-    *,
-    seed: int,
-    padded_vocab: int,
-    tp_rank: int,
-    params_dtype: torch.dtype,
-    device: torch.device | str | None,
+    config: ModelConfig, parallel: ParallelContext, *, padded_vocab: int
 ) -> ColumnParallelLinear:
     """Untied ``output_layer``: column-parallel ``[vp, h]`` weight, no bias; padded rows are zero.
 
@@ -156,14 +133,15 @@ def build_output_layer(
         bias=False,
         gather_output=False,
         init_method=_true_rows_init(config.init_method_std, config.vocab_size),
-        params_dtype=params_dtype,
-        device=device,
-        init_seed=param_seed(seed, OUTPUT_LAYER_NAME) if config.layout_invariant_init else None,
+        params_dtype=parallel.params_dtype,
+        device=parallel.device,
+        init_seed=init_seed(config, parallel, OUTPUT_LAYER),
+        group=parallel.tp_group,
     )
     vp = layer.weight.shape[0]
     first_padded = max(
-        0, config.vocab_size - tp_rank * vp
-    )  # local row index of the first padded row
+        0, config.vocab_size - parallel.tp_rank * vp
+    )  # local index of the first padded row
     if first_padded < vp:
         with torch.no_grad():
             layer.weight[first_padded:].zero_()
@@ -171,23 +149,20 @@ def build_output_layer(
 
 
 def parallel_lm_logits(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    sequence_parallel: bool,
-    tp_size: int,
+    hidden_states: torch.Tensor, weight: torch.Tensor, parallel: ParallelContext
 ) -> torch.Tensor:
     """Vocab-parallel logits ``[s(/p), b, h] x [vp, h] -> [s, b, vp]``.
 
     Under sequence parallelism the input is first all-gathered on ``s`` (backward: reduce-scatter); otherwise it
     goes through ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of the input gradient over TP).
     """
-    if sequence_parallel:
+    group = parallel.tp_group
+    if parallel.sequence_parallel:
         hidden_states = gather_from_sequence_parallel_region(
-            hidden_states, tensor_parallel_output_grad=True
+            hidden_states, tensor_parallel_output_grad=True, group=group
         )  # [s/p, b, h] -> [s, b, h]
-    elif tp_size > 1:
-        hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
+    elif parallel.tp_size > 1:
+        hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group)
     return F.linear(hidden_states, weight)  # [s, b, h] -> [s, b, vp]
 
 

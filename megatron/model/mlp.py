@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.utils import layer_param_name
+from megatron.layout.names import layer_param_name
+from megatron.model.utils import init_seed
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
     scaled_init_method_normal,
 )
-from megatron.mpu.random import param_seed
 
 
 class ParallelMLP(nn.Module):
@@ -32,31 +33,21 @@ class ParallelMLP(nn.Module):
 
     Args:
         config: ``hidden_size``, ``ffn_size``, ``swiglu``, ``add_bias_linear``, ``init_method_std``, ``num_layers``.
+        parallel: the TP group the FFN width is split over; sequence parallelism (input and output
+            ``[s/p, b, h]``); the seed; dtype, device.
         layer_number: global 0-based layer index (names/seeds ``layers.{i}.mlp.*``).
-        seed: the run's seed.
-        sequence_parallel: input and output ``[s/p, b, h]``.
-        params_dtype, device: of the parameters.
 
     The forward returns ``(output, bias)``: ``dense_4h_to_h``'s bias is not added (bias-dropout-add does it).
     """
 
     def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        layer_number: int,
-        seed: int,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
+        self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
     ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
 
         def seed_of(suffix: str) -> int | None:
-            if not config.layout_invariant_init:
-                return None
-            return param_seed(seed, layer_param_name(layer_number, f"mlp.{suffix}"))
+            return init_seed(config, parallel, layer_param_name(layer_number, f"mlp.{suffix}"))
 
         ffn = config.ffn_size
         self.dense_h_to_4h = ColumnParallelLinear(
@@ -66,10 +57,11 @@ class ParallelMLP(nn.Module):
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
             stride=2 if self.swiglu else 1,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
+            sequence_parallel=parallel.sequence_parallel,
+            params_dtype=parallel.params_dtype,
+            device=parallel.device,
             init_seed=seed_of("dense_h_to_4h.weight"),
+            group=parallel.tp_group,
         )
         self.dense_4h_to_h = RowParallelLinear(
             ffn,
@@ -78,10 +70,11 @@ class ParallelMLP(nn.Module):
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             skip_bias_add=True,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
+            sequence_parallel=parallel.sequence_parallel,
+            params_dtype=parallel.params_dtype,
+            device=parallel.device,
             init_seed=seed_of("dense_4h_to_h.weight"),
+            group=parallel.tp_group,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,10 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.mpu.mappings import copy_to_tensor_model_parallel_region
+from megatron.mpu.parallel_state import ProcessGroup
 
 
-def _tp_shared(param: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    return copy_to_tensor_model_parallel_region(param) if sequence_parallel else param
+def _tp_shared(
+    param: torch.Tensor, sequence_parallel: bool, group: ProcessGroup | None
+) -> torch.Tensor:
+    return copy_to_tensor_model_parallel_region(param, group) if sequence_parallel else param
 
 
 class LayerNorm(nn.Module):
@@ -29,6 +32,7 @@ class LayerNorm(nn.Module):
         hidden_size: normalized (last) dim ``h``.
         eps: ``--layernorm-epsilon``.
         sequence_parallel: inputs are ``[s/p, b, h]`` slices; grads of weight/bias are summed over TP.
+        group: the TP group those grads are summed over (None = the default one).
         params_dtype, device: of the parameters.
     """
 
@@ -38,12 +42,14 @@ class LayerNorm(nn.Module):
         *,
         eps: float = 1e-5,
         sequence_parallel: bool = False,
+        group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.sequence_parallel = sequence_parallel
+        self.group = group
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device))
         for p in (self.weight, self.bias):
@@ -51,8 +57,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
-        w = _tp_shared(self.weight, self.sequence_parallel)
-        b = _tp_shared(self.bias, self.sequence_parallel)
+        w = _tp_shared(self.weight, self.sequence_parallel, self.group)
+        b = _tp_shared(self.bias, self.sequence_parallel, self.group)
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
@@ -68,12 +74,14 @@ class RMSNorm(nn.Module):
         *,
         eps: float = 1e-5,
         sequence_parallel: bool = False,
+        group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.sequence_parallel = sequence_parallel
+        self.group = group
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
 
@@ -81,7 +89,7 @@ class RMSNorm(nn.Module):
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
         xf = x.to(torch.float32)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _tp_shared(self.weight, self.sequence_parallel) * normed.to(x.dtype)
+        return _tp_shared(self.weight, self.sequence_parallel, self.group) * normed.to(x.dtype)
 
 
 def build_norm(
@@ -90,6 +98,7 @@ def build_norm(
     *,
     eps: float,
     sequence_parallel: bool,
+    group: ProcessGroup | None,
     params_dtype: torch.dtype,
     device: torch.device | str | None,
 ) -> LayerNorm | RMSNorm:
@@ -105,6 +114,7 @@ def build_norm(
         hidden_size,
         eps=eps,
         sequence_parallel=sequence_parallel,
+        group=group,
         params_dtype=params_dtype,
         device=device,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from megatron.model.attention import ParallelAttention
 from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import build_norm
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -54,21 +56,20 @@ def bias_dropout_add(
     return residual + x
 
 
-def config_norm(
-    config: ModelConfig,
-    sequence_parallel: bool,
-    params_dtype: torch.dtype,
-    device: torch.device | str | None,
-) -> nn.Module:
+def norm_kwargs(config: ModelConfig, parallel: ParallelContext) -> dict[str, Any]:
+    """The keyword arguments of the model's norms (``LayerNorm`` / ``RMSNorm`` after ``hidden_size``)."""
+    return {
+        "eps": config.layernorm_epsilon,
+        "sequence_parallel": parallel.sequence_parallel,
+        "group": parallel.tp_group,
+        "params_dtype": parallel.params_dtype,
+        "device": parallel.device,
+    }
+
+
+def config_norm(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
     """The model's norm (``--normalization``, ``--layernorm-epsilon``) over ``[*, h]``."""
-    return build_norm(
-        config.normalization,
-        config.hidden_size,
-        eps=config.layernorm_epsilon,
-        sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype,
-        device=device,
-    )
+    return build_norm(config.normalization, config.hidden_size, **norm_kwargs(config, parallel))
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -77,44 +78,21 @@ class ParallelTransformerLayer(nn.Module):
 
     Args:
         config: model config.
+        parallel: TP group, sequence parallelism, seed (parameter values = f(seed, global name)), dtype, device.
         layer_number: global 0-based index (the same on every pipeline layout; names and seeds use it).
-        seed: the run's seed (parameter values = f(seed, global name)).
-        sequence_parallel: Megatron SP (effective only with TP > 1; the caller decides).
-        params_dtype, device: of the parameters.
     """
 
     def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        layer_number: int,
-        seed: int,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
+        self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = sequence_parallel
-        self.input_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
-        self.self_attention = ParallelAttention(
-            config,
-            layer_number=layer_number,
-            seed=seed,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
-        self.post_attention_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
-        self.mlp = ParallelMLP(
-            config,
-            layer_number=layer_number,
-            seed=seed,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        self.sequence_parallel = parallel.sequence_parallel
+        self.input_layernorm = config_norm(config, parallel)
+        self.self_attention = ParallelAttention(config, parallel, layer_number=layer_number)
+        self.post_attention_layernorm = config_norm(config, parallel)
+        self.mlp = ParallelMLP(config, parallel, layer_number=layer_number)
 
     def forward(
         self,
@@ -151,35 +129,23 @@ class ParallelTransformer(nn.Module):
     """The encoder of ``GPTModel``: ``layers.{i}`` and ``final_layernorm``.
 
     Args:
-        config: model config (``recompute_granularity == "full"`` checkpoints chunks of ``recompute_num_layers``
-            layers with ``mpu.random.checkpoint``, which restores the CPU/CUDA and tracker RNG states).
-        seed, sequence_parallel, params_dtype, device: as :class:`ParallelTransformerLayer`.
+        config: model config (``recompute_granularity == "full"`` checkpoints, with ``mpu.random.checkpoint``
+            which restores the CPU/CUDA and tracker RNG states, every chunk of ``recompute_num_layers`` layers
+            (``recompute_method`` uniform) or each of the first ``recompute_num_layers`` layers (block)).
+        parallel: as :class:`ParallelTransformerLayer`.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        seed: int,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
+        self.tp_group = parallel.tp_group
         self.recompute = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
         self.recompute_num_layers = max(1, config.recompute_num_layers)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(
-                config,
-                layer_number=i,
-                seed=seed,
-                sequence_parallel=sequence_parallel,
-                params_dtype=params_dtype,
-                device=device,
-            )
+            ParallelTransformerLayer(config, parallel, layer_number=i)
             for i in range(config.num_layers)
         )
-        self.final_layernorm = config_norm(config, sequence_parallel, params_dtype, device)
+        self.final_layernorm = config_norm(config, parallel)
 
     def _run_chunk(
         self,
@@ -205,13 +171,17 @@ class ParallelTransformer(nn.Module):
     ) -> torch.Tensor:
         """``[s(/p), b, h] -> [s(/p), b, h]``: all layers, then the final norm (``inference_params``: KV cache)."""
         num = len(self.layers)
-        step = self.recompute_num_layers if (self.recompute and self.training) else num
+        recompute = self.recompute and self.training
+        # uniform: every chunk of recompute_num_layers layers is checkpointed; block: each of the first
+        # recompute_num_layers layers is, the rest keep their activations (Megatron's two methods).
+        block = recompute and self.recompute_method == "block"
+        step = 1 if block else self.recompute_num_layers if recompute else num
         for start in range(0, num, max(step, 1)):
             run = self._run_chunk(
                 start, min(start + step, num), rotary, attention_mask, inference_params
             )
-            if self.recompute and self.training:
-                hidden_states = checkpoint(run, False, hidden_states)
+            if recompute and (not block or start < self.recompute_num_layers):
+                hidden_states = checkpoint(run, False, hidden_states, group=self.tp_group)
             else:
                 hidden_states = run(hidden_states)
         return self.final_layernorm(hidden_states)

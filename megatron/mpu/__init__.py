@@ -1,10 +1,12 @@
 """Trident's tensor-parallel core (Megatron's public names).
 
-``parallel_state`` (process groups; the only global state), ``mappings`` (every collective), ``layers``
+``parallel_state`` (process groups; the only global state), ``context`` (``ParallelContext``: the group and build
+settings a model is given), ``mappings`` (every collective), ``layers``
 (column/row-parallel linear, vocab-parallel embedding), ``cross_entropy``, ``random`` (RNG tracker, activation
 checkpointing), ``data`` (broadcast over TP), ``utils``. The package itself can be passed to DeepSpeed as ``mpu=``.
 """
 
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.data import broadcast_data
 from megatron.mpu.layers import (
@@ -101,6 +103,7 @@ from megatron.mpu.utils import (
 )
 
 __all__ = [
+    "ParallelContext",
     "CheckpointFunction",
     "ColumnParallelLinear",
     "CudaRNGStatesTracker",

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.config.rules import divisors
+
 ProcessGroup = dist.ProcessGroup
 
 _NOT_INITIALIZED = "model parallel is not initialized; call initialize_model_parallel"
@@ -72,10 +74,6 @@ class RankGrid:
         return None
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def validate_degrees(
     world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
 ) -> int:
@@ -100,7 +98,7 @@ def validate_degrees(
         raise ValueError(
             f"invalid parallel degrees ({values}): the world size must be divisible by "
             f"tensor x pipeline = {tp * pp} (data-parallel size = world / (tensor x pipeline)); "
-            f"choose tensor x pipeline among the divisors of {world_size}: {_divisors(world_size)}."
+            f"choose tensor x pipeline among the divisors of {world_size}: {', '.join(map(str, divisors(world_size)))}."
         )
     return world_size // (tp * pp)
 

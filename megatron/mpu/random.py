@@ -226,18 +226,24 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, None, *input_grads)
 
 
-def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+def checkpoint(
+    function: Callable[..., Any],
+    distribute_saved_activations: bool,
+    *args: Any,
+    group: ProcessGroup | None = None,
+) -> Any:
     """Run ``function(*args)`` without storing its activations; recompute them in backward.
 
     The CPU/CUDA default RNG states and the tracker streams are saved before the forward and restored for the
     recomputation, so dropout masks (replicated or forked) are identical in both passes. With
     ``distribute_saved_activations`` each TP rank keeps only ``1/p`` of ``args[0]`` (flattened; its numel must be
-    divisible by ``p``) and the full tensor is all-gathered over the TP group in backward.
+    divisible by ``p``) and the full tensor is all-gathered over ``group`` (the model's TP group; None = the
+    default one) in backward.
 
     Returns:
         whatever ``function`` returns (a tensor or a tuple of tensors).
     """
-    group = resolve_group(None) if distribute_saved_activations else None
+    group = resolve_group(group) if distribute_saved_activations else None
     if distribute_saved_activations and not torch.is_tensor(args[0] if args else None):
         raise ValueError(
             "checkpoint(distribute_saved_activations=True) needs a tensor as first argument"

@@ -1,7 +1,7 @@
 """Autoregressive text generation from a Trident checkpoint (one process; the checkpoint may have any layout).
 
-The checkpoint's TP/PP shards (or ZeRO-3 partitions) are merged into one TP = 1 ``GPTModel`` (``checkpointing.
-convert``), which runs on one device. The prompt runs once ("prefill"), then every new token runs alone against the
+The checkpoint's TP/PP shards (or ZeRO-3 partitions) are merged into one TP = 1 ``GPTModel``
+(``megatron.checkpointing.readers``), which runs on one device. The prompt runs once ("prefill"), then every new token runs alone against the
 model's KV cache (``megatron.model.InferenceParams``). Large-scale serving (batching many requests, TP inference) is
 out of scope: export to Hugging Face for that.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.convert import build_megatron_model, read_checkpoint_weights
+from megatron.checkpointing.readers import build_megatron_model, read_checkpoint_weights
 from megatron.config import ModelConfig
 from megatron.model import InferenceParams
 from megatron.text_generation.sampling import SamplingParams, sample_next

@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from megatron.config.rules import padded_vocab_size
+
 if TYPE_CHECKING:
     from megatron.config.data import DataConfig
 
@@ -38,25 +40,8 @@ TOKENIZER_TYPES = (
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
-def vocab_size_with_padding(
-    orig_vocab_size: int, divisible_by: int, tensor_model_parallel_size: int
-) -> int:
-    """Smallest size >= ``orig_vocab_size`` divisible by ``divisible_by * tensor_model_parallel_size``.
-
-    Megatron's ``--make-vocab-size-divisible-by`` rule: e.g. 50257 -> 50304 (128 x TP1), 50432 (TP2), 50688 (TP4).
-
-    Raises:
-        ValueError: a non-positive argument.
-    """
-    for flag, value in (
-        ("vocab size", orig_vocab_size),
-        ("--make-vocab-size-divisible-by", divisible_by),
-        ("--tensor-model-parallel-size", tensor_model_parallel_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{flag} ({value}) must be a positive integer.")
-    multiple = divisible_by * tensor_model_parallel_size
-    return -(-orig_vocab_size // multiple) * multiple
+vocab_size_with_padding = padded_vocab_size
+"""Megatron's name for :func:`megatron.config.rules.padded_vocab_size` (the one implementation)."""
 
 
 class MegatronTokenizer(ABC):

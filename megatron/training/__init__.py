@@ -1,9 +1,10 @@
 """Training: DeepSpeed config, optimizer, LR schedule, the loop, logging and metrics.
 
 Public entry: :func:`pretrain` (``megatron.training.pretrain``); :func:`preflight` runs every user-input check
-before any process group exists. Exit codes: :mod:`megatron.training.exit_codes`.
+before any process group exists and builds the run plan. Exit codes: :mod:`megatron.training.exit_codes`.
 """
 
-from megatron.training.pretrain import Preflight, TrainResult, preflight, pretrain
+from megatron.training.preflight import Preflight, preflight
+from megatron.training.pretrain import TrainResult, pretrain
 
 __all__ = ["Preflight", "TrainResult", "preflight", "pretrain"]

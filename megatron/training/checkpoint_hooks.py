@@ -7,15 +7,15 @@ data iterators are built, so ``state.consumed_train_samples`` positions the samp
 What a save must contain to resume exactly: the engine (``engine.save_checkpoint``: weights, optimizer, ZeRO
 partitions), ``scheduler.state_dict()``, ``state.iteration``, ``state.consumed_train_samples`` (the sampler's
 position) and the RNG states. Without explicit hooks, ``pretrain`` uses
-``megatron.checkpointing.engine_checkpoint.DeepSpeedCheckpointer`` whenever --save or --load is given.
+``megatron.checkpointing.engine.DeepSpeedCheckpointer`` whenever --save or --load is given.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from megatron.training.loop import TrainState
 from megatron.training.lr_scheduler import OptimizerParamScheduler
+from megatron.training.state import TrainState
 
 
 class CheckpointHooks(Protocol):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron import mpu
-from megatron.config import TridentConfig
+from megatron.config import RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch
 from megatron.data.samplers import build_pretraining_data_loader
 
@@ -216,21 +216,20 @@ class RunIterators:
 
 def build_iterators(
     cfg: TridentConfig,
+    plan: RunPlan,
     tokenizer: Any,
     *,
-    world_size: int,
-    train_iters: int,
     device: torch.device,
     consumed_train_samples: int,
-    for_pipe: bool,
     consumed_valid_samples: int = 0,
 ) -> RunIterators:
-    """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank."""
-    from megatron.training.ds_config import global_batch_size
+    """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank.
 
-    gbs = global_batch_size(cfg, world_size)
+    Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise.
+    """
+    gbs = plan.global_batch_size
     train_ds, valid_ds, test_ds = build_datasets(
-        cfg, tokenizer, train_iters=train_iters, global_batch=gbs
+        cfg, tokenizer, train_iters=plan.train_iters, global_batch=gbs
     )
     common = {
         "micro_batch_size": cfg.training.micro_batch_size,
@@ -258,10 +257,15 @@ def build_iterators(
     )
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
     eod = tokenizer.eod
-    wrap = _pipe_batches if for_pipe else (lambda it: it)
-    train = wrap(_micro_batches(train_loader, cfg, eod, device)) if train_loader else iter(())
-    valid = (
-        wrap(_micro_batches(valid_loader, cfg, eod, device)) if valid_loader is not None else None
+
+    def batches(loader: Any) -> Iterator[Any] | None:
+        if loader is None:
+            return None
+        micro = _micro_batches(loader, cfg, eod, device)
+        return _pipe_batches(micro) if plan.pipeline_engine else micro
+
+    return RunIterators(
+        train=batches(train_loader) or iter(()),
+        valid=batches(valid_loader),
+        test=batches(test_loader),
     )
-    test = wrap(_micro_batches(test_loader, cfg, eod, device)) if test_loader is not None else None
-    return RunIterators(train=train, valid=valid, test=test)

@@ -14,7 +14,7 @@ PP > 1 uses ``GPTModelPipe`` with DeepSpeed's ``PipelineEngine`` (ZeRO 0/1; ``va
 
 ZeRO-0 + pipeline + clipping: DeepSpeed 0.19.8 computes a wrong global grad norm there (non-TP parameters of every
 stage but the first are dropped from the norm). Trident upgrades such runs to ZeRO-1, whose norm is right, and logs
-one line saying so (:func:`effective_zero_stage`). Numerics are unchanged; memory only shrinks.
+one line saying so (``megatron.config.plan.effective_zero_stage``). Numerics are unchanged; memory only shrinks.
 """
 
 from __future__ import annotations
@@ -25,46 +25,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron.config import TridentConfig
+from megatron.config import RunPlan, TridentConfig
 
 logger = logging.getLogger(__name__)
 
 _STEPS_PER_PRINT = 10**9  # Trident prints its own progress line; keep DeepSpeed's quiet.
 
 
-def uses_pipeline_engine(cfg: TridentConfig) -> bool:
-    """True when the run uses ``GPTModelPipe`` + DeepSpeed's PipelineEngine (PP > 1)."""
-    return cfg.parallel.pipeline_model_parallel_size > 1
-
-
-def effective_zero_stage(cfg: TridentConfig) -> int:
-    """The ZeRO stage actually used: --zero-stage, except 0 becomes 1 with a pipeline and clipping (see module doc)."""
-    stage = cfg.parallel.zero_stage
-    if stage == 0 and uses_pipeline_engine(cfg) and cfg.training.clip_grad > 0:
-        return 1
-    return stage
-
-
-def gradient_accumulation_steps(cfg: TridentConfig, world_size: int) -> int:
-    """Micro-batches per rank per optimizer step: global / (micro x DP)."""
-    return global_batch_size(cfg, world_size) // (
-        cfg.training.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
-    )
-
-
-def global_batch_size(cfg: TridentConfig, world_size: int) -> int:
-    """--global-batch-size, or micro x DP when the flag is absent."""
-    t = cfg.training
-    if t.global_batch_size is not None:
-        return t.global_batch_size
-    return t.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
-
-
-def _owned_entries(cfg: TridentConfig, world_size: int) -> list[tuple[str, Any, str]]:
+def _owned_entries(cfg: TridentConfig, plan: RunPlan) -> list[tuple[str, Any, str]]:
     """(dotted DeepSpeed key, value, the flag that determines it) for every key Trident owns."""
     t = cfg.training
-    stage = effective_zero_stage(cfg)
-    gbs = global_batch_size(cfg, world_size)
+    stage, gbs, gas = plan.zero_stage, plan.global_batch_size, plan.gradient_accumulation_steps
     entries: list[tuple[str, Any, str]] = [
         ("train_batch_size", gbs, f"--global-batch-size ({gbs})"),
         (
@@ -74,9 +45,8 @@ def _owned_entries(cfg: TridentConfig, world_size: int) -> list[tuple[str, Any, 
         ),
         (
             "gradient_accumulation_steps",
-            gradient_accumulation_steps(cfg, world_size),
-            f"--global-batch-size / (--micro-batch-size x data-parallel size) "
-            f"({gradient_accumulation_steps(cfg, world_size)})",
+            gas,
+            f"--global-batch-size / (--micro-batch-size x data-parallel size) ({gas})",
         ),
         ("zero_optimization.stage", stage, f"--zero-stage ({stage})"),
         ("gradient_clipping", float(t.clip_grad), f"--clip-grad ({t.clip_grad})"),
@@ -104,7 +74,7 @@ def _owned_entries(cfg: TridentConfig, world_size: int) -> list[tuple[str, Any, 
             ("fp16.hysteresis", t.hysteresis, f"--hysteresis ({t.hysteresis})"),
             ("fp16.min_loss_scale", t.min_loss_scale, f"--min-loss-scale ({t.min_loss_scale})"),
         ]
-    if uses_pipeline_engine(cfg) and cfg.parallel.sequence_parallel_enabled:
+    if plan.pipeline_engine and plan.sequence_parallel:
         # DeepSpeed's pipe engine sends 1/TP of an activation per TP rank and all-gathers it on the receiver, which
         # assumes the activation is identical over TP. Under sequence parallelism every TP rank holds a different
         # sequence shard, so partitioning would mix shards: send whole tensors instead.
@@ -217,13 +187,13 @@ def _check_offload(user: dict[str, Any], stage: int, source: str) -> None:
 
 
 def build_ds_config(
-    cfg: TridentConfig, world_size: int, user: dict[str, Any] | None = None
+    cfg: TridentConfig, plan: RunPlan, user: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` on ``world_size`` ranks, merged with ``user`` (or --deepspeed_config).
+    """The DeepSpeed config dict for ``cfg`` run as ``plan``, merged with ``user`` (or --deepspeed_config).
 
     Args:
         cfg: validated config.
-        world_size: total ranks (DP = world / (TP x PP)).
+        plan: the run plan (batch sizes, accumulation steps, the ZeRO stage in effect).
         user: the user's extra keys; None reads ``cfg.training.deepspeed_config`` when it is set.
 
     Returns:
@@ -243,7 +213,7 @@ def build_ds_config(
     merged: dict[str, Any] = json.loads(json.dumps(user))  # deep copy, JSON types only
     merged.setdefault("steps_per_print", _STEPS_PER_PRINT)
     merged.setdefault("wall_clock_breakdown", False)
-    for key, value, flag in _owned_entries(cfg, world_size):
+    for key, value, flag in _owned_entries(cfg, plan):
         present, theirs = _get(user, key)
         if present and not _same(theirs, value):
             raise ValueError(
@@ -251,16 +221,16 @@ def build_ds_config(
                 f"{json.dumps(theirs)}; remove the key from {source} or change the flag."
             )
         _set(merged, key, value)
-    _check_offload(user, effective_zero_stage(cfg), source)
+    _check_offload(user, plan.zero_stage, source)
     return merged
 
 
-def log_zero_upgrade(cfg: TridentConfig) -> None:
-    """Log once when :func:`effective_zero_stage` differs from --zero-stage."""
-    if effective_zero_stage(cfg) != cfg.parallel.zero_stage:
+def log_zero_upgrade(cfg: TridentConfig, plan: RunPlan) -> None:
+    """Log once when the ZeRO stage in effect differs from --zero-stage (see ``effective_zero_stage``)."""
+    if plan.zero_stage_raised:
         logger.info(
             "--zero-stage 0 with --pipeline-model-parallel-size %d and --clip-grad %s: using ZeRO-1 "
             "(DeepSpeed 0.19.8 computes a wrong grad norm for ZeRO-0 pipelines with clipping).",
-            cfg.parallel.pipeline_model_parallel_size,
+            plan.pipeline_model_parallel_size,
             cfg.training.clip_grad,
         )

@@ -19,6 +19,8 @@ CPU (or an unknown GPU) without --peak-tflops, MFU is not available (None, shown
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron.config import ModelConfig
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s per device, from the vendors' data sheets. The first
@@ -104,3 +106,24 @@ def throughput(
     tflops = flops_per_tok * tokens_per_sec / world_size / 1e12
     mfu = tflops / peak_tflops if peak_tflops else None
     return tokens_per_sec, tflops, mfu
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns an iteration time into the progress line's rates: :func:`throughput` with the run's constants."""
+
+    tokens_per_iteration: int
+    """Global batch x sequence length."""
+    flops_per_token: float
+    world_size: int
+    peak_tflops: float | None
+
+    def rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
+        """(tokens/s, TFLOP/s per device, MFU or None) at ``seconds_per_iteration``."""
+        return throughput(
+            tokens_per_iteration=self.tokens_per_iteration,
+            seconds_per_iteration=seconds_per_iteration,
+            flops_per_tok=self.flops_per_token,
+            world_size=self.world_size,
+            peak_tflops=self.peak_tflops,
+        )

@@ -14,7 +14,6 @@ initialize_model_parallel -> set_seeds``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -25,6 +24,7 @@ import torch
 
 from megatron import mpu
 from megatron.config import TridentConfig
+from megatron.deepspeed_internals import skip_cpu_shm_build
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     dev = device_type(cfg)
     if dev == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        skip_cpu_shm_build()
     import deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -18,18 +18,17 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron.config import RunPlan, TridentConfig
 from megatron.mpu.mappings import all_reduce_max_
 from megatron.training.exit_codes import EXIT_DURATION, EXIT_INTERVAL, EXIT_OK, EXIT_SIGNAL
-from megatron.training.flops import throughput
-from megatron.training.lr_scheduler import OptimizerParamScheduler
+from megatron.training.flops import Throughput
 from megatron.training.metrics import (
     EvalRecord,
     MetricsWriter,
@@ -40,44 +39,20 @@ from megatron.training.metrics import (
     format_train_line,
     perplexity,
 )
+from megatron.training.state import TrainState
 from megatron.training.step import StepResult
+from megatron.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainState:
-    """Mutable progress of a run (what a checkpoint must restore besides the engine)."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    """Validation samples drawn so far (a resumed run continues the validation stream where it stopped)."""
-    skipped_iterations: int = 0
-    history: list[float] = field(default_factory=list)
-    """lm loss of every iteration run by this process (for library callers and tests)."""
-    grad_norms: list[float | None] = field(default_factory=list)
-    """grad norm of every iteration run by this process (None where DeepSpeed computed none)."""
-    last_valid_loss: float | None = None
-    """The latest validation loss."""
-    last_eval_iteration: int = -1
-    """Iteration of the latest evaluation."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class LoopSpec:
-    """Everything the loop needs, built by ``pretrain``."""
+    """The schedule of a run, in iterations: when the loop steps, logs, evaluates, saves and exits."""
 
-    train_step: Callable[[], StepResult]
-    evaluate: Callable[[], float] | None
-    scheduler: OptimizerParamScheduler
-    optimizers: list[Any]
     train_iters: int
     global_batch: int
-    seq_length: int
-    world_size: int
-    flops_per_token: float
-    peak_tflops: float | None
+    """Samples consumed per iteration."""
     log_interval: int
     eval_interval: int
     eval_samples: int
@@ -85,9 +60,23 @@ class LoopSpec:
     exit_interval: int | None
     exit_duration_in_mins: float | None
     exit_signal_handler: bool
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    save: Callable[[TrainState], None] | None = None
-    save_interval: int | None = None
+    save_interval: int | None
+
+    @classmethod
+    def of(cls, cfg: TridentConfig, plan: RunPlan) -> LoopSpec:
+        """The schedule of ``cfg`` run as ``plan``."""
+        t = cfg.training
+        return cls(
+            train_iters=plan.train_iters,
+            global_batch=plan.global_batch_size,
+            log_interval=cfg.logging.log_interval,
+            eval_interval=t.eval_interval,
+            eval_samples=t.eval_iters * plan.global_batch_size,
+            exit_interval=t.exit_interval,
+            exit_duration_in_mins=t.exit_duration_in_mins,
+            exit_signal_handler=t.exit_signal_handler,
+            save_interval=cfg.checkpoint.save_interval,
+        )
 
 
 class _SigtermFlag:
@@ -116,14 +105,12 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def _exit_code(
-    spec: LoopSpec, state: TrainState, start: float, sigterm: _SigtermFlag
+    spec: LoopSpec, state: TrainState, start: float, sigterm: _SigtermFlag, device: torch.device
 ) -> int | None:
-    if spec.exit_signal_handler and _any_rank(sigterm.received, spec.device):
+    if spec.exit_signal_handler and _any_rank(sigterm.received, device):
         return EXIT_SIGNAL
     if spec.exit_duration_in_mins is not None:
-        elapsed = torch.tensor(
-            [(time.time() - start) / 60.0], dtype=torch.float64, device=spec.device
-        )
+        elapsed = torch.tensor([(time.time() - start) / 60.0], dtype=torch.float64, device=device)
         if all_reduce_max_(elapsed, group=dist.group.WORLD).item() > spec.exit_duration_in_mins:
             return EXIT_DURATION
     if spec.exit_interval and state.iteration % spec.exit_interval == 0:
@@ -132,6 +119,7 @@ def _exit_code(
 
 
 def _log(
+    rates: Throughput,
     spec: LoopSpec,
     state: TrainState,
     result: StepResult,
@@ -139,13 +127,7 @@ def _log(
     seconds_per_iter: float,
     writer: MetricsWriter,
 ) -> None:
-    tokens_per_sec, tflops, mfu = throughput(
-        tokens_per_iteration=spec.global_batch * spec.seq_length,
-        seconds_per_iteration=seconds_per_iter,
-        flops_per_tok=spec.flops_per_token,
-        world_size=spec.world_size,
-        peak_tflops=spec.peak_tflops,
-    )
+    tokens_per_sec, tflops, mfu = rates.rates(seconds_per_iter)
     rec = TrainRecord(
         iteration=state.iteration,
         consumed_samples=state.consumed_train_samples,
@@ -170,11 +152,13 @@ def _log(
         )
 
 
-def run_evaluation(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> float | None:
+def run_evaluation(
+    trainer: Trainer, spec: LoopSpec, state: TrainState, writer: MetricsWriter
+) -> float | None:
     """Evaluate now (if there is a validation set) and record the result."""
-    if spec.evaluate is None:
+    if not trainer.can_evaluate("valid"):
         return None
-    loss = spec.evaluate()
+    loss = trainer.evaluate("valid")
     state.consumed_valid_samples += spec.eval_samples
     state.last_valid_loss, state.last_eval_iteration = loss, state.iteration
     rec = EvalRecord(iteration=state.iteration, valid_loss=loss, valid_ppl=perplexity(loss))
@@ -184,11 +168,11 @@ def run_evaluation(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> 
     return loss
 
 
-def run_test_evaluation(
-    evaluate_test: Callable[[], float], state: TrainState, writer: MetricsWriter
-) -> float:
+def run_test_evaluation(trainer: Trainer, state: TrainState, writer: MetricsWriter) -> float | None:
     """Evaluate on the test split (Megatron does it once, at the end of training) and record the result."""
-    loss = evaluate_test()
+    if not trainer.can_evaluate("test"):
+        return None
+    loss = trainer.evaluate("test")
     rec = TestRecord(iteration=state.iteration, test_loss=loss, test_ppl=perplexity(loss))
     writer.test(rec)
     if writer.enabled:
@@ -196,7 +180,13 @@ def run_test_evaluation(
     return loss
 
 
-def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
+def train(
+    trainer: Trainer,
+    spec: LoopSpec,
+    rates: Throughput,
+    state: TrainState,
+    writer: MetricsWriter,
+) -> int:
     """Run iterations until --train-iters or an exit condition; returns the exit code."""
     sigterm = _SigtermFlag(spec.exit_signal_handler)
     start = time.time()
@@ -204,10 +194,8 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
     saved, first_iteration = False, state.iteration
     try:
         while state.iteration < spec.train_iters:
-            lr = spec.scheduler.get_lr()
-            for opt in spec.optimizers:
-                spec.scheduler.apply(opt)
-            result = spec.train_step()
+            lr = trainer.apply_lr()
+            result = trainer.train_step()
             state.iteration += 1
             state.consumed_train_samples += spec.global_batch
             state.history.append(result.loss)
@@ -216,30 +204,36 @@ def train(spec: LoopSpec, state: TrainState, writer: MetricsWriter) -> int:
             if result.skipped:
                 state.skipped_iterations += 1
             else:
-                spec.scheduler.step(spec.global_batch)
+                trainer.scheduler.step(spec.global_batch)
             if state.iteration % spec.log_interval == 0:
                 now = time.perf_counter()
-                _log(spec, state, result, lr, (now - interval_start) / interval_iters, writer)
+                _log(
+                    rates, spec, state, result, lr, (now - interval_start) / interval_iters, writer
+                )
                 interval_iters = 0
             if spec.eval_interval and state.iteration % spec.eval_interval == 0:
-                run_evaluation(spec, state, writer)
+                run_evaluation(trainer, spec, state, writer)
             if spec.log_interval and state.iteration % spec.log_interval == 0:
                 interval_start = time.perf_counter()  # evaluation time is not training time
             saved = False
-            if spec.save and spec.save_interval and state.iteration % spec.save_interval == 0:
-                spec.save(state)
+            if (
+                trainer.save_enabled
+                and spec.save_interval
+                and state.iteration % spec.save_interval == 0
+            ):
+                trainer.save(state)
                 saved = True
             # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
             # resubmits on 3/4/5 would only relaunch a finished run.
             finished = state.iteration >= spec.train_iters
-            code = None if finished else _exit_code(spec, state, start, sigterm)
+            code = None if finished else _exit_code(spec, state, start, sigterm, trainer.device)
             if code is not None:
-                if spec.save and not saved:
-                    spec.save(state)
+                if trainer.save_enabled and not saved:
+                    trainer.save(state)
                 logger.info("exiting at iteration %d (exit code %d)", state.iteration, code)
                 return code
-        if spec.save and not saved and state.iteration > first_iteration:
-            spec.save(state)  # Megatron saves the final iteration too
+        if trainer.save_enabled and not saved and state.iteration > first_iteration:
+            trainer.save(state)  # Megatron saves the final iteration too
         return EXIT_OK
     finally:
         sigterm.restore()

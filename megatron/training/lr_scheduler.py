@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from megatron.config import TrainingConfig
+from megatron.config.plan import train_samples_and_iters
 
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
@@ -115,21 +116,6 @@ class OptimizerParamScheduler:
         self.lr_decay_style = state.get("lr_decay_style", self.lr_decay_style)
         self.num_steps = 0
         self.step(int(state["num_steps"]))
-
-
-def train_samples_and_iters(t: TrainingConfig, global_batch: int) -> tuple[int, int]:
-    """(total training samples, total iterations) from --train-iters or --train-samples."""
-    if t.train_iters is not None:
-        return t.train_iters * global_batch, t.train_iters
-    if t.train_samples is not None:
-        # Megatron: train_iters = train_samples // global batch (a partial last batch is not trained).
-        if t.train_samples < global_batch:
-            raise ValueError(
-                f"--train-samples ({t.train_samples}) is less than one global batch ({global_batch}); "
-                "train at least one batch."
-            )
-        return t.train_samples, t.train_samples // global_batch
-    raise ValueError("give --train-iters or --train-samples (how long to train).")
 
 
 def build_lr_scheduler(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron import mpu
+from megatron.deepspeed_internals import loss_scale
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
 
@@ -60,15 +61,6 @@ def _grad_norm(engine: Any) -> float | None:
     return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
-def _loss_scale(engine: Any) -> float:
-    opt = getattr(engine, "optimizer", None)
-    for attr in ("cur_scale", "loss_scale"):
-        value = getattr(opt, attr, None)
-        if isinstance(value, (int, float, torch.Tensor)):
-            return float(value)
-    return 1.0
-
-
 def dp_mean(value: torch.Tensor) -> torch.Tensor:
     """Average a scalar tensor over the data-parallel group."""
     total = all_reduce_sum_(value.detach().clone(), group=mpu.get_data_parallel_group())
@@ -89,7 +81,7 @@ def train_step_engine(engine: Any, micro_batches: Iterator[Batch], gas: int) -> 
         loss=float(loss_mean.item()),
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
-        loss_scale=_loss_scale(engine),
+        loss_scale=loss_scale(engine),
     )
 
 
@@ -100,7 +92,7 @@ def train_step_pipe(engine: Any, pipe_batches: Iterator[Any]) -> StepResult:
         loss=float(loss.float().item()),
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
-        loss_scale=_loss_scale(engine),
+        loss_scale=loss_scale(engine),
     )
 
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 from ckpt_models import VOCAB, make_gpt2, make_llama
 
-from megatron.checkpointing import compare_logits
-from megatron.checkpointing.convert import fixed_prompts, hf_logits_fn
+from megatron.conversion.verify import compare_logits, fixed_prompts, hf_logits_fn
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
 from tools.checkpoint import hf_to_trident, reshard, trident_to_hf

@@ -1,7 +1,7 @@
 """Crash safety: ``pretrain_gpt.py`` subprocesses killed with SIGKILL during a save, and stopped by SIGTERM.
 
 The kills are real: the saving process SIGKILLs itself at a named point of the save (``TRIDENT_TEST_CRASH_AT``,
-see ``engine_checkpoint.CRASH_ENV``), or the test sends SIGKILL/SIGTERM from outside at a random moment. After each
+run through ``crash_driver.py``), or the test sends SIGKILL/SIGTERM from outside at a random moment. After each
 kill the same command is relaunched (auto-resume from --load) and its losses must equal the uninterrupted run's.
 """
 
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing.engine_checkpoint import CRASH_ENV
 from megatron.model.presets import GPT2_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).resolve().parent / "crash_driver.py"
+CRASH_ENV = "TRIDENT_TEST_CRASH_AT"
 ITERS = 6
 
 FLAGS = [
@@ -60,6 +61,8 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def _run(cmd: list[str], crash: str | None = None) -> int:
+    if crash:  # the same flags through the fault-injecting driver
+        cmd = [cmd[0], str(DRIVER), *cmd[2:]]
     proc = subprocess.run(
         cmd, env=_env(crash), cwd=ROOT, capture_output=True, text=True, timeout=240
     )

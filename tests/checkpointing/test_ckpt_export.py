@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing.hf_tokenizer import (
+from megatron.checkpointing.zero3 import merge_zero3_partitions
+from megatron.conversion.hf_tokenizer import (
     SAMPLE_TEXT,
     export_tokenizer,
     hf_dir_tokenizer,
     special_token_ids,
-    tokenizer_info,
 )
-from megatron.checkpointing.zero3 import merge_zero3_partitions
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
 from megatron.testing.tokenizers import swapped_vocab
 from megatron.tokenizer import build_tokenizer, encoding_fingerprint
+from megatron.tokenizer.info import tokenizer_info
 from megatron.tokenizer.train import train_bpe, train_sentencepiece
 from tools.checkpoint import trident_to_hf
 

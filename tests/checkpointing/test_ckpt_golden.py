@@ -15,18 +15,14 @@ import torch
 from ckpt_models import VOCAB, make_gpt2, make_llama
 from safetensors.torch import save_file
 
-from megatron.checkpointing import (
-    compare_logits,
-    gpt2_hf_to_megatron,
-    llama_hf_to_megatron,
-    load_state_dict_file,
-    megatron_to_gpt2_hf,
-    megatron_to_llama_hf,
-    merge_tp_shards,
-    pad_vocab_for_tp,
-    shard_state_dict,
-)
+from megatron.checkpointing.safe_load import load_state_dict_file
+from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron, megatron_to_gpt2_hf
+from megatron.conversion.hf_llama import llama_hf_to_megatron, megatron_to_llama_hf
+from megatron.conversion.verify import compare_logits
+from megatron.layout.tensor_parallel import merge_tp_shards, shard_state_dict
+from megatron.layout.vocab import pad_vocab_for_tp
 from megatron.model import GPTModel
+from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
 
 PROMPTS = [[1, 2, 3, 4], [50, 7, 99, 13, 0, 42, 8], [77]]
@@ -48,7 +44,7 @@ def _ours_fn(model: GPTModel):
 
 def _check_import(hf_model, convert) -> float:
     full, cfg = convert(hf_model.state_dict(), hf_model.config)
-    ours = GPTModel(cfg, seed=11).eval()
+    ours = GPTModel(cfg, ParallelContext(seed=11)).eval()
     result = ours.load_state_dict(pad_vocab_for_tp(full, cfg, 1), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     cmp = compare_logits(_hf_fn(hf_model), _ours_fn(ours), PROMPTS, steps=STEPS, vocab_size=VOCAB)
@@ -61,7 +57,7 @@ def _check_export(hf_model, convert, export) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _, cfg = convert(hf_model.state_dict(), hf_model.config)
-    ours = GPTModel(cfg, seed=23).eval()  # our own init, never seen by HF
+    ours = GPTModel(cfg, ParallelContext(seed=23)).eval()  # our own init, never seen by HF
     with torch.no_grad():  # perturb norms/biases (init 1/0) so their mapping matters
         g = torch.Generator().manual_seed(3)
         for p in ours.parameters():
@@ -86,7 +82,7 @@ def test_gpt2_golden_against_hugging_face() -> None:
     # The test can fail: our GeLU is the tanh form, so an HF model with erf "gelu" is visibly off (~1e-3).
     erf = make_gpt2(activation="gelu")
     full, cfg = gpt2_hf_to_megatron(erf.state_dict(), erf.config)
-    ours = GPTModel(cfg, seed=11).eval()
+    ours = GPTModel(cfg, ParallelContext(seed=11)).eval()
     ours.load_state_dict(full, strict=True)
     cmp = compare_logits(_hf_fn(erf), _ours_fn(ours), PROMPTS, steps=4, vocab_size=VOCAB)
     assert cmp.max_abs_dlogit > 100 * TOL, cmp
@@ -108,13 +104,15 @@ def _tp_worker(cases: dict) -> dict:
     out = {}
     for name, (path, cfg, token_list) in cases.items():
         full = load_state_dict_file(path)
-        model = GPTModel(cfg, seed=11).eval()
+        model = GPTModel(cfg, ParallelContext.from_parallel_state(seed=11)).eval()
         model.load_state_dict(shard_state_dict(full, cfg, 2, rank), strict=True)
         tokens = torch.tensor(token_list)
         with torch.no_grad():
             logits = model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0))  # [1, s, vp]
             logits = gather_from_tensor_model_parallel_region(logits)  # [1, s, v]
-        init = GPTModel(cfg, seed=5)  # the model's own TP=2 init, to be merged in the parent
+        init = GPTModel(
+            cfg, ParallelContext.from_parallel_state(seed=5)
+        )  # the model's own TP=2 init, to be merged in the parent
         out[name] = {
             "logits": logits.numpy(),
             "init": {k: v.detach().numpy() for k, v in init.state_dict().items()},
@@ -148,7 +146,7 @@ def test_tp2_shards_load_into_tensor_parallel_model(tmp_path: Path) -> None:
             {k: torch.from_numpy(v) for k, v in results[r][name]["init"].items()} for r in range(2)
         ]
         merged = pad_vocab_for_tp(merge_tp_shards(shards, cfg), cfg, 1)
-        single = GPTModel(cfg, seed=5).state_dict()
+        single = GPTModel(cfg, ParallelContext(seed=5)).state_dict()
         assert sorted(merged) == sorted(single)
         for k, v in single.items():
             assert torch.equal(merged[k], v), (name, k)

@@ -8,12 +8,8 @@ import pytest
 import torch
 from ckpt_models import VOCAB, make_gpt2, make_llama
 
-from megatron.checkpointing import (
-    gpt2_hf_to_megatron,
-    llama_hf_to_megatron,
-    megatron_to_gpt2_hf,
-    megatron_to_llama_hf,
-)
+from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron, megatron_to_gpt2_hf
+from megatron.conversion.hf_llama import llama_hf_to_megatron, megatron_to_llama_hf
 
 L0 = "language_model.encoder.layers.0."
 L1 = "language_model.encoder.layers.1."

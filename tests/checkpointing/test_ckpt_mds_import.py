@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing.convert import read_checkpoint_weights
-from megatron.checkpointing.layout import split_qkv
-from megatron.checkpointing.megatron_ds import read_mds_checkpoint
+from megatron.checkpointing.readers import read_checkpoint_weights
+from megatron.conversion.megatron_ds import read_mds_checkpoint
+from megatron.layout.qkv import split_qkv
 from megatron.model.presets import GPT2_FLAGS, LLAMA_FLAGS
 from megatron.testing import run_distributed
 from tools.checkpoint import megatron_deepspeed_to_trident
@@ -232,7 +232,7 @@ def test_import_megatron_native_checkpoints(trained: Path, tmp_path: Path) -> No
 
 
 def test_older_pipeline_layout_and_refusals(trained: Path, tmp_path: Path) -> None:
-    from megatron.checkpointing.megatron_ds import _true_vocab, mds_model_config
+    from megatron.conversion.megatron_ds import _true_vocab, mds_model_config
 
     # Older specs put a transpose at index 2: blocks at 3..L+2, the final norm at L+4, the head after it.
     _to_mds(trained / "llama", tmp_path / "old", LLAMA_ARGS)

@@ -7,15 +7,11 @@ import torch
 import torch.nn.functional as F
 from ckpt_models import VOCAB, make_gpt2, make_llama
 
-from megatron.checkpointing import (
-    gpt2_hf_to_megatron,
-    llama_hf_to_megatron,
-    merge_tp_shards,
-    pad_vocab_for_tp,
-    shard_state_dict,
-    split_layers_for_pp,
-    tp_partition,
-)
+from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron
+from megatron.conversion.hf_llama import llama_hf_to_megatron
+from megatron.layout.pipeline import split_layers_for_pp
+from megatron.layout.tensor_parallel import merge_tp_shards, shard_state_dict, tp_partition
+from megatron.layout.vocab import pad_vocab_for_tp
 
 L0 = "language_model.encoder.layers.0."
 EMB = "language_model.embedding.word_embeddings.weight"
@@ -148,13 +144,8 @@ def test_pp_split_matches_deepspeed_type_transformer() -> None:
 
 
 def test_pipe_layer_files_match_gpt_model_pipe_names() -> None:
-    from megatron.checkpointing.pipe_layout import (
-        megatron_to_pipe_layers,
-        pipe_layer_file_name,
-        pipe_layer_key,
-        pipe_layers_to_megatron,
-    )
-    from megatron.model import pipe_to_megatron_name
+    from megatron.layout.names import pipe_layer_file_name, pipe_layer_key, pipe_to_megatron_name
+    from megatron.layout.pipeline import megatron_to_pipe_layers, pipe_layers_to_megatron
 
     for model, convert in (
         (make_gpt2(), gpt2_hf_to_megatron),
@@ -176,8 +167,8 @@ def test_pipe_layer_files_match_gpt_model_pipe_names() -> None:
 
 
 def test_padded_vocab_size_is_megatrons_rule() -> None:
-    from megatron.checkpointing import padded_vocab_size
-    from megatron.model import padded_vocab_size as model_padded_vocab_size
+    from megatron.config.rules import padded_vocab_size
+    from megatron.config.rules import padded_vocab_size as model_padded_vocab_size
 
     assert [padded_vocab_size(50257, 128, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
     for vocab in (1, 101, 128, 129, 32000, 50257):

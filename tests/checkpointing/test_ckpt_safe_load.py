@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron.checkpointing import load_hf_directory, load_state_dict_file
+from megatron.checkpointing.safe_load import load_hf_directory, load_state_dict_file
 
 SD = {"a.weight": torch.arange(6.0).view(2, 3), "b.bias": torch.ones(4, dtype=torch.bfloat16)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -9,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpointing.engine_checkpoint import (
-    META_FILE,
-    check_save_dir,
-    find_checkpoint,
-    model_mismatches,
-)
+from megatron.checkpointing.meta import META_FILE, model_mismatches
+from megatron.checkpointing.pointers import find_checkpoint
 from megatron.checkpointing.rng import load_rng_file, save_rng_file
+from megatron.checkpointing.rules import (
+    RESUME_RULES,
+    ResumeCase,
+    check_resume_compatibility,
+    check_save_dir,
+)
 from megatron.config import ModelConfig
 from megatron.mpu.random import get_cuda_rng_tracker
 
@@ -115,8 +118,8 @@ def _run_checkpoint(root: Path, tag: str, model: ModelConfig, **meta: object) ->
 def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     """check_checkpoint_dirs: another run's --save, --finetune over a run, layout changes, --load mistakes,
     tokenizer changes (all before any process group)."""
-    from megatron.checkpointing.engine_checkpoint import check_checkpoint_dirs
-    from megatron.config import parse_args
+    from megatron.checkpointing.rules import check_checkpoint_dirs
+    from megatron.config import RunPlan, parse_args
 
     tiny = [
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -130,10 +133,9 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     run = tmp_path / "run"
     _run_checkpoint(run, "global_step4", model)
 
-    def check(*flags: str, world: int = 1, zero_stage: int | None = None) -> None:
-        check_checkpoint_dirs(
-            parse_args([*tiny, *flags]), true_vocab=99, world_size=world, zero_stage=zero_stage
-        )
+    def check(*flags: str, world: int = 1) -> None:
+        cfg = parse_args([*tiny, *flags])
+        check_checkpoint_dirs(cfg, RunPlan.build(cfg, world_size=world, true_vocab=99))
 
     check("--load", str(run), "--save", str(run))  # auto-resume: fine
     with pytest.raises(
@@ -199,7 +201,7 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         r"Pass --clip-grad 0 \(as when it was saved\), or --no-load-optim",
     ):
         clipped = ["--zero-stage", "0", "--clip-grad", "1"]
-        check("--load", str(pipe0), *pp, *clipped, world=2, zero_stage=1)
+        check("--load", str(pipe0), *pp, *clipped, world=2)
     check("--load", str(run), "--zero-stage", "3", "--finetune")
     # Precision: the optimizer state of bf16 and fp32 runs lives in other files.
     bf16 = tmp_path / "bf16"
@@ -241,7 +243,9 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
 
     def check_print(fingerprint: str | None, *flags: str) -> None:
         argv = [*tiny, "--load", str(printed), *flags]
-        check_checkpoint_dirs(parse_args(argv), true_vocab=99, tokenizer_fingerprint=fingerprint)
+        cfg = parse_args(argv)
+        plan = RunPlan.build(cfg, world_size=1, true_vocab=99)
+        check_checkpoint_dirs(cfg, plan, tokenizer_fingerprint=fingerprint)
 
     check_print("aa11")
     check_print(None)  # a NullTokenizer run cannot tell: no check
@@ -262,7 +266,7 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
 
 
 def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Path) -> None:
-    from megatron.checkpointing.engine_checkpoint import resolve_universal_flag
+    from megatron.checkpointing.pointers import resolve_universal_flag
     from megatron.config import parse_args
 
     model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=99)
@@ -278,3 +282,64 @@ def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Pa
     assert resolve_universal_flag(
         cfg, 2
     ).checkpoint.universal_checkpoint  # another layout: keep the flag
+
+
+_RESUMABLE = ResumeCase(
+    load_dir="ck", tag="global_step2", saved_tp=1, saved_pp=1, saved_dp=2, saved_stage=1,
+    saved_precision="fp32", run_tp=1, run_pp=1, run_dp=2, run_stage=1, requested_stage=1,
+    run_precision="fp32", weights_only=False, optimizer_state=True,
+)  # fmt: skip
+_WEIGHTS_ONLY = {"weights_only": True, "optimizer_state": False}  # --finetune
+_NO_OPTIM = {"optimizer_state": False}  # --no-load-optim
+RESUME_ROWS = [
+    # (change that breaks the row, the fix its message names, message)
+    (
+        {"run_tp": 2, "run_dp": 1},
+        {"run_tp": 1, "run_dp": 2},
+        r"saved with --tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1; this run uses 2 "
+        r"and 1\. Use the checkpoint's sizes, or resume at another layout through a universal checkpoint",
+    ),
+    (
+        {"run_stage": 3, "requested_stage": 3},
+        _WEIGHTS_ONLY,
+        r"saved with ZeRO-1; this run uses ZeRO-3, and DeepSpeed keeps ZeRO-3's weights in other files "
+        r"than ZeRO-0/1/2's\. Pass --zero-stage 1 to resume, or --finetune",
+    ),
+    (
+        {"run_stage": 0, "requested_stage": 0},
+        _NO_OPTIM,
+        r"saved with ZeRO-1; this run uses ZeRO-0, whose optimizer state DeepSpeed stores differently\. "
+        r"Pass --zero-stage 1 \(or 2\), or --no-load-optim",
+    ),
+    (
+        {"run_precision": "bf16"},
+        _NO_OPTIM,
+        r"trained in fp32; this run uses bf16, .* Pass neither --bf16 nor --fp16 as before, or --no-load-optim",
+    ),
+    (
+        {"run_dp": 4},
+        _NO_OPTIM,
+        r"saved by 2 data-parallel ranks with ZeRO-1, whose optimizer state are partitioned over them; this "
+        r"run has 4\. Launch 2 processes, pass --no-load-optim",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "row", range(len(RESUME_RULES)), ids=[rule.what.split(",")[0] for rule in RESUME_RULES]
+)
+def test_each_resume_rule(row: int) -> None:
+    """One row of the resume-compatibility table: broken by one change (and the first row broken, so its message
+    is the error), not broken after the fix the message names."""
+    assert len(RESUME_ROWS) == len(RESUME_RULES)
+    rule, (change, fix, message) = RESUME_RULES[row], RESUME_ROWS[row]
+    assert not any(r.broken(_RESUMABLE) for r in RESUME_RULES)
+    check_resume_compatibility(_RESUMABLE)
+    check_resume_compatibility(None)  # a universal load: nothing to compare
+    broken = dataclasses.replace(_RESUMABLE, **change)
+    assert [r for r in RESUME_RULES if r.broken(broken)][0] is rule
+    with pytest.raises(ValueError, match=message):
+        check_resume_compatibility(broken)
+    fixed = dataclasses.replace(broken, **fix)
+    assert not rule.broken(fixed)
+    check_resume_compatibility(fixed)

@@ -101,7 +101,7 @@ def test_universal_resume_other_layouts(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize("bad", ["no_latest_universal"])
 def test_universal_flag_without_conversion(tmp_path: Path, bad: str) -> None:
-    from megatron.checkpointing.engine_checkpoint import find_checkpoint
+    from megatron.checkpointing.pointers import find_checkpoint
 
     (tmp_path / "latest").write_text("global_step2")
     with pytest.raises(FileNotFoundError, match="python -m tools.checkpoint.to_universal"):

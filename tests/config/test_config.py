@@ -102,3 +102,82 @@ def test_sequence_parallel_is_off_at_tp1() -> None:
     assert cfg(
         "--sequence-parallel", "--tensor-model-parallel-size", "2"
     ).parallel.sequence_parallel_enabled
+
+
+def test_every_flag_is_a_field_with_help_text() -> None:
+    """The parser is built from the dataclasses: one flag per field (plus --checkpoint-activations and the
+    compatibility no-ops), each with a sentence of help, and ``pretrain_gpt.py --help`` shows them all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron.config.arguments import SECTIONS, build_parser
+    from megatron.config.flags import COMPAT_NO_OPS, NOT_FLAGS
+
+    actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    n_fields = sum(len(dataclasses.fields(cls)) for _, _, cls in SECTIONS) - len(NOT_FLAGS)
+    assert len(actions) == n_fields + 1 + len(COMPAT_NO_OPS) == 104
+    assert not [a.option_strings for a in actions if len((a.help or "").split()) < 3]
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "pretrain_gpt.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    missing = [f for a in actions for f in a.option_strings if f not in out.stdout]
+    assert not missing
+    for title in ("model:", "parallelism:", "training:", "data and tokenizer:", "checkpointing:"):
+        assert f"\n{title}\n" in out.stdout
+
+
+def test_compatibility_flags_change_nothing_and_are_documented() -> None:
+    from pathlib import Path
+
+    from megatron.config.flags import COMPAT_NO_OPS
+
+    given = []
+    for flag in COMPAT_NO_OPS:
+        for spelling in flag.flags:
+            given += [spelling, *(flag.choices[:1] if flag.choices else ())]
+    assert cfg(*given) == cfg()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert not [f for flag in COMPAT_NO_OPS for f in flag.flags if f"`{f}`" not in readme]
+
+
+def test_recompute_method_acts_or_is_refused() -> None:
+    assert cfg("--checkpoint-activations").model.recompute_granularity == "full"
+    assert (
+        cfg(
+            "--recompute-granularity", "selective", "--checkpoint-activations"
+        ).model.recompute_granularity
+        == "selective"
+    )
+    block = cfg(
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--checkpoint-num-layers",
+        "2",
+    )
+    assert (block.model.recompute_method, block.model.recompute_num_layers) == ("block", 2)
+    validate(block, world_size=1)
+    with pytest.raises(
+        ValueError, match="--recompute-method uniform chooses .* add --recompute-granularity full"
+    ):
+        validate(cfg("--recompute-method", "uniform"), world_size=1)
+    with pytest.raises(
+        ValueError, match="--recompute-method block needs --pipeline-model-parallel-size 1"
+    ):
+        validate(
+            cfg(
+                "--checkpoint-activations",
+                "--recompute-method",
+                "block",
+                "--pipeline-model-parallel-size",
+                "2",
+            ),
+            world_size=2,
+        )

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from megatron.config import ModelConfig
+from megatron.layout.tensor_parallel import param_layout
 from megatron.model import GPTModel, loss_func
-from megatron.model.checkpoint_info import param_layout
+from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
 
 V = 100
@@ -65,7 +66,8 @@ def _one_case(cfg: ModelConfig, tp: int, pp: int, sp: bool, interval: int) -> di
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron.model import GPTModelPipe, pipe_to_megatron_name
+    from megatron.layout.names import pipe_to_megatron_name
+    from megatron.model import GPTModelPipe
     from megatron.mpu import parallel_state
     from megatron.mpu.layers import gather_full_parameter
     from megatron.mpu.random import model_parallel_cuda_manual_seed
@@ -73,9 +75,8 @@ def _one_case(cfg: ModelConfig, tp: int, pp: int, sp: bool, interval: int) -> di
     parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(SEED)
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=1)
-    model = GPTModelPipe(
-        cfg, seed=SEED, topology=topo, sequence_parallel=sp, activation_checkpoint_interval=interval
-    )
+    parallel = ParallelContext.from_parallel_state(seed=SEED, sequence_parallel=sp)
+    model = GPTModelPipe(cfg, parallel, topology=topo, activation_checkpoint_interval=interval)
 
     def full_params() -> dict[str, torch.Tensor]:
         return {
@@ -134,7 +135,7 @@ def _pipe_worker(cases: list[tuple]) -> list[dict]:
 
 
 def _reference(cfg: ModelConfig) -> tuple[GPTModel, float]:
-    model = GPTModel(cfg, seed=SEED)
+    model = GPTModel(cfg, ParallelContext(seed=SEED))
     total = 0.0
     for (ids, pos), (labels, mask) in _micro_batches():
         loss = loss_func(model(ids, pos, labels=labels), mask) / GAS

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from megatron.config import ModelConfig, parse_args
-from megatron.model import GPTModel, loss_func, num_parameters, padded_vocab_size, presets
+from megatron.config.rules import padded_vocab_size
+from megatron.model import GPTModel, loss_func, num_parameters, presets
 from megatron.model.attention import reference_attention, sdpa_attention
 from megatron.model.rotary import apply_rotary_pos_emb, rotary_cos_sin
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 V = 100  # true vocab; padded to 128 at TP=1 with the default --make-vocab-size-divisible-by
@@ -151,7 +153,7 @@ def test_gpt2_matches_hugging_face(use_flash_attn: bool) -> None:
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_cfg).eval()
     _randomize_(hf, 1)
-    model = GPTModel(cfg, seed=7).eval()
+    model = GPTModel(cfg, ParallelContext(seed=7)).eval()
     missing = model.load_state_dict(_gpt2_state_dict(hf, cfg, model.padded_vocab_size), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys
     ids, pos = _batch()
@@ -189,7 +191,7 @@ def test_llama_gqa_matches_hugging_face() -> None:
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg).eval()
     _randomize_(hf, 2)
-    model = GPTModel(cfg, seed=7).eval()
+    model = GPTModel(cfg, ParallelContext(seed=7)).eval()
     model.load_state_dict(_llama_state_dict(hf, cfg, model.padded_vocab_size), strict=True)
     ids, _ = _batch()
     # non-trivial positions (as with --reset-position-ids): RoPE must follow position_ids
@@ -259,7 +261,7 @@ def test_rope_matches_hugging_face_half_split() -> None:
 @pytest.mark.parametrize("kw", [{}, LLAMA_KW], ids=["gpt2", "llama"])
 def test_whole_model_is_causal(kw: dict) -> None:
     """Changing token k changes the logits at positions >= k only."""
-    model = GPTModel(_cfg(**kw), seed=2).eval()
+    model = GPTModel(_cfg(**kw), ParallelContext(seed=2)).eval()
     ids, pos = _batch()
     ids2 = ids.clone()
     ids2[:, 9] = (ids2[:, 9] + 1) % V
@@ -270,18 +272,20 @@ def test_whole_model_is_causal(kw: dict) -> None:
 
 
 def test_recompute_and_dropout_rng() -> None:
-    """Full and selective recomputation give the same loss and grads as none, with dropout on."""
+    """Full (uniform and block) and selective recomputation give the same loss and grads as none, with dropout
+    on."""
     results = []
-    for recompute in (None, "full", "selective"):
+    for recompute, method in ((None, None), ("full", None), ("full", "block"), ("selective", None)):
         cfg = _cfg(
             num_layers=3,
             attention_dropout=0.2,
             hidden_dropout=0.2,
             recompute_granularity=recompute,
+            recompute_method=method,
             recompute_num_layers=2,
             **{k: v for k, v in LLAMA_KW.items() if k != "untie_embeddings_and_output_weights"},
         )
-        model = GPTModel(cfg, seed=3)
+        model = GPTModel(cfg, ParallelContext(seed=3))
         model_parallel_cuda_manual_seed(123)
         ids, pos = _batch()
         loss = loss_func(model(ids, pos, labels=ids), torch.ones(2, 16))
@@ -302,10 +306,10 @@ def test_recompute_and_dropout_rng() -> None:
 
 def test_names_init_and_padding() -> None:
     cfg = _cfg(untie_embeddings_and_output_weights=True)
-    a, b = GPTModel(cfg, seed=5), GPTModel(cfg, seed=5)
+    a, b = GPTModel(cfg, ParallelContext(seed=5)), GPTModel(cfg, ParallelContext(seed=5))
     sd_a, sd_b = a.state_dict(), b.state_dict()
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)  # f(seed, name) only
-    c = GPTModel(cfg, seed=6).state_dict()
+    c = GPTModel(cfg, ParallelContext(seed=6)).state_dict()
     assert not torch.equal(
         sd_a["language_model.output_layer.weight"], c["language_model.output_layer.weight"]
     )
@@ -344,7 +348,9 @@ def test_names_init_and_padding() -> None:
     assert abs(std_in - 0.02) < 0.002 and abs(std_out - 0.02 / 2.0) < 0.001
     # the padding never matters: a larger padded vocab gives the same loss
     ids, pos = _batch()
-    d = GPTModel(dataclasses.replace(cfg, make_vocab_size_divisible_by=256), seed=5)
+    d = GPTModel(
+        dataclasses.replace(cfg, make_vocab_size_divisible_by=256), ParallelContext(seed=5)
+    )
     assert d.padded_vocab_size == 256
     torch.testing.assert_close(d(ids, pos, labels=ids), a(ids, pos, labels=ids), rtol=0, atol=0)
 
@@ -358,10 +364,11 @@ def _attr_layout(p: torch.Tensor) -> tuple[bool, int, int]:
 @pytest.mark.parametrize("kw", [{}, LLAMA_KW], ids=["gpt2", "llama"])
 def test_checkpoint_layout_patterns_match_the_layers(kw: dict) -> None:
     """The name patterns for universal checkpoints agree with the TP attributes the layers set."""
-    from megatron.model.checkpoint_info import param_layout, universal_checkpoint_info
+    from megatron.layout.tensor_parallel import param_layout
+    from megatron.layout.universal_info import universal_checkpoint_info
 
     cfg = _cfg(**kw)
-    model = GPTModel(cfg, seed=1)
+    model = GPTModel(cfg, ParallelContext(seed=1))
     for name, p in model.named_parameters():
         assert param_layout(name, cfg) == _attr_layout(p), name
     info = universal_checkpoint_info(cfg, model.padded_vocab_size)
@@ -384,7 +391,7 @@ def test_helpers_presets_and_errors() -> None:
     for kw in ({}, LLAMA_KW):
         cfg = _cfg(**kw)
         counts = num_parameters(cfg)
-        model = GPTModel(cfg, seed=1)
+        model = GPTModel(cfg, ParallelContext(seed=1))
         padding = (128 - V) * 64 * (2 if cfg.untie_embeddings_and_output_weights else 1)
         assert counts["total"] == sum(p.numel() for p in model.parameters()) - padding
         assert counts["total"] == counts["embedding"] + counts["non_embedding"]
@@ -399,8 +406,8 @@ def test_helpers_presets_and_errors() -> None:
         presets.preset_flags("bert")
     # errors name the problem
     with pytest.raises(ValueError, match="vocab_size"):
-        GPTModel(_cfg(vocab_size=0), seed=1)
-    model = GPTModel(_cfg(max_position_embeddings=16), seed=1)
+        GPTModel(_cfg(vocab_size=0), ParallelContext(seed=1))
+    model = GPTModel(_cfg(max_position_embeddings=16), ParallelContext(seed=1))
     ids, pos = _batch()
     with pytest.raises(ValueError, match="max-position-embeddings"):
         model(ids, pos + 1)
@@ -434,7 +441,7 @@ def test_kv_cache_matches_full_recompute(arch: str, flash: bool) -> None:
     cfg = ModelConfig(
         **shape, **extra, use_flash_attn=flash, attention_dropout=0.0, hidden_dropout=0.0
     )
-    model = GPTModel(cfg, seed=3).eval()
+    model = GPTModel(cfg, ParallelContext(seed=3)).eval()
     tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens, torch.arange(20).expand(2, 20))  # [b, s, v]

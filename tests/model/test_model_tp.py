@@ -11,6 +11,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel, loss_func
+from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
 
 V = 100
@@ -76,7 +77,8 @@ def _tp_worker(tp_sizes: list[int]) -> dict | None:
         parallel_state.initialize_model_parallel(tp, 1)
         for key, cfg in CONFIGS.items():
             for sp in (False, True):
-                model = GPTModel(cfg, seed=SEED, sequence_parallel=sp)
+                parallel = ParallelContext.from_parallel_state(seed=SEED, sequence_parallel=sp)
+                model = GPTModel(cfg, parallel)
                 per_token, logits, _ = _run(model)
                 params, grads = {}, {}
                 for name, p in model.named_parameters():
@@ -118,7 +120,7 @@ def test_tensor_parallel_matches_single_process() -> None:
     results = _to_torch(run_distributed(_tp_worker, 4, [2, 4], timeout=240)[0])
     refs = {}
     for key, cfg in CONFIGS.items():
-        model = GPTModel(cfg, seed=SEED)
+        model = GPTModel(cfg, ParallelContext(seed=SEED))
         per_token, logits, _ = _run(model)
         refs[key] = (model, per_token, logits)
     worst = {"loss": 0.0, "grad": 0.0, "logits": 0.0}

@@ -14,22 +14,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron import mpu
-from megatron.mpu import selfcheck
 from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatron.testing import run_distributed
+from megatron.testing import mpu_oracle, run_distributed
+from tools import mpu_selfcheck
 
 
 def _assert_matches_reference(group: dist.ProcessGroup, world: int) -> int:
     """Every comparison of the self-check: bit-identical where the same operations run on the same numbers,
     else (a sum over ranks, a matrix product of another shape) <= RTOL."""
-    comps = selfcheck.all_comparisons(group)
+    comps = mpu_oracle.all_comparisons(group)
     by_key = {(c.check, c.quantity): c for c in comps}
     for c in comps:
         if c.exact:
             assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
         else:
             # the same terms summed in another order: a few fp32 roundings, far below 1e-6 of the largest value
-            assert c.error() <= selfcheck.RTOL, (c.check, c.quantity, c.error())
+            assert c.error() <= mpu_oracle.RTOL, (c.check, c.quantity, c.error())
     # the pairs that must be exact are exact (a sanity check on the shared table itself)
     for key in [
         ("ColumnParallelLinear", "init == master"),
@@ -345,7 +345,7 @@ def test_world4_groups_tp4_layers_and_deepspeed_mpu() -> None:
 
 
 def test_selfcheck_cli_passes_at_world_2(caplog: pytest.LogCaptureFixture) -> None:
-    assert selfcheck.main(["--world-size", "2", "--tp", "2", "--pp", "1"]) == 0
+    assert mpu_selfcheck.main(["--world-size", "2", "--tp", "2", "--pp", "1"]) == 0
     assert (
         "ALL PASS" in caplog.text
         and "RowParallelLinear(input_is_parallel=True, sequence_parallel=True)" in caplog.text

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron import mpu
-from megatron.mpu import selfcheck
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -17,6 +16,8 @@ from megatron.mpu.layers import (
     init_method_normal,
     scaled_init_method_normal,
 )
+from megatron.testing import mpu_oracle
+from tools import mpu_selfcheck
 
 
 @pytest.fixture(autouse=True)
@@ -30,21 +31,21 @@ def test_tp1_layers_and_mappings_equal_the_pytorch_reference_bit_for_bit() -> No
     # Without torch.distributed the layers run on a world of 1: nothing is reduced, so every pair
     # (forward, input grad, weight/bias grad, init) must be identical, except the cross-entropy, which
     # computes log-sum-exp in another order than PyTorch's kernel (checked within RTOL).
-    comps = selfcheck.all_comparisons(None)
+    comps = mpu_oracle.all_comparisons(None)
     assert len(comps) > 60
     for c in comps:
         if c.check.startswith("vocab_parallel_cross_entropy"):
-            assert c.error() <= selfcheck.RTOL, (c.check, c.quantity, c.error())
+            assert c.error() <= mpu_oracle.RTOL, (c.check, c.quantity, c.error())
         else:
             assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
 
 
 def test_comparison_detects_a_difference() -> None:
     a = torch.ones(3)
-    assert not selfcheck.Comparison("x", "y", a + 1e-7, a, True).passed()
-    assert selfcheck.Comparison("x", "y", a + 1e-7, a, False).passed()
-    assert not selfcheck.Comparison("x", "y", a + 1e-5, a, False).passed()
-    assert not selfcheck.Comparison("x", "y", torch.ones(4), a, False).passed()
+    assert not mpu_oracle.Comparison("x", "y", a + 1e-7, a, True).passed()
+    assert mpu_oracle.Comparison("x", "y", a + 1e-7, a, False).passed()
+    assert not mpu_oracle.Comparison("x", "y", a + 1e-5, a, False).passed()
+    assert not mpu_oracle.Comparison("x", "y", torch.ones(4), a, False).passed()
 
 
 def test_layout_invariant_init_is_the_seeded_master_and_independent_of_dtype_and_padding() -> None:
@@ -314,7 +315,7 @@ def test_broadcast_data_world_of_one() -> None:
 
 
 def test_selfcheck_cli_rejects_impossible_degrees(caplog: pytest.LogCaptureFixture) -> None:
-    assert selfcheck.main(["--world-size", "4", "--tp", "3", "--pp", "1"]) == 2
+    assert mpu_selfcheck.main(["--world-size", "4", "--tp", "3", "--pp", "1"]) == 2
     assert "world size must be divisible by tensor x pipeline = 3" in caplog.text
 
 
@@ -322,7 +323,7 @@ def test_selfcheck_cli_rejects_impossible_degrees(caplog: pytest.LogCaptureFixtu
 def test_cuda_tp1_parity_and_checkpoint_replays_cuda_dropout() -> None:
     # Same as the CPU tests, on the CUDA generator and cuBLAS kernels (a world of 1: no reduction anywhere,
     # and the layer and the reference run the same kernels on the same numbers).
-    for c in selfcheck.all_comparisons(None, device="cuda"):
+    for c in mpu_oracle.all_comparisons(None, device="cuda"):
         if not c.check.startswith("vocab_parallel_cross_entropy"):
             assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
     col = ColumnParallelLinear(8, 16, init_seed=1, device="cuda")

@@ -80,7 +80,7 @@ def _train(ck: str, vocab: str, merges: str) -> None:
 def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, capsys) -> None:
     from transformers import AutoModelForCausalLM
 
-    from megatron.checkpointing.convert import export_to_hf
+    from megatron.conversion.hf_export import export_to_hf
     from megatron.tokenizer.train import train_bpe
 
     (tmp_path / "bpe").mkdir()

@@ -8,6 +8,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
+from megatron.mpu.context import ParallelContext
 from megatron.text_generation import SamplingParams, generate_tokens
 
 CFG = ModelConfig(
@@ -24,8 +25,8 @@ CFG = ModelConfig(
 
 @pytest.mark.gpu
 def test_greedy_tokens_same_on_cpu_and_gpu() -> None:
-    cpu = GPTModel(CFG, seed=5).eval()
-    gpu = GPTModel(CFG, seed=5).eval().cuda()
+    cpu = GPTModel(CFG, ParallelContext(seed=5)).eval()
+    gpu = GPTModel(CFG, ParallelContext(seed=5)).eval().cuda()
     outs = []
     for model, dev in ((cpu, "cpu"), (gpu, "cuda")):
 

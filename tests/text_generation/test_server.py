@@ -14,6 +14,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
+from megatron.mpu.context import ParallelContext
 from megatron.text_generation import SamplingParams, TextGenerator
 from megatron.text_generation.server import make_server
 from megatron.tokenizer import build_tokenizer
@@ -34,7 +35,9 @@ CFG = ModelConfig(
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, TextGenerator]]:
     tok = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=59)  # ids 0..58, EOD 59
-    gen = TextGenerator(GPTModel(CFG, seed=4).eval(), CFG, tok, torch.device("cpu"))
+    gen = TextGenerator(
+        GPTModel(CFG, ParallelContext(seed=4)).eval(), CFG, tok, torch.device("cpu")
+    )
     server = make_server(gen, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -10,13 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.config import parse_args, validate
+from megatron.config import RunPlan, parse_args, validate
+from megatron.config.plan import effective_zero_stage
 from megatron.training import exit_codes
-from megatron.training.ds_config import (
-    build_ds_config,
-    effective_zero_stage,
-    gradient_accumulation_steps,
-)
+from megatron.training.ds_config import build_ds_config
 from megatron.training.flops import flops_per_token, layer_params, lookup_peak_tflops, throughput
 from megatron.training.lr_scheduler import OptimizerParamScheduler, build_lr_scheduler
 from megatron.training.metrics import (
@@ -46,6 +44,16 @@ def _cfg(*extra: str):
     return parse_args([*BASE, *extra])
 
 
+def _plan(cfg, world_size: int) -> RunPlan:
+    if cfg.training.train_iters is None and cfg.training.train_samples is None:
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, train_iters=10))
+    return RunPlan.build(cfg, world_size=world_size, true_vocab=100)
+
+
+def _ds(cfg, world_size: int, user: dict | None = None) -> dict:
+    return build_ds_config(cfg, _plan(cfg, world_size), user)
+
+
 # ---------------------------------------------------------------- ds_config
 
 
@@ -53,17 +61,17 @@ def test_ds_config_generated_from_flags() -> None:
     cfg = _cfg("--micro-batch-size", "2", "--global-batch-size", "16", "--zero-stage", "2")
     cfg_pp = _cfg("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--bf16")
     validate(cfg, world_size=4)
-    ds = build_ds_config(cfg, world_size=4)
+    ds = _ds(cfg, 4)
     assert ds["train_batch_size"] == 16
     assert ds["train_micro_batch_size_per_gpu"] == 2
-    assert ds["gradient_accumulation_steps"] == 2 == gradient_accumulation_steps(cfg, 4)
+    assert ds["gradient_accumulation_steps"] == 2 == _plan(cfg, 4).gradient_accumulation_steps
     assert ds["zero_optimization"] == {"stage": 2}
     assert ds["gradient_clipping"] == 1.0
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
     assert ds["steps_per_print"] >= 10**6 and ds["wall_clock_breakdown"] is False
     assert ds["zero_force_ds_cpu_optimizer"] is False
     # Pipeline + clipping + ZeRO-0 is upgraded to ZeRO-1 (DeepSpeed 0.19.8 grad-norm bug).
-    ds_pp = build_ds_config(cfg_pp, world_size=4)
+    ds_pp = _ds(cfg_pp, 4)
     assert effective_zero_stage(cfg_pp) == 1 and ds_pp["zero_optimization"]["stage"] == 1
     assert ds_pp["bf16"]["enabled"] is True and ds_pp["gradient_accumulation_steps"] == 4
     no_clip = _cfg("--pipeline-model-parallel-size", "2", "--clip-grad", "0")
@@ -74,7 +82,7 @@ def test_ds_config_fp16_and_sgd_keys() -> None:
     cfg = _cfg(
         "--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "50", "--optimizer", "sgd"
     )
-    ds = build_ds_config(cfg, world_size=1)
+    ds = _ds(cfg, 1)
     assert ds["fp16"]["enabled"] is True and ds["fp16"]["initial_scale_power"] == 16
     assert ds["fp16"]["loss_scale"] == 0.0 and ds["fp16"]["loss_scale_window"] == 50
     assert ds["zero_allow_untested_optimizer"] is True
@@ -92,23 +100,23 @@ def test_user_json_adds_keys_and_conflicts_name_both_sources(tmp_path) -> None:
         )
     )
     cfg = _cfg("--zero-stage", "2", "--global-batch-size", "8", "--deepspeed_config", str(path))
-    ds = build_ds_config(cfg, world_size=2)
+    ds = _ds(cfg, 2)
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
     assert ds["steps_per_print"] == 5  # not a flag-owned key: the user's value stays
     bad = _cfg("--zero-stage", "1", "--global-batch-size", "8", "--deepspeed_config", str(path))
     with pytest.raises(ValueError, match=r"--zero-stage \(1\).*zero_optimization.stage = 1.*= 2"):
-        build_ds_config(bad, world_size=2)
+        _ds(bad, 2)
     bad_gbs = _cfg(
         "--zero-stage", "2", "--global-batch-size", "16", "--deepspeed_config", str(path)
     )
     with pytest.raises(ValueError, match=r"--global-batch-size \(16\).*train_batch_size = 8"):
-        build_ds_config(bad_gbs, world_size=2)
+        _ds(bad_gbs, 2)
     with pytest.raises(ValueError, match=r"--bf16 \(False\).*bf16.enabled = true"):
-        build_ds_config(_cfg(), world_size=1, user={"bf16": {"enabled": True}})
+        _ds(_cfg(), 1, user={"bf16": {"enabled": True}})
     with pytest.raises(ValueError, match="'optimizer' section"):
-        build_ds_config(_cfg(), world_size=1, user={"optimizer": {"type": "Adam"}})
+        _ds(_cfg(), 1, user={"optimizer": {"type": "Adam"}})
     # Same value in both places is fine.
-    build_ds_config(_cfg("--clip-grad", "1"), world_size=1, user={"gradient_clipping": 1})
+    _ds(_cfg("--clip-grad", "1"), 1, user={"gradient_clipping": 1})
 
 
 def test_zero_offload_only_at_stages_that_have_it() -> None:
@@ -116,37 +124,33 @@ def test_zero_offload_only_at_stages_that_have_it() -> None:
     with pytest.raises(
         ValueError, match=r"offload_optimizer \(device cpu\).*stage is 0.*--zero-stage 1"
     ):
-        build_ds_config(_cfg(), world_size=1, user=opt)
-    assert build_ds_config(_cfg("--zero-stage", "1"), world_size=1, user=opt)["zero_optimization"][
+        _ds(_cfg(), 1, user=opt)
+    assert _ds(_cfg("--zero-stage", "1"), 1, user=opt)["zero_optimization"][
         "offload_optimizer"
     ] == {"device": "cpu"}
     off = {"zero_optimization": {"offload_optimizer": {"device": "none"}}}
-    build_ds_config(_cfg(), world_size=1, user=off)  # "none" is no offload
+    _ds(_cfg(), 1, user=off)  # "none" is no offload
     param = {"zero_optimization": {"offload_param": {"device": "nvme"}}}
     with pytest.raises(
         ValueError, match=r"offload_param \(device nvme\).*stage is 2.*--zero-stage 3"
     ):
-        build_ds_config(_cfg("--zero-stage", "2"), world_size=1, user=param)
-    build_ds_config(_cfg("--zero-stage", "3"), world_size=1, user=param)
+        _ds(_cfg("--zero-stage", "2"), 1, user=param)
+    _ds(_cfg("--zero-stage", "3"), 1, user=param)
     with pytest.raises(ValueError, match=r"offload_param in .* is 'cpu'.*\{\"device\": \"cpu\"\}"):
-        build_ds_config(
-            _cfg("--zero-stage", "3"),
-            world_size=1,
-            user={"zero_optimization": {"offload_param": "cpu"}},
-        )
+        _ds(_cfg("--zero-stage", "3"), 1, user={"zero_optimization": {"offload_param": "cpu"}})
 
 
 def test_user_json_file_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="--deepspeed_config .*no such file"):
-        build_ds_config(_cfg("--deepspeed_config", str(tmp_path / "nope.json")), world_size=1)
+        _ds(_cfg("--deepspeed_config", str(tmp_path / "nope.json")), 1)
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1,\n  oops}')
     with pytest.raises(ValueError, match="invalid JSON at line 2"):
-        build_ds_config(_cfg("--deepspeed_config", str(bad)), world_size=1)
+        _ds(_cfg("--deepspeed_config", str(bad)), 1)
     arr = tmp_path / "arr.json"
     arr.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
-        build_ds_config(_cfg("--deepspeed_config", str(arr)), world_size=1)
+        _ds(_cfg("--deepspeed_config", str(arr)), 1)
 
 
 # ---------------------------------------------------------------- optimizer
@@ -309,13 +313,11 @@ def test_exit_codes_distinct() -> None:
 def test_sp_with_pipeline_sends_whole_activations() -> None:
     cfg = _cfg("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                "--sequence-parallel")  # fmt: skip
-    ds = build_ds_config(cfg, world_size=4)
+    ds = _ds(cfg, 4)
     assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
-    assert "pipeline" not in build_ds_config(
-        _cfg("--pipeline-model-parallel-size", "2"), world_size=2
-    )
+    assert "pipeline" not in _ds(_cfg("--pipeline-model-parallel-size", "2"), 2)
     with pytest.raises(ValueError, match="pipeline.pipe_partitioned = false"):
-        build_ds_config(cfg, world_size=4, user={"pipeline": {"pipe_partitioned": True}})
+        _ds(cfg, 4, user={"pipeline": {"pipe_partitioned": True}})
 
 
 def test_rendezvous_env(monkeypatch) -> None:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron.checkpointing.verify import LogitComparison
+from megatron.conversion.verify import LogitComparison
 
 EXIT_OK = 0
 EXIT_INPUT_ERROR = 2

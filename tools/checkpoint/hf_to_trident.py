@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.checkpointing.hf_import import import_from_hf
+from megatron.conversion.hf_import import import_from_hf
 from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 

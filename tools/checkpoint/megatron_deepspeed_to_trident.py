@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.checkpointing.megatron_ds import import_megatron_deepspeed
+from megatron.conversion.megatron_ds import import_megatron_deepspeed
 from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.checkpointing.rewrite import reshard_checkpoint
+from megatron.conversion.rewrite import reshard_checkpoint
 from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
 
 

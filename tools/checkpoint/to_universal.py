@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from megatron.checkpointing.universal import convert_to_universal
+from megatron.conversion.universal import convert_to_universal
 from tools.checkpoint._common import EXIT_INPUT_ERROR, EXIT_OK
 
 

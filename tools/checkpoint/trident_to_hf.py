@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.checkpointing.convert import export_to_hf
-from megatron.checkpointing.hf_tokenizer import tokenizer_info
+from megatron.conversion.hf_export import export_to_hf
+from megatron.tokenizer.info import tokenizer_info
 from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
 
 

@@ -18,27 +18,27 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.convert import (
+from megatron.checkpointing.readers import (
     Progress,
-    _no_progress,
     build_megatron_model,
+    no_progress,
+    read_checkpoint_weights,
+)
+from megatron.checkpointing.safe_load import load_hf_directory
+from megatron.config import ModelConfig
+from megatron.config.rules import padded_vocab_size
+from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron
+from megatron.conversion.hf_llama import llama_hf_to_megatron
+from megatron.conversion.hf_tokenizer import hf_dir_tokenizer
+from megatron.conversion.output_dirs import check_new_save_dir
+from megatron.conversion.rewrite import check_target_layout, write_trident_checkpoint
+from megatron.conversion.verify import (
+    LogitComparison,
+    compare_logits,
     fixed_prompts,
     hf_logits_fn,
     megatron_logits_fn,
-    read_checkpoint_weights,
 )
-from megatron.checkpointing.hf_gpt2 import gpt2_hf_to_megatron
-from megatron.checkpointing.hf_llama import llama_hf_to_megatron
-from megatron.checkpointing.hf_tokenizer import hf_dir_tokenizer
-from megatron.checkpointing.layout import padded_vocab_size
-from megatron.checkpointing.rewrite import (
-    check_new_save_dir,
-    check_target_layout,
-    write_trident_checkpoint,
-)
-from megatron.checkpointing.safe_load import load_hf_directory
-from megatron.checkpointing.verify import LogitComparison, compare_logits
-from megatron.config import ModelConfig
 
 
 def hf_to_full(
@@ -73,7 +73,7 @@ def import_from_hf(
     pp: int = 1,
     verify: bool = True,
     steps: int = 32,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
     timeout: float = 900.0,
 ) -> LogitComparison | None:
     """Convert a local HF GPT-2/LLaMA directory into a Trident checkpoint for ``tp`` x ``pp`` ranks.

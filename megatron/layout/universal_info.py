@@ -1,5 +1,5 @@
-"""How each parameter of ``GPTModel`` / ``GPTModelPipe`` is laid out over TP and PP, for DeepSpeed universal
-checkpoints (``ds_to_universal``) and any tool that merges or splits TP shards.
+"""The ``universal_checkpoint_info`` DeepSpeed's ``ds_to_universal`` needs: how each parameter of ``GPTModel`` /
+``GPTModelPipe`` is laid out over TP and PP (the patterns of :mod:`megatron.layout.tensor_parallel`).
 
 Legend: ``p`` TP size, ``v`` padded vocab, ``V`` true vocab, ``L`` layers.
 
@@ -17,30 +17,19 @@ and the pipeline's ``5.mlp.dense_4h_to_h.weight``; DeepSpeed applies them with `
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from deepspeed.checkpoint import constants as ds
 
-from megatron.config import ModelConfig
-
-ROW_PARALLEL_PATTERNS = [r".*self_attention\.dense\.weight$", r".*mlp\.dense_4h_to_h\.weight$"]
-VOCABULARY_PATTERNS = [
-    r".*word_embeddings\.weight$",
-    r".*output_layer\.weight$",
-    r".*lm_head\.weight$",
-]
-PIPELINE_REPLICATED_PATTERNS = [r"tied_modules\.embed\.word_embeddings\.weight$"]
-SWIGLU_PATTERNS = [r".*mlp\.dense_h_to_4h\.(weight|bias)$"]
-
-
-def tp_replicated_patterns(num_layers: int) -> list[str]:
-    """Parameters identical on every TP rank (the pipeline's final norm is the bare layer ``{L+2}``)."""
-    return [
-        r".*position_embeddings\.weight$",
-        r".*(input_layernorm|post_attention_layernorm|final_layernorm)\.(weight|bias)$",
-        r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.bias$",
-        rf"{num_layers + 2}\.(weight|bias)$",
-    ]
+from megatron.config.model import ModelConfig
+from megatron.layout.tensor_parallel import (
+    PIPELINE_REPLICATED_PATTERNS,
+    ROW_PARALLEL_PATTERNS,
+    SWIGLU_PATTERNS,
+    VOCABULARY_PATTERNS,
+    tp_replicated_patterns,
+)
 
 
 def universal_checkpoint_info(config: ModelConfig, padded_vocab: int) -> dict[str, Any]:
@@ -66,16 +55,13 @@ def universal_checkpoint_info(config: ModelConfig, padded_vocab: int) -> dict[st
     return info
 
 
-def param_layout(name: str, config: ModelConfig) -> tuple[bool, int, int]:
-    """``(tensor_parallel, partition_dim, stride)`` of a parameter, from its name alone (either naming scheme).
-
-    The same facts the TP layers attach as attributes (``tensor_model_parallel``, ``partition_dim``,
-    ``partition_stride``), derived from the patterns above, so offline tools can split/merge shards without
-    building the model. Replicated parameters give ``(False, -1, 1)``.
-    """
-    if any(re.match(p, name) for p in tp_replicated_patterns(config.num_layers)):
-        return False, -1, 1
-    if any(re.match(p, name) for p in ROW_PARALLEL_PATTERNS):
-        return True, 1, 1
-    stride = 2 if config.swiglu and any(re.match(p, name) for p in SWIGLU_PATTERNS) else 1
-    return True, 0, stride
+def used_patterns(info: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``info`` keeping only the patterns that match one of the parameter ``names`` (``ds_to_universal`` asserts
+    every pattern is used; e.g. the pipeline's final-norm pattern never matches ``GPTModel`` names, nor
+    ``output_layer`` when the embeddings are tied)."""
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if isinstance(value, list) and all(isinstance(p, str) for p in value):
+            value = [p for p in value if any(re.match(p, n) for n in names)]
+        out[key] = value
+    return out

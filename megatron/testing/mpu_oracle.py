@@ -1,13 +1,13 @@
-"""Self-check of the tensor-parallel core against single-process PyTorch references.
+"""The test oracle of the tensor-parallel core: every layer, mapping and loss against single-process PyTorch.
 
 Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``o`` output features, ``p`` TP size, ``v`` vocab.
 
-``python -m megatron.mpu.selfcheck [--world-size 4 --tp 2 --pp 2]`` spawns the ranks on CPU (gloo), builds the
-process groups, checks every group against :func:`megatron.mpu.parallel_state.rank_grid`, runs every TP layer,
-mapping and the cross-entropy against ``nn.Linear`` / ``nn.Embedding`` / ``F.cross_entropy`` (forward and every
-grad) and logs a PASS/FAIL table; the exit status is 1 when a check fails.
+:func:`run_selfcheck` spawns the ranks on CPU (gloo), builds the process groups, checks every group against
+:func:`megatron.mpu.parallel_state.rank_grid`, runs every TP layer, mapping and the cross-entropy against
+``nn.Linear`` / ``nn.Embedding`` / ``F.cross_entropy`` (forward and every grad) and returns a PASS/FAIL table;
+``python -m tools.mpu_selfcheck`` is its CLI (for a new machine or cluster), the test suite uses the same checks.
 
-The ``compare_*`` functions are shared with the test suite: each runs one layer on the given TP group and
+The ``compare_*`` functions each run one layer on the given TP group and
 returns :class:`Comparison` pairs (this rank's value, the reference's matching slice). A pair is compared with
 ``torch.equal`` when the same floating-point operations run on the same numbers (copies, scatters and gathers,
 embedding lookups, and every quantity at TP = 1), else with a relative tolerance of ``RTOL``: a sum over ranks
@@ -19,7 +19,6 @@ few terms stays far below 1e-6 of the largest value.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from megatron.mpu.parallel_state import (
     rank_grid,
     validate_degrees,
 )
+from megatron.training.spawn import spawn_local_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -470,11 +470,9 @@ def _rank_main(tp: int, pp: int) -> list[tuple[str, str, bool, bool, float]]:
 
 def run_selfcheck(world_size: int, tp: int, pp: int) -> tuple[bool, str]:
     """Spawn ``world_size`` CPU ranks, run every check; returns (all passed, the PASS/FAIL table)."""
-    from megatron.testing import run_distributed
-
     validate_degrees(world_size, tp, pp)
     start = time.monotonic()
-    per_rank = run_distributed(_rank_main, world_size, tp, pp, timeout=300, backend="gloo")
+    per_rank = spawn_local_ranks(_rank_main, world_size, tp, pp, timeout=300, backend="gloo")
     worst: dict[tuple[str, str], tuple[bool, bool, float]] = {}
     for rows in per_rank:
         for check, quantity, exact, ok, err in rows:
@@ -504,31 +502,3 @@ def run_selfcheck(world_size: int, tp: int, pp: int) -> tuple[bool, str]:
         f"{summary}: {len(worst)} quantities in {len(by_check)} checks, on each of {world_size} ranks"
     )
     return passed, "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: exit 0 when every check passes, 1 when one fails, 2 on bad arguments."""
-    from megatron.log import setup_logging
-
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron.mpu.selfcheck", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "--world-size", type=int, default=4, help="number of CPU ranks to spawn (default 4)"
-    )
-    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=2, dest="tp")
-    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=2, dest="pp")
-    args = parser.parse_args(argv)
-    setup_logging()
-    try:
-        validate_degrees(args.world_size, args.tp, args.pp)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
-    passed, table = run_selfcheck(args.world_size, args.tp, args.pp)
-    logger.info("\n%s", table)
-    return 0 if passed else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

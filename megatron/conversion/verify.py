@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,3 +80,25 @@ def compare_logits(
         agree += int(differs[0, 0]) if differs.numel() else steps
         total += steps
     return LogitComparison(max_diff, agree / total)
+
+
+def fixed_prompts(vocab: int, max_positions: int, steps: int) -> tuple[list[list[int]], int]:
+    """Three deterministic prompts (lengths 1, 4, 7) and the decode length that fits ``max_positions``."""
+    g = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 7, 1)]
+    return prompts, max(1, min(steps, max_positions - 7))
+
+
+def megatron_logits_fn(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens [1, s] -> logits [1, s, v]`` of a ``GPTModel`` (TP = 1)."""
+
+    def fn(tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0)  # [1, s]
+        return model(tokens, pos)
+
+    return fn
+
+
+def hf_logits_fn(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens [1, s] -> logits [1, s, V]`` of a transformers causal LM."""
+    return lambda tokens: model(input_ids=tokens).logits

@@ -1,7 +1,7 @@
-"""Row layouts of the fused Megatron tensors, and the vocabulary padding, as pure tensor functions.
+"""Row layout of Megatron's fused QKV tensor, as pure tensor functions.
 
 Legend: ``h`` hidden, ``n`` query heads, ``G`` K/V heads (GQA groups; ``G = n`` for MHA), ``hn`` per-head
-channels, ``r = n / G`` query heads per group, ``v`` true vocabulary, ``vpad`` padded vocabulary.
+channels, ``r = n / G`` query heads per group.
 
 Fused QKV (``self_attention.query_key_value``), rows grouped by K/V head, the layout of Megatron-DeepSpeed before
 the FPDT change (reference commit 6acc370a) and of ``tools/hf2megads_weight_converter.py``::
@@ -84,56 +84,3 @@ def split_qkv(
         k.reshape(num_groups * head_dim, *rest).clone(),
         v.reshape(num_groups * head_dim, *rest).clone(),
     )
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
-    """Megatron's ``_vocab_size_with_padding``: smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size``.
-
-    Example: GPT-2's 50257 -> 50304 (tp 1), 50432 (tp 2), 50688 (tp 4).
-    """
-    if vocab_size <= 0:
-        raise ValueError(f"vocab size ({vocab_size}) must be positive.")
-    if make_vocab_size_divisible_by <= 0 or tp <= 0:
-        raise ValueError(
-            f"--make-vocab-size-divisible-by ({make_vocab_size_divisible_by}) and "
-            f"--tensor-model-parallel-size ({tp}) must be positive."
-        )
-    multiple = make_vocab_size_divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
-def repad_vocab(tensor: torch.Tensor, true_vocab: int, new_padded: int) -> torch.Tensor:
-    """Strip a vocab-row tensor to its ``true_vocab`` rows and zero-pad it to ``new_padded`` rows.
-
-    Args:
-        tensor: ``[vpad_old, ...]`` embedding or output-layer weight; rows ``>= true_vocab`` are padding.
-        true_vocab: ``v``, the tokenizer's vocabulary (rows kept verbatim).
-        new_padded: ``vpad_new >= v``; padding rows are zero (what ``VocabParallelEmbedding`` initializes them to).
-
-    Returns:
-        A new ``[vpad_new, ...]`` tensor (never a view of ``tensor``).
-    """
-    if tensor.shape[0] < true_vocab:
-        raise ValueError(
-            f"the vocab tensor has {tensor.shape[0]} rows, fewer than the true vocab size ({true_vocab}); "
-            "pass the tokenizer's vocabulary size as true_vocab."
-        )
-    if new_padded < true_vocab:
-        raise ValueError(
-            f"the padded vocab size ({new_padded}) must be >= the true vocab size ({true_vocab})."
-        )
-    out = tensor.new_zeros((new_padded, *tensor.shape[1:]))
-    out[:true_vocab] = tensor[:true_vocab]
-    return out
-
-
-# Megatron state-dict names of the full (TP=1) model, the contract of megatron/model.
-WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
-POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
-FINAL_NORM = "language_model.encoder.final_layernorm"
-OUTPUT_LAYER = "language_model.output_layer.weight"
-
-
-def layer_prefix(i: int) -> str:
-    """``language_model.encoder.layers.{i}`` (global layer index, 0-based)."""
-    return f"language_model.encoder.layers.{i}"

@@ -22,15 +22,13 @@ After writing, the files are loaded back with transformers and must give the tra
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron.tokenizer import build_tokenizer, encoding_fingerprint
-
-TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+from megatron.tokenizer import encoding_fingerprint
+from megatron.tokenizer.info import recorded_file, tokenizer_from_info, tokenizer_info
 
 SAMPLE_TEXT = (
     "In the beginning was the Word.\n\tTrident trains 3D-parallel models: 1,234 steps at 5.6e-4, "
@@ -48,35 +46,8 @@ _EXPORTABLE = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HFTokenizer")
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def tokenizer_info(
-    *,
-    tokenizer_type: str | None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    tokenizer_model: str | None = None,
-    fingerprint: str | None = None,
-) -> dict[str, str] | None:
-    """The ``"tokenizer"`` entry of ``trident_meta.json`` (absolute paths), or None without a tokenizer type.
-
-    ``fingerprint``: ``megatron.tokenizer.encoding_fingerprint`` of the tokenizer (how it encodes fixed texts).
-    """
-    if not tokenizer_type:
-        return None
-    info = {"tokenizer_type": tokenizer_type}
-    if fingerprint:
-        info["fingerprint"] = fingerprint
-    for key, value in (
-        ("vocab_file", vocab_file),
-        ("merge_file", merge_file),
-        ("tokenizer_model", tokenizer_model),
-    ):
-        if value:
-            info[key] = os.path.abspath(value)
-    return info
-
-
 def hf_dir_tokenizer(hf_dir: str | Path) -> dict[str, str] | None:
-    """The tokenizer of an HF model directory as a :func:`tokenizer_info` entry, None when it has none.
+    """The tokenizer of an HF model directory as a ``tokenizer_info`` entry, None when it has none.
 
     ``tokenizer.json`` (what ``AutoTokenizer`` prefers too) -> ``HFTokenizer``; otherwise ``vocab.json`` +
     ``merges.txt`` (a GPT-2 BPE, e.g. our own GPT2BPETokenizer export) -> ``GPT2BPETokenizer`` with those files.
@@ -97,42 +68,12 @@ def special_token_ids(info: dict[str, str] | None) -> tuple[int | None, int | No
     """``(bos, eos)`` ids of the tokenizer of ``info`` (eos = Megatron's EOD), ``(None, None)`` without one."""
     if not info or info.get("tokenizer_type") not in _EXPORTABLE:
         return None, None
-    tok = _build(info)
+    tok = tokenizer_from_info(info)
     return tok.bos, tok.eod
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _require(info: dict[str, str], key: str) -> Path:
-    value = info.get(key)
-    flag = "--" + key.replace("_", "-")
-    if not value:
-        raise FileNotFoundError(
-            f"--tokenizer-type {info.get('tokenizer_type')} needs {flag}, which is neither recorded in the "
-            f"checkpoint nor given; pass {flag}."
-        )
-    path = Path(value)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{flag} {path} (recorded at training time) no longer exists; pass {flag} with its new place."
-        )
-    return path
-
-
-_NEEDS = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "HFTokenizer": ("tokenizer_model",),
-}
-
-
-def _build(info: dict[str, str]) -> Any:
-    """The training tokenizer of ``info`` (its recorded files checked first, naming the flag to pass)."""
-    for key in _NEEDS.get(info["tokenizer_type"], ()):
-        _require(info, key)
-    return build_tokenizer(**{k: info.get(k) for k in TOKENIZER_KEYS})
 
 
 def _write_sentencepiece(model_file: Path, out: Path) -> None:
@@ -170,16 +111,16 @@ def _write_sentencepiece(model_file: Path, out: Path) -> None:
 def _write_files(info: dict[str, str], out: Path) -> str:
     kind = info.get("tokenizer_type")
     if kind == "GPT2BPETokenizer":
-        shutil.copyfile(_require(info, "vocab_file"), out / "vocab.json")
-        shutil.copyfile(_require(info, "merge_file"), out / "merges.txt")
+        shutil.copyfile(recorded_file(info, "vocab_file"), out / "vocab.json")
+        shutil.copyfile(recorded_file(info, "merge_file"), out / "merges.txt")
         specials = dict.fromkeys(("bos_token", "eos_token", "unk_token"), _GPT2_EOD)
         _write_json(out / "tokenizer_config.json", {"tokenizer_class": "GPT2Tokenizer", **specials})
         return "vocab.json, merges.txt"
     if kind == "GPTSentencePieceTokenizer":
-        _write_sentencepiece(_require(info, "tokenizer_model"), out)
+        _write_sentencepiece(recorded_file(info, "tokenizer_model"), out)
         return "tokenizer.json, tokenizer.model"
     if kind == "HFTokenizer":
-        src = _require(info, "tokenizer_model")
+        src = recorded_file(info, "tokenizer_model")
         directory = src if src.is_dir() else src.parent
         json_file = src / "tokenizer.json" if src.is_dir() else src
         if not json_file.is_file():
@@ -205,7 +146,7 @@ def export_tokenizer(
     """Write the tokenizer files of ``info`` into ``out_dir`` and check that transformers encodes like training.
 
     Args:
-        info: the ``"tokenizer"`` entry of the meta (:func:`tokenizer_info`), or None.
+        info: the ``"tokenizer"`` entry of the meta (``megatron.tokenizer.info.tokenizer_info``), or None.
         out_dir: the HF directory being written.
         model_vocab: the model's true vocabulary; the tokenizer must have exactly this many tokens.
         trained_fingerprint: the training tokenizer's ``encoding_fingerprint`` recorded in the checkpoint; the
@@ -226,7 +167,7 @@ def export_tokenizer(
     kind = info["tokenizer_type"]
     if kind not in _EXPORTABLE:
         return f"tokenizer: {kind} has no Hugging Face equivalent; no tokenizer files written"
-    ours = _build(info)
+    ours = tokenizer_from_info(info)
     if model_vocab is not None and ours.vocab_size != model_vocab:
         raise ValueError(
             f"the {kind} tokenizer has {ours.vocab_size} tokens but the model was trained with "

@@ -1,7 +1,7 @@
 """Trident checkpoint -> DeepSpeed universal checkpoint (resume at another TP / PP / DP with optimizer state).
 
 ``convert_to_universal(ckpt_dir)`` runs DeepSpeed's ``ds_to_universal`` on a complete tag (its client state holds
-``universal_checkpoint_info``, saved by ``engine_checkpoint``) into ``{tag}_universal`` next to it, then:
+``universal_checkpoint_info``, saved by ``megatron.checkpointing.engine``) into ``{tag}_universal`` next to it, then:
 
 - adds the other naming scheme for every parameter folder under ``zero/`` (symlinks): ``GPTModel`` (PP = 1) names
   ``language_model.encoder.layers.0...`` and ``GPTModelPipe`` (PP > 1) names ``2...`` / ``tied_modules.embed...``,
@@ -13,22 +13,16 @@ Training then resumes with ``--load DIR --universal-checkpoint`` (``latest_unive
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing.convert import find_tag
-from megatron.checkpointing.engine_checkpoint import (
-    LATEST_UNIVERSAL_FILE,
-    META_FILE,
-    _atomic_write,
-    read_meta,
-)
-from megatron.checkpointing.pipe_layout import pipe_layer_key
-from megatron.model.gpt_model_pipe import pipe_to_megatron_name
+from megatron.checkpointing.meta import META_FILE, read_meta
+from megatron.checkpointing.pointers import LATEST_UNIVERSAL_FILE, atomic_write, find_tag
+from megatron.deepspeed_internals import ds_to_universal
+from megatron.layout.names import pipe_layer_key, pipe_to_megatron_name
 
 
 def _aliases(name: str, num_layers: int) -> list[str]:
@@ -86,8 +80,6 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
         ValueError: the checkpoint was saved with ZeRO stage 0, or lacks ``universal_checkpoint_info`` (saved by
             an older Trident).
     """
-    from deepspeed.checkpoint import ds_to_universal
-
     root = Path(ckpt_dir)
     found = find_tag(root, tag)
     if found is None:
@@ -100,22 +92,13 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
     out = root / out_tag
     if out.exists():
         shutil.rmtree(out)
-    args = argparse.Namespace(
-        input_folder=str(root / found),
-        output_folder=str(out),
-        num_extract_workers=workers,
-        num_merge_workers=workers,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
     try:
-        ds_to_universal.main(args)
+        ds_to_universal(str(root / found), str(out), workers=workers)
     except AssertionError as err:
         raise ValueError(f"ds_to_universal refused {root / found}: {err}") from None
     add_name_aliases(out, int(meta["model"]["num_layers"]))
     meta["universal"] = True
     meta["universal_source_tag"] = found
-    _atomic_write(out / META_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    _atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
+    atomic_write(out / META_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
     return out_tag

@@ -2,7 +2,7 @@
 
 HF GPT-2 stores its linears as ``Conv1D`` (weight ``[in, out]``, ``y = x @ W + b``), so every weight is transposed
 into Megatron's ``[out, in]``. ``c_attn`` rows (after the transpose) are ``[q (all heads); k; v]`` and become the
-per-head interleave ``[q_h; k_h; v_h]`` (see :mod:`megatron.checkpointing.layout`). The embedding is padded with zero
+per-head interleave ``[q_h; k_h; v_h]`` (see :mod:`megatron.layout.qkv`). The embedding is padded with zero
 rows to the padded vocabulary on import and stripped on export.
 
 Activation: HF's ``activation_function`` ``"gelu"`` is the exact erf GeLU and ``"gelu_new"`` (GPT-2's default) the
@@ -19,19 +19,18 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
-from megatron.checkpointing.layout import (
+from megatron.config.model import ModelConfig
+from megatron.config.rules import padded_vocab_size
+from megatron.conversion.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
+from megatron.layout.names import (
     FINAL_NORM,
     OUTPUT_LAYER,
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
-    fuse_qkv,
     layer_prefix,
-    padded_vocab_size,
-    repad_vocab,
-    split_qkv,
 )
-from megatron.config.model import ModelConfig
+from megatron.layout.qkv import fuse_qkv, split_qkv
+from megatron.layout.vocab import repad_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ def gpt2_hf_to_megatron(
         make_vocab_size_divisible_by: used for the default padding and recorded in the returned config.
 
     Returns:
-        ``(state_dict, model_config)``: Megatron names (see :mod:`megatron.checkpointing.layout`), and the
+        ``(state_dict, model_config)``: Megatron names (see :mod:`megatron.layout.qkv`), and the
         ``ModelConfig`` with the flags that rebuild this architecture (``vocab_size`` = the true vocabulary).
     """
     cfg = config_to_dict(hf_config)

@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel resharding of Megatron state dicts: pure functions over dicts of tensors.
+"""How every parameter is split over tensor-parallel ranks (the one rule), and resharding of state dicts by it.
 
 Which dimension each Megatron parameter is split on (``p`` = TP size, ``r`` = TP rank)::
 
@@ -13,92 +13,83 @@ Which dimension each Megatron parameter is split on (``p`` = TP size, ``r`` = TP
 
 ``merge_tp_shards(shard_state_dict(x, p, r) for r in range(p)) == x`` exactly (no arithmetic, only slicing).
 
-Pipeline stages: :func:`split_layers_for_pp` reproduces DeepSpeed's ``partition_method="type:transformer"``
-(``deepspeed.runtime.utils.partition_balanced`` over 0/1 weights marking the transformer layers).
+The rule is written once, as the regular expressions DeepSpeed's ``ds_to_universal`` reads (they match both the
+Megatron names and ``GPTModelPipe``'s, see :mod:`megatron.layout.universal_info`); :func:`tp_partition` and
+:func:`param_layout` read them for offline tools, and the TP layers carry the same facts as attributes
+(``tensor_model_parallel``, ``partition_dim``, ``partition_stride``), which a test compares.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron.checkpointing.layout import padded_vocab_size, repad_vocab
 from megatron.config.model import ModelConfig
+from megatron.config.rules import check_tensor_parallel_split
+from megatron.layout.vocab import is_vocab_rows
 
-__all__ = [
-    "merge_tp_shards",
-    "pad_vocab_for_tp",
-    "padded_vocab_size",
-    "repad_vocab",
-    "shard_state_dict",
-    "split_layers_for_pp",
-    "tp_partition",
+ROW_PARALLEL_PATTERNS = [r".*self_attention\.dense\.weight$", r".*mlp\.dense_4h_to_h\.weight$"]
+"""Split on dim 1 (the input features)."""
+VOCABULARY_PATTERNS = [
+    r".*word_embeddings\.weight$",
+    r".*output_layer\.weight$",
+    r".*lm_head\.weight$",
 ]
+"""Split on dim 0, rows = the (padded) vocabulary."""
+COLUMN_PARALLEL_PATTERNS = [
+    r".*self_attention\.query_key_value\.(weight|bias)$",
+    r".*mlp\.dense_h_to_4h\.(weight|bias)$",
+    *VOCABULARY_PATTERNS,
+]
+"""Split on dim 0 (the output features)."""
+SWIGLU_PATTERNS = [r".*mlp\.dense_h_to_4h\.(weight|bias)$"]
+"""With --swiglu: two sub-parameters [gate; up] concatenated on dim 0 (partition stride 2)."""
+PIPELINE_REPLICATED_PATTERNS = [r"tied_modules\.embed\.word_embeddings\.weight$"]
+"""Held by the first and the last pipeline stage (the tied word embeddings)."""
 
-_VOCAB = ("word_embeddings.weight", "output_layer.weight")
-_QKV = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias")
-_H_TO_4H = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
-_REPLICATED = (
-    "layernorm.weight",
-    "layernorm.bias",
-    "self_attention.dense.bias",
-    "mlp.dense_4h_to_h.bias",
-    "position_embeddings.weight",
-)
+
+def tp_replicated_patterns(num_layers: int) -> list[str]:
+    """Parameters identical on every TP rank (the pipeline's final norm is the bare layer ``{L+2}``)."""
+    return [
+        r".*position_embeddings\.weight$",
+        r".*(input_layernorm|post_attention_layernorm|final_layernorm)\.(weight|bias)$",
+        r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.bias$",
+        rf"{num_layers + 2}\.(weight|bias)$",
+    ]
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(re.match(p, name) for p in patterns)
 
 
 def tp_partition(key: str, model_config: ModelConfig) -> tuple[int, int] | None:
-    """How the Megatron parameter ``key`` is split over TP ranks.
+    """How the parameter ``key`` (Megatron or ``GPTModelPipe`` name) is split over TP ranks.
 
     Returns:
         ``(partition_dim, partition_stride)``, or ``None`` for a parameter replicated on every TP rank.
 
     Raises:
-        ValueError: ``key`` is not a Megatron GPT parameter name this module knows.
+        ValueError: ``key`` is not a parameter name of the GPT model.
     """
-    if key.endswith(_VOCAB) or key.endswith(_QKV):
-        return (0, 1)
-    if key.endswith(_H_TO_4H):
-        return (0, 2 if model_config.swiglu else 1)
-    if key.endswith(_ROW_PARALLEL):
-        return (1, 1)
-    if key.endswith(_REPLICATED):
+    if _matches(key, tp_replicated_patterns(model_config.num_layers)):
         return None
+    if _matches(key, ROW_PARALLEL_PATTERNS):
+        return (1, 1)
+    if _matches(key, COLUMN_PARALLEL_PATTERNS):
+        return (0, 2 if model_config.swiglu and _matches(key, SWIGLU_PATTERNS) else 1)
     raise ValueError(
         f"don't know how '{key}' is tensor-parallel sharded; it is not a Megatron GPT parameter name "
-        "(see megatron/checkpointing/reshard.py for the known ones)."
+        "(see megatron/layout/tensor_parallel.py for the known ones)."
     )
 
 
-def pad_vocab_for_tp(
-    full_sd: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int
-) -> dict[str, torch.Tensor]:
-    """Re-pad the vocab tensors of a full state dict to the padded vocabulary a TP=``tp`` model allocates.
-
-    ``megatron.model`` pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's rule),
-    so a full state dict saved at one TP size has to be re-padded before :func:`shard_state_dict` for another
-    (and to ``tp=1`` for export). True rows are kept verbatim; padding rows become zero.
-
-    Args:
-        full_sd: full state dict (any current padding >= ``model_config.vocab_size``).
-        model_config: ``vocab_size`` (true vocabulary, must be set) and ``make_vocab_size_divisible_by``.
-        tp: target TP size.
-
-    Returns:
-        A new dict; vocab tensors re-padded, every other entry the same tensor object.
-    """
-    _check_tp(tp)
-    if model_config.vocab_size <= 0:
-        raise ValueError(
-            "model_config.vocab_size is not set; it must be the tokenizer's true vocabulary to re-pad."
-        )
-    rows = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by, tp)
-    return {
-        k: repad_vocab(t, model_config.vocab_size, rows) if k.endswith(_VOCAB) else t
-        for k, t in full_sd.items()
-    }
+def param_layout(name: str, config: ModelConfig) -> tuple[bool, int, int]:
+    """``(tensor_parallel, partition_dim, stride)`` of a parameter from its name alone (either naming scheme):
+    the attributes the TP layers set. Replicated parameters give ``(False, -1, 1)``."""
+    part = tp_partition(name, config)
+    return (False, -1, 1) if part is None else (True, part[0], part[1])
 
 
 def _check_tp(tp: int, tp_rank: int | None = None) -> None:
@@ -109,26 +100,17 @@ def _check_tp(tp: int, tp_rank: int | None = None) -> None:
 
 
 def _check_divisible(full: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int) -> None:
-    m = model_config
-    rules = [
-        ("--num-attention-heads", m.num_attention_heads),
-        ("--num-key-value-heads", m.num_query_groups),
-    ]
-    for flag, value in rules:
-        if value % tp:
-            raise ValueError(
-                f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})."
-            )
+    check_tensor_parallel_split(model_config, tp)
     for key, t in full.items():
-        part = tp_partition(key, m)
+        part = tp_partition(key, model_config)
         if part is None:
             continue
         dim, stride = part
         if t.shape[dim] % (tp * stride):
-            what = "padded vocab rows" if key.endswith(_VOCAB) else f"dim {dim}"
+            what = "padded vocab rows" if is_vocab_rows(key) else f"dim {dim}"
             fix = (
                 " Re-pad it with repad_vocab(t, true_vocab, padded_vocab_size(true_vocab, divisible_by, tp))."
-                if key.endswith(_VOCAB)
+                if is_vocab_rows(key)
                 else ""
             )
             raise ValueError(
@@ -211,33 +193,3 @@ def merge_tp_shards(
         pieces = [torch.chunk(shards[r][key], stride, dim=dim) for r in range(tp)]
         out[key] = torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
     return out
-
-
-def split_layers_for_pp(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """Transformer-layer ranges per pipeline stage, as DeepSpeed's ``type:transformer`` partition makes them.
-
-    DeepSpeed's balanced partition over 0/1 weights gives the first ``num_layers % pp`` stages one extra layer
-    (e.g. 10 layers on 4 stages -> 3, 3, 2, 2); ``tests/checkpointing/test_ckpt_reshard.py`` checks this against
-    the installed ``deepspeed.runtime.utils.partition_balanced`` with embedding/norm/head specs around the layers.
-
-    Args:
-        num_layers: ``--num-layers``.
-        pp: ``--pipeline-model-parallel-size``.
-
-    Returns:
-        ``[(start, stop), ...]``, one half-open range of global layer indices per stage.
-    """
-    if pp < 1:
-        raise ValueError(f"--pipeline-model-parallel-size ({pp}) must be >= 1.")
-    if num_layers < pp:
-        raise ValueError(
-            f"--num-layers ({num_layers}) must be >= --pipeline-model-parallel-size ({pp}): every "
-            "pipeline stage needs at least one transformer layer."
-        )
-    base, extra = divmod(num_layers, pp)
-    bounds, start = [], 0
-    for stage in range(pp):
-        stop = start + base + (1 if stage < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds

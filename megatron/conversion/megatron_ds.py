@@ -39,32 +39,32 @@ import argparse
 import dataclasses
 import importlib
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.checkpointing.convert import (
+from megatron.checkpointing.readers import (
     Progress,
-    _no_progress,
     build_megatron_model,
-    fixed_prompts,
-    megatron_logits_fn,
+    no_progress,
     read_checkpoint_weights,
 )
-from megatron.checkpointing.hf_tokenizer import tokenizer_info
-from megatron.checkpointing.layout import fuse_qkv
-from megatron.checkpointing.pipe_layout import pipe_layers_to_megatron
-from megatron.checkpointing.reshard import merge_tp_shards
-from megatron.checkpointing.rewrite import (
-    check_new_save_dir,
-    check_target_layout,
-    write_trident_checkpoint,
-)
-from megatron.checkpointing.verify import LogitComparison, compare_logits
+from megatron.checkpointing.safe_load import load_state_dict_of
 from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
 from megatron.config import ModelConfig
+from megatron.conversion.output_dirs import check_new_save_dir
+from megatron.conversion.rewrite import check_target_layout, write_trident_checkpoint
+from megatron.conversion.verify import (
+    LogitComparison,
+    compare_logits,
+    fixed_prompts,
+    megatron_logits_fn,
+)
+from megatron.layout.pipeline import pipe_layers_to_megatron
+from megatron.layout.qkv import fuse_qkv
+from megatron.layout.tensor_parallel import merge_tp_shards
+from megatron.tokenizer.info import tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -128,20 +128,7 @@ def load_mds_file(path: Path) -> dict[str, Any]:
             for n in dir(numpy.dtypes)
             if n.endswith("DType") and n[0].isupper()
         ]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a class found only while unpickling: one clear message
-        text = str(err)
-        found = re.search(r"got <class '([\w.]+)'>|GLOBAL ([\w.]+)", text)
-        what = next((g for g in found.groups() if g), "an object") if found else "an object"
-        raise ValueError(
-            f"{path} holds a pickled {what}, which Trident does not unpickle (it could run code); if the "
-            "file is from a trusted run, re-save its tensors as safetensors."
-        ) from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a DeepSpeed state dict.")
-    return obj
+    return load_state_dict_of(path, allowed=allowed)
 
 
 def find_mds_tag(root: Path, tag: str | None) -> Path:
@@ -434,7 +421,7 @@ def read_mds_checkpoint(
     *,
     tag: str | None = None,
     qkv_layout: str = "grouped",
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, str] | None]:
     """``(full TP = 1 Megatron state dict, ModelConfig, tokenizer info)`` of a Megatron-DeepSpeed checkpoint, in
     DeepSpeed format (``latest`` + ``global_stepN/``) or Megatron-native (``latest_checkpointed_iteration.txt``
@@ -481,7 +468,7 @@ def import_megatron_deepspeed(
     qkv_layout: str = "grouped",
     verify: bool = True,
     steps: int = 32,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> LogitComparison | None:
     """Convert a Megatron-DeepSpeed checkpoint into a Trident checkpoint for ``tp`` x ``pp`` ranks (weights only,
     iteration 0: training loads it like --finetune).

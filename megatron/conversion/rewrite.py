@@ -9,47 +9,48 @@ loads it like --finetune). Used by the HF importer and by :func:`reshard_checkpo
 from __future__ import annotations
 
 import dataclasses
-import math
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.checkpointing.convert import (
+from megatron.checkpointing.readers import (
     Progress,
-    _no_progress,
     build_megatron_model,
-    check_output_dir_path,
-    fixed_prompts,
-    megatron_logits_fn,
+    no_progress,
     read_checkpoint_config,
     read_checkpoint_weights,
 )
-from megatron.checkpointing.layout import padded_vocab_size
-from megatron.checkpointing.reshard import pad_vocab_for_tp
-from megatron.checkpointing.verify import LogitComparison, compare_logits
 from megatron.config import ModelConfig
+from megatron.config.rules import check_head_layout, check_tensor_parallel_split
+from megatron.conversion.output_dirs import check_new_save_dir
+from megatron.conversion.verify import (
+    LogitComparison,
+    compare_logits,
+    fixed_prompts,
+    megatron_logits_fn,
+)
+from megatron.layout.vocab import pad_vocab_for_tp
+from megatron.training.spawn import spawn_local_ranks
 
 
 def _rank_writer(
     full_path: str, model: dict[str, Any], tp: int, pp: int, out_dir: str, meta: dict[str, Any]
 ) -> None:
     """One rank of the import: model at the target layout, its shard, DeepSpeed engine, save (spawned)."""
-    import deepspeed
     from safetensors.torch import load_file
 
     from megatron import mpu
-    from megatron.checkpointing.engine_checkpoint import DeepSpeedCheckpointer
-    from megatron.checkpointing.reshard import shard_state_dict
-    from megatron.config import parse_args
-    from megatron.model.gpt_model_pipe import pipe_to_megatron_name
+    from megatron.checkpointing.engine import DeepSpeedCheckpointer
+    from megatron.config import RunPlan, parse_args
+    from megatron.layout.names import pipe_to_megatron_name
+    from megatron.layout.tensor_parallel import shard_state_dict
     from megatron.training import initialize
-    from megatron.training.ds_config import build_ds_config, global_batch_size, uses_pipeline_engine
-    from megatron.training.loop import TrainState
+    from megatron.training.ds_config import build_ds_config
     from megatron.training.lr_scheduler import build_lr_scheduler
-    from megatron.training.model_setup import build_model
-    from megatron.training.optimizer import build_optimizer
+    from megatron.training.model_setup import build_engine, build_model
+    from megatron.training.state import TrainState
 
     model_cfg = ModelConfig(**model)
     argv = [
@@ -58,67 +59,37 @@ def _rank_writer(
         "--log-level", "WARNING",
         *(["--zero-stage", "1"] if pp > 1 else []),
     ]  # fmt: skip
-    cfg = parse_args(argv)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
+    cfg = dataclasses.replace(parse_args(argv), model=model_cfg)
     initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
-    world = initialize.world_size_from_env()
+    plan = RunPlan.build(
+        cfg,
+        world_size=initialize.world_size_from_env(),
+        device_type=initialize.device_type(cfg),
+        true_vocab=model_cfg.vocab_size,
+    )
     device = initialize.init_distributed(cfg)
     try:
         initialize.set_seeds(cfg.training.seed)
-        vocab = model_cfg.vocab_size
-        module = build_model(cfg, true_vocab=vocab, device=device, world_size=world)
+        module = build_model(cfg, plan, device=device)
         full = load_file(full_path)
         shard = shard_state_dict(full, model_cfg, tp, mpu.get_tensor_model_parallel_rank())
-        is_pipe = uses_pipeline_engine(cfg)
         own = module.state_dict()
         new = {
-            k: shard[pipe_to_megatron_name(k, model_cfg.num_layers) if is_pipe else k] for k in own
+            k: shard[pipe_to_megatron_name(k, model_cfg.num_layers) if plan.pipeline_engine else k]
+            for k in own
         }
-        module.load_state_dict(new, strict=True)
-        optimizer = build_optimizer(module, cfg.training)
-        engine, _, _, _ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizer,
-            mpu=None if is_pipe else mpu,
-            config=build_ds_config(cfg, world),
+        module.load_state_dict(
+            new, strict=True
+        )  # before deepspeed.initialize: ZeRO's masters copy it
+        bundle = build_engine(cfg, plan, build_ds_config(cfg, plan), device=device, model=module)
+        scheduler = build_lr_scheduler(
+            cfg.training, plan.global_batch_size, bundle.client_optimizer
         )
-        scheduler = build_lr_scheduler(cfg.training, global_batch_size(cfg, world), optimizer)
-        padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, tp)
-        ckpt = DeepSpeedCheckpointer(cfg, true_vocab=vocab, padded_vocab=padded, world_size=world)
+        ckpt = DeepSpeedCheckpointer(cfg, plan)
         ckpt.extra_meta = {"weights_only": True, **meta}
-        ckpt.save(engine, scheduler, TrainState())
+        ckpt.save(bundle.engine, scheduler, TrainState())
     finally:
         mpu.destroy_model_parallel()
-
-
-def check_new_save_dir(
-    save: str | Path, *, load: str | Path | None = None, load_flag: str = "--load"
-) -> None:
-    """--save of the conversion tools: a new or empty directory (not the source ``load`` given with ``load_flag``,
-    not a file, no checkpoints in it).
-
-    The tools write a weights-only ``global_step0`` and point ``latest`` at it; in a directory holding a
-    training run that would make the next relaunch silently restart from iteration 0.
-
-    Raises:
-        ValueError: naming --save, what it holds and the fix.
-    """
-    check_output_dir_path(save, "--save")
-    out = Path(save)
-    fix = "write the converted checkpoint to a new or empty directory"
-    if load is not None and Path(load).resolve() == out.resolve():
-        raise ValueError(f"--save {save} is the {load_flag} directory; {fix}.")
-    if not out.is_dir():
-        return
-    found = sorted(p.name for p in out.glob("global_step*")) + sorted(
-        p.name for p in out.glob("latest*") if p.is_file()
-    )
-    if found:
-        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-        raise ValueError(
-            f"--save {save} already holds checkpoints ({shown}): the converted weights-only global_step0 "
-            f"would become its 'latest' and a training relaunch there would restart from iteration 0; {fix}."
-        )
 
 
 def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int) -> None:
@@ -127,28 +98,14 @@ def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int) -> None:
     Raises:
         ValueError: naming --tp / --pp, the model's sizes and the values that would work.
     """
-    from megatron.model.utils import check_tensor_parallel_shapes
-
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
     if cfg.num_layers < pp:
         raise ValueError(
             f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
         )
-    sizes = {"attention heads": cfg.num_attention_heads, "FFN hidden size": cfg.ffn_size}
-    if cfg.num_query_groups != cfg.num_attention_heads:
-        sizes["key/value heads"] = cfg.num_query_groups
-    bad = [f"{name} ({value})" for name, value in sizes.items() if value % tp]
-    if bad:
-        common = math.gcd(*sizes.values())
-        ok = [str(d) for d in range(1, common + 1) if common % d == 0]
-        raise ValueError(
-            f"--tp ({tp}) must divide the model's {' and '.join(bad)}; use --tp {', '.join(ok)}."
-        )
-    try:
-        check_tensor_parallel_shapes(cfg, tp)
-    except ValueError as err:
-        raise ValueError(f"--tp ({tp}): {err}") from None
+    check_head_layout(cfg)
+    check_tensor_parallel_split(cfg, tp, tp_flag="--tp")
 
 
 def write_trident_checkpoint(
@@ -164,7 +121,7 @@ def write_trident_checkpoint(
 ) -> None:
     """Save ``full`` (Megatron names, any vocab padding) as a Trident checkpoint for ``tp`` x ``pp`` ranks.
 
-    ``source`` and ``tokenizer`` (``hf_tokenizer.tokenizer_info``) are recorded in ``trident_meta.json``.
+    ``source`` and ``tokenizer`` (``megatron.tokenizer.info.tokenizer_info``) are recorded in ``trident_meta.json``.
 
     Raises:
         ValueError: (before any process is spawned) ``out_dir`` is not a new or empty directory
@@ -173,15 +130,13 @@ def write_trident_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from megatron.testing import run_distributed
-
     check_new_save_dir(out_dir)
     check_target_layout(cfg, tp=tp, pp=pp)
     padded = pad_vocab_for_tp(full, cfg, tp)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "full.safetensors")
         save_file({k: v.contiguous() for k, v in padded.items()}, path)
-        run_distributed(
+        spawn_local_ranks(
             _rank_writer,
             tp * pp,
             path,
@@ -204,7 +159,7 @@ def reshard_checkpoint(
     tag: str | None = None,
     verify: bool = True,
     steps: int = 32,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> LogitComparison | None:
     """Offline (TP, PP) -> (``tp``, ``pp``) for the weights of a Trident checkpoint (iteration 0, weights only).
 

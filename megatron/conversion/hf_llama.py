@@ -1,6 +1,6 @@
 """Hugging Face LLaMA (``LlamaForCausalLM``, GQA included) <-> Megatron full (TP=1) state dict.
 
-``q_proj``/``k_proj``/``v_proj`` become the per-K/V-group fused QKV (see :mod:`megatron.checkpointing.layout`);
+``q_proj``/``k_proj``/``v_proj`` become the per-K/V-group fused QKV (see :mod:`megatron.layout.qkv`);
 ``gate_proj``/``up_proj`` become ``dense_h_to_4h = [gate; up]``; ``o_proj`` -> ``self_attention.dense``,
 ``down_proj`` -> ``dense_4h_to_h``. HF's q/k rows are already in the rotate-half ("half-split") RoPE convention our
 model uses, so no permutation is applied (the golden logits test proves it).
@@ -13,18 +13,12 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
-from megatron.checkpointing.layout import (
-    FINAL_NORM,
-    OUTPUT_LAYER,
-    WORD_EMBEDDINGS,
-    fuse_qkv,
-    layer_prefix,
-    padded_vocab_size,
-    repad_vocab,
-    split_qkv,
-)
 from megatron.config.model import ModelConfig
+from megatron.config.rules import padded_vocab_size
+from megatron.conversion.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
+from megatron.layout.names import FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, layer_prefix
+from megatron.layout.qkv import fuse_qkv, split_qkv
+from megatron.layout.vocab import repad_vocab
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:

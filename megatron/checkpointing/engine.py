@@ -1,0 +1,244 @@
+"""Training checkpoints through the DeepSpeed engine: the save protocol and the load (``CheckpointHooks``).
+
+Files of a tag: DeepSpeed's (``mp_rank_XX_model_states.pt``, ``zero_*_optim_states.pt``, pipeline layer files),
+``rng_state_rank{R:05d}.safetensors`` per rank (``rng.py``) and ``trident_meta.json`` (``meta.py``), written last.
+
+Save protocol (crash safety): every rank writes its RNG file, then ``engine.save_checkpoint(tag=...,
+save_latest=False)`` (which ends with a barrier over all ranks), then rank 0 writes ``trident_meta.json`` and moves
+both pointers with temp file + ``os.replace`` (``pointers.py``). A process killed at any point leaves the pointers at
+the previous complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
+
+Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
+``consumed_train_tokens``, ``consumed_valid_samples``, ``consumed_valid_tokens``, ``skipped_iterations``,
+``lr_scheduler`` (``OptimizerParamScheduler.state_dict()``), ``trident_model_config`` and DeepSpeed's
+``universal_checkpoint_info`` (``megatron/layout/universal_info.py``).
+
+The start-up checks that make a load safe run before any process group exists: :mod:`megatron.checkpointing.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+from megatron import mpu
+from megatron.checkpointing.meta import (
+    META_FILE,
+    META_VERSION,
+    check_model_matches,
+    check_universal_kind,
+)
+from megatron.checkpointing.pointers import (
+    ITERATION_FILE,
+    LATEST_FILE,
+    atomic_write,
+    find_checkpoint,
+    retreat_latest,
+    tag_for_iteration,
+)
+from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
+from megatron.checkpointing.weights_only import (
+    assign_weights,
+    needs_own_weight_loader,
+    read_tp_rank_weights,
+    refresh_master_weights,
+    saved_zero_stage,
+)
+from megatron.checkpointing.zero3 import read_zero3_client_state
+from megatron.config import RunPlan, TridentConfig
+from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
+from megatron.log import global_rank
+from megatron.mpu.mappings import all_reduce_max_, communication_device
+from megatron.tokenizer.info import tokenizer_info
+
+logger = logging.getLogger(__name__)
+
+
+class DeepSpeedCheckpointer:
+    """``CheckpointHooks`` implementation over ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+    Args:
+        cfg: the run's config (``checkpoint`` flags; ``model`` for the shape check and the saved config).
+        plan: the run plan (true and padded vocabulary, layout, world size, precision: all recorded in the meta).
+        tokenizer_fingerprint: ``megatron.tokenizer.encoding_fingerprint`` of the run's tokenizer (recorded in
+            the meta, checked when a run loads the checkpoint).
+    """
+
+    def __init__(
+        self, cfg: TridentConfig, plan: RunPlan, *, tokenizer_fingerprint: str | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
+        self.last_save_seconds: float | None = None
+        self.last_load_seconds: float | None = None
+        self._pending_rng: Path | None = None
+        self.extra_meta: dict[str, Any] = {}
+        """Merged into ``trident_meta.json`` (the HF importer sets ``{"weights_only": True, ...}``)."""
+
+    # ------------------------------------------------------------------ save
+    def save(self, engine: Any, scheduler: Any, state: Any) -> None:
+        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring)."""
+        start = time.perf_counter()
+        save_dir = Path(self.cfg.checkpoint.save or "")
+        tag = tag_for_iteration(state.iteration)
+        tag_dir = save_dir / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        marker = tag_dir / META_FILE
+        if global_rank() == 0:
+            retreat_latest(save_dir, tag)
+            if marker.exists():
+                marker.unlink()  # re-saving an iteration: incomplete until this save finishes
+        _wait_for_all_ranks()  # no rank overwrites files of the tag before 'latest' left it
+        save_rng_file(tag_dir / rng_file_name(global_rank()))
+        seq = self.cfg.model.seq_length
+        client_state = {
+            "iteration": int(state.iteration),
+            "consumed_train_samples": int(state.consumed_train_samples),
+            "consumed_train_tokens": int(state.consumed_train_samples) * seq,
+            "consumed_valid_samples": int(state.consumed_valid_samples),
+            "consumed_valid_tokens": int(state.consumed_valid_samples) * seq,
+            "skipped_iterations": int(state.skipped_iterations),
+            "lr_scheduler": scheduler.state_dict(),
+            "trident_model_config": dataclasses.asdict(self.model),
+            UNIVERSAL_CHECKPOINT_INFO: used_patterns(
+                universal_checkpoint_info(self.model, self.plan.padded_vocab_size),
+                [name for name, _ in engine.module.named_parameters()],
+            ),
+        }
+        # Ends with a barrier over all ranks: after it, every rank's files are written.
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+        if global_rank() == 0:
+            d, plan = self.cfg.data, self.plan
+            tokenizer = tokenizer_info(
+                tokenizer_type=d.tokenizer_type,
+                vocab_file=d.vocab_file,
+                merge_file=d.merge_file,
+                tokenizer_model=d.tokenizer_model,
+                fingerprint=self.tokenizer_fingerprint,
+            )
+            meta = {
+                "version": META_VERSION,
+                "iteration": int(state.iteration),
+                "consumed_train_samples": int(state.consumed_train_samples),
+                "consumed_valid_samples": int(state.consumed_valid_samples),
+                "model": dataclasses.asdict(self.model),
+                "padded_vocab_size": plan.padded_vocab_size,
+                "tensor_model_parallel_size": plan.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
+                "world_size": plan.world_size,
+                "zero_stage": int(engine.zero_optimization_stage()),
+                "precision": plan.precision,
+                **({"tokenizer": tokenizer} if tokenizer else {}),
+                **self.extra_meta,
+            }
+            atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+            atomic_write(save_dir / LATEST_FILE, tag)
+            atomic_write(save_dir / ITERATION_FILE, f"{state.iteration}\n")
+        _wait_for_all_ranks()  # nobody reads the pointers (e.g. a relaunch's preflight) before they moved
+        self.last_save_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "saved checkpoint %s at iteration %d in %.2f s",
+                tag_dir,
+                state.iteration,
+                self.last_save_seconds,
+            )
+
+    # ------------------------------------------------------------------ load
+    def _own_weight_loader(
+        self, engine: Any, meta: dict[str, Any], tag_dir: Path, optimizer_state: bool
+    ) -> bool:
+        """Whether the weights must be read by ``weights_only.py`` instead of DeepSpeed's loader."""
+        if int(meta.get("pipeline_model_parallel_size", 1)) != 1:
+            return False
+        return needs_own_weight_loader(
+            saved_stage=saved_zero_stage(tag_dir, meta),
+            run_stage=int(engine.zero_optimization_stage()),
+            optimizer_state=optimizer_state,
+        )
+
+    def restore_rng(self) -> None:
+        """Apply the RNG states found by :meth:`load` (pretrain calls it after building the data iterators)."""
+        if self._pending_rng is not None:
+            load_rng_file(self._pending_rng)
+            self._pending_rng = None
+
+    def load(self, engine: Any, scheduler: Any, state: Any) -> None:
+        """Resume from --load (nothing there: start from scratch with one log line)."""
+        ck = self.cfg.checkpoint
+        load_dir = ck.load or ""
+        universal = ck.universal_checkpoint
+        tag = find_checkpoint(load_dir, ck.load_tag, universal=universal)
+        if tag is None:
+            if global_rank() == 0:
+                logger.info("no checkpoint in --load %s: starting from scratch", load_dir)
+            return
+        start = time.perf_counter()
+        meta = check_model_matches(load_dir, tag, self.model)
+        check_universal_kind(meta, universal, load_dir, tag)
+        # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
+        finetune = ck.finetune or bool(meta.get("weights_only", False))
+        load_optim = not (ck.no_load_optim or finetune)
+        client: dict[str, Any] | None
+        tag_dir = Path(load_dir) / tag
+        if not universal and self._own_weight_loader(engine, meta, tag_dir, load_optim):
+            tp_rank = mpu.get_tensor_model_parallel_rank()
+            weights = read_tp_rank_weights(tag_dir, meta, tp_rank)
+            assign_weights(engine, weights, f"--load {load_dir} (tag {tag})")
+            if finetune:
+                client = {"iteration": int(meta.get("iteration", 0))}
+            else:  # --no-load-optim of a ZeRO-3 checkpoint (_check_layout: the run is ZeRO-3 too)
+                client = read_zero3_client_state(tag_dir, tp_rank)
+        else:
+            _, client = engine.load_checkpoint(
+                load_dir,
+                tag=tag,
+                load_module_strict=True,
+                load_optimizer_states=load_optim,
+                load_lr_scheduler_states=False,
+                load_module_only=finetune,
+            )
+            if not load_optim:
+                refresh_master_weights(engine)
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
+        if not finetune:
+            state.iteration = int(client["iteration"])
+            state.consumed_train_samples = int(client["consumed_train_samples"])
+            state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
+            state.skipped_iterations = int(client.get("skipped_iterations", 0))
+            scheduler.load_state_dict(client["lr_scheduler"])
+        same_world = meta.get("world_size") == self.plan.world_size and not universal
+        if not (ck.no_load_rng or finetune):
+            if same_world:
+                self._pending_rng = Path(load_dir) / tag / rng_file_name(global_rank())
+                if not self._pending_rng.is_file():
+                    load_rng_file(self._pending_rng)  # raises the missing-file error now
+            elif global_rank() == 0:
+                logger.info("checkpoint saved on another layout: fresh RNG states")
+        self.last_load_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "loaded checkpoint %s (iteration %d%s) in %.2f s",
+                Path(load_dir) / tag,
+                int(client.get("iteration", 0)),
+                ", --finetune: weights only, iteration 0" if finetune else "",
+                self.last_load_seconds,
+            )
+
+
+def _wait_for_all_ranks() -> None:
+    """A barrier over every rank (an all-reduce of one element through ``mpu.mappings``)."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.group.WORLD
+        all_reduce_max_(torch.zeros(1, device=communication_device(world)), group=world)

@@ -1,0 +1,400 @@
+"""Start-up rules of checkpointing: every check of --save/--load and of a checkpoint against the run, made before
+any process group exists and identically on every rank (so all ranks fail together, with one line).
+
+The compatibility of a checkpoint's layout, ZeRO stage and precision with the run that loads it is a table,
+:data:`RESUME_RULES`: each row names what must agree, when it is broken, and the message (what was saved, what the
+run uses, the fix). DeepSpeed stores each ZeRO stage kind and each precision in other files, and ZeRO partitions
+over the data-parallel ranks, so loading the optimizer state needs them to agree; loading weights only
+(``--finetune``, converted checkpoints) needs only the TP/PP sizes (``weights_only.py`` reads the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing.meta import check_model_matches, check_universal_kind, read_meta
+from megatron.checkpointing.pointers import complete_tags, find_checkpoint
+from megatron.checkpointing.weights_only import saved_zero_stage, stage_family
+from megatron.config import RunPlan, TridentConfig
+from megatron.log import global_rank
+
+logger = logging.getLogger(__name__)
+
+
+def check_save_dir(save: str) -> None:
+    """Preflight for --save: the directory exists or can be created, and a file can be written in it.
+
+    Raises:
+        ValueError: naming --save, the reason and the fix.
+    """
+    path = Path(save)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".trident_write_test.{os.getpid()}.{global_rank()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"--save {save}: the directory cannot be written ({err.strerror or err}); "
+            "choose a writable directory or fix its permissions."
+        ) from None
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
+    """--save must not receive a new run's checkpoints on top of another run's (they would be overwritten and
+    'latest' moved): refuse a --save holding checkpoints unless it is the --load directory being resumed."""
+    ck = cfg.checkpoint
+    if not ck.save or not Path(ck.save).is_dir():
+        return
+    tags = complete_tags(Path(ck.save))
+    if not tags:
+        return
+    newest = tags[-1][1]
+    if not ck.load or not _same_dir(ck.load, ck.save):
+        drop = [
+            f
+            for f, on in (
+                ("--finetune", ck.finetune),
+                ("--universal-checkpoint", ck.universal_checkpoint),
+            )
+            if on
+        ]
+        raise ValueError(
+            f"--save {ck.save} already holds checkpoints of a run (newest {newest}); this run would "
+            f"overwrite them. To continue that run pass --load {ck.save}"
+            + (f" and drop {' and '.join(drop)}" if drop else "")
+            + "; to start a new one use an empty --save directory."
+        )
+    if ck.finetune and not bool(read_meta(ck.save, newest).get("weights_only", False)):
+        raise ValueError(
+            f"--finetune with --load = --save = {ck.save}: it would restart at iteration 0 over the "
+            f"checkpoints there (newest {newest}). To continue a fine-tuning run, relaunch without "
+            "--finetune; to start one, --load the pretrained checkpoint and --save to an empty directory."
+        )
+
+
+@dataclass(frozen=True)
+class ResumeCase:
+    """A checkpoint found in --load and the run that loads it: what :data:`RESUME_RULES` compare."""
+
+    load_dir: str
+    tag: str
+    saved_tp: int
+    saved_pp: int
+    saved_dp: int
+    saved_stage: int
+    """The ZeRO stage DeepSpeed saved with (recorded, or recognized by its files)."""
+    saved_precision: str | None
+    """``fp32``/``bf16``/``fp16``; None for checkpoints written before it was recorded."""
+    run_tp: int
+    run_pp: int
+    run_dp: int
+    run_stage: int
+    """The ZeRO stage the run uses (``--zero-stage`` 0 becomes 1 with pipelines and clipping)."""
+    requested_stage: int
+    """``--zero-stage`` as given."""
+    run_precision: str
+    weights_only: bool
+    """Only weights are loaded: ``--finetune``, or a weights-only (converted) checkpoint."""
+    optimizer_state: bool
+    """The optimizer state is loaded too (neither weights only nor ``--no-load-optim``)."""
+
+    def uses(self) -> str:
+        """How the run's ZeRO stage is described in a message."""
+        uses = f"ZeRO-{self.run_stage}"
+        if self.run_stage != self.requested_stage:
+            uses += (
+                f" (--zero-stage {self.requested_stage} becomes 1 with pipeline parallelism and --clip-grad, "
+                "where ZeRO-0 computes a wrong gradient norm)"
+            )
+        return uses
+
+    def stage_fix(self) -> str:
+        """The flag that makes the run's stage the saved one."""
+        if self.run_stage != self.requested_stage and self.saved_stage == 0:
+            return "--clip-grad 0 (as when it was saved)"
+        return f"--zero-stage {self.saved_stage}"
+
+    def layout_hint(self) -> str:
+        """How to continue at another layout."""
+        return (
+            "resume at another layout through a universal checkpoint (python -m tools.checkpoint.to_universal "
+            f"--load {self.load_dir}, then add --universal-checkpoint), or reshard the weights offline "
+            "(python -m tools.checkpoint.reshard)."
+        )
+
+
+@dataclass(frozen=True)
+class ResumeRule:
+    """One row of :data:`RESUME_RULES`."""
+
+    what: str
+    """What must agree between the checkpoint and the run."""
+    broken: Callable[[ResumeCase], bool]
+    message: Callable[[ResumeCase], str]
+
+
+def _tp_pp_message(c: ResumeCase) -> str:
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was saved with --tensor-model-parallel-size {c.saved_tp} and "
+        f"--pipeline-model-parallel-size {c.saved_pp}; this run uses {c.run_tp} and {c.run_pp}. Use the "
+        f"checkpoint's sizes, or {c.layout_hint()}"
+    )
+
+
+def _zero3_message(c: ResumeCase) -> str:
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was saved with ZeRO-{c.saved_stage}; this run uses {c.uses()}, and "
+        "DeepSpeed keeps ZeRO-3's weights in other files than ZeRO-0/1/2's. Pass "
+        f"{c.stage_fix()} to resume, or --finetune to start a new run from its weights."
+    )
+
+
+def _stage_family_message(c: ResumeCase) -> str:
+    fix = c.stage_fix()
+    other = {1: 2, 2: 1}.get(c.saved_stage) if c.run_pp == 1 else None  # pipelines refuse ZeRO-2
+    also = f" (or {other})" if other is not None and fix.startswith("--zero-stage") else ""
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was saved with ZeRO-{c.saved_stage}; this run uses {c.uses()}, "
+        f"whose optimizer state DeepSpeed stores differently. Pass {fix}{also}, or --no-load-optim (same "
+        "iteration, fresh optimizer state)."
+    )
+
+
+def _precision_message(c: ResumeCase) -> str:
+    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}[
+        c.saved_precision or "fp32"
+    ]
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was trained in {c.saved_precision}; this run uses "
+        f"{c.run_precision}, and DeepSpeed keeps the optimizer state of each precision in other files. Pass "
+        f"{flag} as before, or --no-load-optim (same iteration, fresh optimizer state)."
+    )
+
+
+def _dp_message(c: ResumeCase) -> str:
+    what = "weights and " if c.saved_stage == 3 else ""
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was saved by {c.saved_dp} data-parallel ranks with "
+        f"ZeRO-{c.saved_stage}, whose {what}optimizer state are partitioned over them; this run has "
+        f"{c.run_dp}. Launch {c.saved_dp * c.run_tp * c.run_pp} processes, pass --no-load-optim (fresh "
+        f"optimizer), or {c.layout_hint()}"
+    )
+
+
+RESUME_RULES: tuple[ResumeRule, ...] = (
+    ResumeRule(
+        "tensor- and pipeline-parallel sizes",
+        lambda c: (c.saved_tp, c.saved_pp) != (c.run_tp, c.run_pp),
+        _tp_pp_message,
+    ),
+    ResumeRule(
+        "ZeRO-3 files vs ZeRO-0/1/2 files (unless only weights are loaded)",
+        lambda c: not c.weights_only and (c.saved_stage == 3) != (c.run_stage == 3),
+        _zero3_message,
+    ),
+    ResumeRule(
+        "how the ZeRO stage stores the optimizer state (0 | 1 and 2 | 3), when it is loaded",
+        lambda c: c.optimizer_state and stage_family(c.saved_stage) != stage_family(c.run_stage),
+        _stage_family_message,
+    ),
+    ResumeRule(
+        "precision of the optimizer state, when it is loaded",
+        lambda c: (
+            c.optimizer_state
+            and c.saved_precision is not None
+            and c.saved_precision != c.run_precision
+        ),
+        _precision_message,
+    ),
+    ResumeRule(
+        "data-parallel size, when ZeRO partitioned the loaded state over it",
+        lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
+        _dp_message,
+    ),
+)
+"""Checked in order; the first broken row is the error. A row that loads weights only never breaks a row past the
+first: ``weights_only.py`` reads any stage at any DP size."""
+
+
+def check_resume_compatibility(case: ResumeCase | None) -> None:
+    """Raise the message of the first broken row of :data:`RESUME_RULES` (None: nothing to compare).
+
+    Raises:
+        ValueError: naming the checkpoint, what it was saved with, what the run uses and the fix.
+    """
+    if case is None:
+        return
+    for rule in RESUME_RULES:
+        if rule.broken(case):
+            raise ValueError(rule.message(case))
+
+
+def resume_case(
+    meta: dict[str, Any], cfg: TridentConfig, plan: RunPlan, tag: str
+) -> ResumeCase | None:
+    """The :class:`ResumeCase` of loading ``tag`` (with ``meta``) into the run of ``cfg`` and ``plan``; None for a
+    universal load or a checkpoint that records no layout (nothing to compare)."""
+    ck = cfg.checkpoint
+    if ck.universal_checkpoint or "tensor_model_parallel_size" not in meta:
+        return None
+    tp, pp = int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"])
+    weights_only = ck.finetune or bool(meta.get("weights_only", False))
+    return ResumeCase(
+        load_dir=str(ck.load),
+        tag=tag,
+        saved_tp=tp,
+        saved_pp=pp,
+        saved_dp=int(meta.get("world_size", plan.world_size)) // (tp * pp),
+        saved_stage=saved_zero_stage(Path(ck.load or "") / tag, meta, default=plan.zero_stage),
+        saved_precision=meta.get("precision"),
+        run_tp=plan.tensor_model_parallel_size,
+        run_pp=plan.pipeline_model_parallel_size,
+        run_dp=plan.data_parallel_size,
+        run_stage=plan.zero_stage,
+        requested_stage=plan.requested_zero_stage,
+        run_precision=plan.precision,
+        weights_only=weights_only,
+        optimizer_state=not (weights_only or ck.no_load_optim),
+    )
+
+
+def _check_tokenizer_matches(
+    meta: dict[str, Any], cfg: TridentConfig, tag: str, fingerprint: str | None
+) -> None:
+    """The run's tokenizer must encode like the checkpoint's: both fingerprints known and different is an error
+    (a warning with --finetune, which may change tokenizers on purpose). Without fingerprints, a warning (not an
+    error: e.g. HFTokenizer and GPT2BPETokenizer over GPT-2's files give the same ids) when the tokenizer type
+    differs; a different vocabulary size is a shape error already."""
+    recorded = meta.get("tokenizer") or {}
+    saved_print = recorded.get("fingerprint")
+    if saved_print and fingerprint and saved_print != fingerprint:
+        d = cfg.data
+        files = [
+            f"{flag} {value}"
+            for flag, value in (
+                ("--vocab-file", d.vocab_file),
+                ("--merge-file", d.merge_file),
+                ("--tokenizer-model", d.tokenizer_model),
+            )
+            if value
+        ]
+        was = [
+            f"{key} {recorded[key]}"
+            for key in ("vocab_file", "merge_file", "tokenizer_model")
+            if key in recorded
+        ]
+        msg = (
+            f"--load {cfg.checkpoint.load} (tag {tag}) was trained with a tokenizer that encodes text into other "
+            f"ids than this run's (--tokenizer-type {d.tokenizer_type}{', ' if files else ''}{', '.join(files)}), "
+            "so its embeddings would be read with the wrong tokens"
+        )
+        if not cfg.checkpoint.finetune:
+            raise ValueError(
+                f"{msg}. Pass the tokenizer it was trained with (--tokenizer-type "
+                f"{recorded.get('tokenizer_type')}{', ' if was else ''}{', '.join(was)}; the files must be "
+                "unchanged), or start a new run from its weights with --finetune."
+            )
+        if global_rank() == 0:
+            logger.warning("%s (--finetune: continuing on purpose?)", msg)
+        return
+    saved = recorded.get("tokenizer_type")
+    now = cfg.data.tokenizer_type
+    if saved and now and saved != now and global_rank() == 0:
+        logger.warning(
+            "--load %s (tag %s) was trained with --tokenizer-type %s; this run passes %s: make sure both give the "
+            "same token ids",
+            cfg.checkpoint.load,
+            tag,
+            saved,
+            now,
+        )
+
+
+def check_checkpoint_dirs(
+    cfg: TridentConfig, plan: RunPlan | None = None, tokenizer_fingerprint: str | None = None
+) -> None:
+    """Preflight (before any process group), identical on every rank.
+
+    --save must be writable and must not hold another run's checkpoints; --load must be a directory (a missing
+    one is an error unless it is the --save of an auto-resumed run); --load-tag, --finetune,
+    --universal-checkpoint need --load, and --finetune / --skip-train need a checkpoint there. With the run's
+    ``plan``, a checkpoint found in --load must match the model flags (at the plan's true vocabulary), the
+    tokenizer (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and the rows of
+    :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size). No checkpoint in an existing --load is fine
+    otherwise (the run starts from scratch, with one log line).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the flag, the problem and the fix.
+    """
+    ck = cfg.checkpoint
+    if ck.save:
+        if Path(ck.save).is_file():
+            raise ValueError(f"--save {ck.save} is a file; give a directory.")
+        check_save_dir(ck.save)
+        _check_save_holds_no_other_run(cfg)
+    for flag, given in (
+        ("--load-tag", ck.load_tag),
+        ("--finetune", ck.finetune),
+        ("--universal-checkpoint", ck.universal_checkpoint),
+    ):
+        if given and not ck.load:
+            raise ValueError(f"{flag} was given without --load; add --load DIR.")
+    if not ck.load:
+        return
+    root = Path(ck.load)
+    if root.is_file():
+        raise ValueError(
+            f"--load {ck.load} is a file; give the checkpoint directory (the --save of the run)."
+        )
+    auto_resume = bool(ck.save) and _same_dir(ck.load, ck.save)
+    if not root.exists() and not auto_resume:
+        raise FileNotFoundError(
+            f"--load {ck.load} does not exist; check the path (a run that resumes itself passes the same "
+            "directory to --save and --load)."
+        )
+    tag = find_checkpoint(ck.load, ck.load_tag, universal=ck.universal_checkpoint)
+    if tag is None:
+        wants = "--finetune" if ck.finetune else "--skip-train" if cfg.training.skip_train else None
+        if wants:
+            raise FileNotFoundError(
+                f"{wants}: --load {ck.load} holds no checkpoint (no 'latest'); point --load at a --save "
+                "directory of a run."
+            )
+        return
+    if plan is not None:
+        model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
+        meta = check_model_matches(ck.load, tag, model)
+        check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
+        _check_tokenizer_matches(meta, cfg, tag, tokenizer_fingerprint)
+        check_resume_compatibility(resume_case(meta, cfg, plan, tag))
+        _check_model_state_files(root / tag, meta)
+
+
+def _check_model_state_files(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Every model-parallel rank's DeepSpeed model-state file is there (a copy that lost one would otherwise fail
+    inside DeepSpeed with a bare assertion on some ranks)."""
+    if meta.get("universal") or "tensor_model_parallel_size" not in meta:
+        return
+    mp = int(meta["tensor_model_parallel_size"]) * int(meta["pipeline_model_parallel_size"])
+    missing = [
+        f"mp_rank_{r:02d}_model_states.pt"
+        for r in range(mp)
+        if not (tag_dir / f"mp_rank_{r:02d}_model_states.pt").is_file()
+        and not any(tag_dir.glob(f"zero_pp_rank_*_mp_rank_{r:02d}_model_states.pt"))
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"--load: {tag_dir} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+            f"(a checkpoint of {mp} model-parallel ranks); copy the whole checkpoint directory."
+        )

@@ -1,0 +1,191 @@
+"""Every use of DeepSpeed internals (private attributes, monkeypatches, non-API modules) in one place, behind a
+version check.
+
+Trident drives the real DeepSpeed engine through its public API (``deepspeed.initialize``, ``engine.backward`` /
+``step`` / ``train_batch`` / ``save_checkpoint`` / ``load_checkpoint``, ``PipelineModule``, ``zero.GatheredParameters``)
+everywhere else. What is here needs DeepSpeed's insides, which change between releases without notice, so it is
+used only with the version it was written and tested against (:data:`TESTED_DEEPSPEED`; ``requirements.txt`` and
+``setup.py`` pin the same). Another installed version is one clear error at start-up
+(:func:`check_deepspeed_version`), unless ``TRIDENT_ALLOW_UNTESTED_DEEPSPEED=1`` turns it into a warning.
+
+=====================================  =====================================================================
+internal                               why
+=====================================  =====================================================================
+``deepspeed.comm.torch.build_shm_op``  replaced on CPU: its JIT build (30-50 s, needs a compiler) serves only
+                                       DeepSpeed inference
+``engine.clip_fp32_gradients``,        fp32 ZeRO-0 with clipping computes the global grad norm and drops it;
+``engine._global_grad_norm``           kept so ``get_global_grad_norm()`` reports it
+optimizer ``cur_scale``/``loss_scale`` the fp16 loss scale for the progress line
+param ``ds_id`` / ``ds_shape``         ZeRO-3 partitioned parameters and their full shapes
+param ``_hp_mapping`` +                the fp32 master copy of a parameter under ZeRO-1/2 and the bf16
+``set_full_hp_param``                  optimizer (weights-only loads write it)
+optimizer ``fp16_groups`` /            the unfused fp16/bf16 optimizer's per-parameter master copies (ZeRO-0)
+``fp32_groups``
+optimizer ``refresh_fp32_params()``    re-reads the master copy from the parameters (ZeRO-1/2/3, bf16)
+``runtime.zero.config.ZeroStageEnum``, classes pickled inside ZeRO checkpoint files (allow-listed for
+``runtime.fp16.loss_scaler.*``         ``torch.load(weights_only=True)``)
+``checkpoint.ds_to_universal.main``    the universal-checkpoint converter, called with its argparse namespace
+=====================================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TESTED_DEEPSPEED = "0.19.8"
+"""The DeepSpeed release the internals below were written and tested against."""
+ALLOW_UNTESTED_ENV = "TRIDENT_ALLOW_UNTESTED_DEEPSPEED"
+
+_checked = False
+
+
+class DeepSpeedVersionError(ValueError):
+    """The installed DeepSpeed is not the release Trident is tested with."""
+
+
+def check_deepspeed_version(installed: str | None = None) -> None:
+    """Refuse (or, with ``TRIDENT_ALLOW_UNTESTED_DEEPSPEED=1``, warn about) a DeepSpeed other than
+    :data:`TESTED_DEEPSPEED`.
+
+    Args:
+        installed: the version to check (default: the installed ``deepspeed.__version__``).
+
+    Raises:
+        DeepSpeedVersionError: one line naming both versions and the fix.
+    """
+    global _checked
+    if installed is None:
+        if _checked:
+            return
+        import deepspeed
+
+        installed = str(deepspeed.__version__)
+    if installed.split("+")[0] == TESTED_DEEPSPEED:
+        _checked = True
+        return
+    message = (
+        f"DeepSpeed {installed} is installed, but Trident is tested with DeepSpeed {TESTED_DEEPSPEED} and relies "
+        "on internals of it (megatron/deepspeed_internals.py); install it with pip install "
+        f"deepspeed=={TESTED_DEEPSPEED} (as requirements.txt pins), or set {ALLOW_UNTESTED_ENV}=1 to try "
+        "this version anyway."
+    )
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        logger.warning("%s (%s=1: continuing)", message, ALLOW_UNTESTED_ENV)
+        _checked = True
+        return
+    raise DeepSpeedVersionError(message)
+
+
+def skip_cpu_shm_build() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory all-reduce op on CPU (used only by its inference)."""
+    check_deepspeed_version()
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def keep_fp32_clip_norm(engine: Any) -> None:
+    """Make the plain fp32 ZeRO-0 path remember the grad norm it clips with.
+
+    DeepSpeed 0.19.8's ``clip_fp32_gradients`` (fp32, ZeRO-0, clipping on) computes the global norm with
+    ``runtime.utils.clip_grad_norm_`` and throws it away, so ``get_global_grad_norm()`` stays None there. This
+    instance-level wrapper makes the same call and keeps the result; nothing else changes.
+    """
+    check_deepspeed_version()
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep() -> None:
+        norm = clip_grad_norm_(
+            parameters=engine.module.parameters(),
+            max_norm=engine.gradient_clipping(),
+            mpu=engine.mpu,
+        )
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_keep
+
+
+def loss_scale(engine: Any) -> float:
+    """The current fp16 loss scale of the engine's optimizer (1.0 when it has none)."""
+    opt = getattr(engine, "optimizer", None)
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if isinstance(value, (int, float, torch.Tensor)):
+            return float(value)
+    return 1.0
+
+
+def is_zero3_partitioned(param: torch.Tensor) -> bool:
+    """True for a parameter ZeRO-3 partitioned (its data is a placeholder outside ``GatheredParameters``)."""
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's full shape (ZeRO-3 keeps it in ``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def per_parameter_masters(optimizer: Any) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> fp32 master`` for DeepSpeed's unfused low-precision optimizer (ZeRO-0 with --bf16)."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not isinstance(low, list) or not isinstance(high, list):
+        return {}
+    out = {}
+    for low_group, high_group in zip(low, high, strict=False):
+        if isinstance(low_group, list) and isinstance(high_group, list):
+            out.update({id(lp): hp for lp, hp in zip(low_group, high_group, strict=False)})
+    return out
+
+
+def set_linked_master(param: torch.Tensor, fp32: torch.Tensor) -> bool:
+    """Write ``fp32`` into the master copy DeepSpeed links to ``param`` (ZeRO-1/2, bf16 optimizer); False when
+    there is no such link."""
+    if not hasattr(param, "_hp_mapping"):
+        return False
+    param.set_full_hp_param(fp32)  # type: ignore[attr-defined]
+    return True
+
+
+def refresh_master_copy(optimizer: Any) -> None:
+    """Re-read the optimizer's fp32 master copy from the parameters, where DeepSpeed keeps one."""
+    refresh = getattr(optimizer, "refresh_fp32_params", None)
+    if callable(refresh):
+        refresh()
+
+
+def zero_checkpoint_classes() -> list[Any]:
+    """The DeepSpeed classes pickled inside ZeRO checkpoint files (to allow-list for a weights-only load)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def ds_to_universal(input_folder: str, output_folder: str, *, workers: int) -> None:
+    """Run DeepSpeed's universal-checkpoint converter on one tag directory.
+
+    Raises:
+        AssertionError: DeepSpeed refused the checkpoint (its checks are assertions).
+    """
+    check_deepspeed_version()
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    main: Callable[[argparse.Namespace], None] = converter.main
+    main(
+        argparse.Namespace(
+            input_folder=input_folder,
+            output_folder=output_folder,
+            num_extract_workers=workers,
+            num_merge_workers=workers,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
+        )
+    )

@@ -1,0 +1,89 @@
+"""``preflight(cfg)``: every check of user input, before any process group exists, and the run plan it yields.
+
+Identical on every rank, so all ranks fail together with the same one-line error (``ValueError`` or
+``FileNotFoundError``): the installed DeepSpeed, the rendezvous environment, ``validate()``, data and tokenizer flags,
+the LR schedule, output paths, the tokenizer's files, the DeepSpeed config with its conflict check, the token ids in
+the data, and the checkpoint rules (``megatron.checkpointing.rules``). The result carries the :class:`RunPlan` every
+later stage uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing.pointers import resolve_universal_flag
+from megatron.checkpointing.rules import check_checkpoint_dirs
+from megatron.config import RunPlan, TridentConfig, validate
+from megatron.config.plan import global_batch_size, train_samples_and_iters
+from megatron.deepspeed_internals import check_deepspeed_version
+from megatron.tokenizer import encoding_fingerprint
+from megatron.training import initialize
+from megatron.training.data_iterators import build_run_tokenizer, check_data_flags, check_data_vocab
+from megatron.training.ds_config import build_ds_config
+from megatron.training.lr_scheduler import build_lr_scheduler
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks before any process group produce."""
+
+    cfg: TridentConfig
+    """The run's config as preflight resolved it (e.g. a stale --universal-checkpoint dropped)."""
+    plan: RunPlan
+    """Every derived value of the run (world, DP, batch sizes, iterations, ZeRO stage, vocabulary, ...)."""
+    ds_config: dict[str, Any]
+    tokenizer: Any
+    """The run's tokenizer (its files are read here, so a missing one fails before any group exists)."""
+    tokenizer_fingerprint: str | None = None
+    """``megatron.tokenizer.encoding_fingerprint`` of ``tokenizer`` (recorded in checkpoints, checked on load)."""
+
+
+def check_output_paths(cfg: TridentConfig) -> None:
+    """--metrics-file must be a file path and --tensorboard-dir a directory path (ValueError naming the flag)."""
+    log = cfg.logging
+    if log.metrics_file and Path(log.metrics_file).is_dir():
+        raise ValueError(f"--metrics-file {log.metrics_file} is a directory; give a file path.")
+    if log.tensorboard_dir and Path(log.tensorboard_dir).is_file():
+        raise ValueError(
+            f"--tensorboard-dir {log.tensorboard_dir} is a file; give a directory path."
+        )
+
+
+def preflight(cfg: TridentConfig) -> Preflight:
+    """Every user-input check, before any process group exists (identical on every rank).
+
+    Raises:
+        ValueError: a bad flag combination, a --deepspeed_config that contradicts a flag, or an untested
+            DeepSpeed version.
+        FileNotFoundError: a named file (DeepSpeed JSON, tokenizer files, data) does not exist.
+    """
+    check_deepspeed_version()
+    initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
+    world_size = initialize.world_size_from_env()
+    device_type = initialize.device_type(cfg)
+    validate(cfg, world_size=world_size, device_type=device_type)
+    check_data_flags(cfg)
+    gbs = global_batch_size(cfg, world_size)
+    train_samples_and_iters(cfg.training, gbs)
+    build_lr_scheduler(
+        cfg.training, gbs, None
+    )  # the schedule's own checks (warmup vs decay length)
+    check_output_paths(cfg)
+    cfg = resolve_universal_flag(cfg, world_size)
+    tokenizer = build_run_tokenizer(cfg)
+    plan = RunPlan.build(
+        cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
+    )
+    ds_config = build_ds_config(cfg, plan)
+    check_data_vocab(cfg, tokenizer.vocab_size)
+    fingerprint = encoding_fingerprint(tokenizer)
+    check_checkpoint_dirs(cfg, plan, tokenizer_fingerprint=fingerprint)
+    return Preflight(
+        cfg=cfg,
+        plan=plan,
+        ds_config=ds_config,
+        tokenizer=tokenizer,
+        tokenizer_fingerprint=fingerprint,
+    )
