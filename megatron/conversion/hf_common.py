@@ -27,7 +27,34 @@ def require(cfg: Mapping[str, Any], key: str, model: str) -> Any:
     return cfg[key]
 
 
-class StrictKeys:
+class _TrackedKeys:
+    """A state dict read tensor by tensor (as fp32), remembering which keys were read, so that what a conversion
+    leaves unread is an error instead of silently dropped weights."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._sd = tensors
+        self._used: set[str] = set()
+
+    def _missing(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _unused(self, unused: list[str]) -> str:
+        raise NotImplementedError
+
+    def _read(self, key: str) -> torch.Tensor:
+        if key not in self._sd:
+            raise ValueError(self._missing(key))
+        self._used.add(key)
+        return self._sd[key].detach().to(torch.float32)
+
+    def check_all_used(self) -> None:
+        """ValueError listing the tensors the conversion did not read."""
+        unused = sorted(set(self._sd) - self._used)
+        if unused:
+            raise ValueError(self._unused(unused))
+
+
+class StrictKeys(_TrackedKeys):
     """Takes tensors out of an HF state dict by name and reports what was missing or left unused.
 
     Args:
@@ -48,7 +75,7 @@ class StrictKeys:
     ) -> None:
         self._model = model
         ignore = tuple(ignore_suffixes)
-        self._sd: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for key, value in state_dict.items():
             if ignore and key.endswith(ignore):
                 continue
@@ -56,8 +83,8 @@ class StrictKeys:
                 raise ValueError(
                     f"{model} state dict entry '{key}' is a {type(value).__name__}, not a tensor."
                 )
-            self._sd[key[len(prefix) :] if key.startswith(prefix) else key] = value
-        self._used: set[str] = set()
+            tensors[key[len(prefix) :] if key.startswith(prefix) else key] = value
+        super().__init__(tensors)
 
     def has(self, key: str) -> bool:
         """Whether ``key`` (without prefix) is present."""
@@ -65,26 +92,22 @@ class StrictKeys:
 
     def take(self, key: str) -> torch.Tensor:
         """The fp32 tensor at ``key`` (without prefix); ValueError naming the key when it is missing."""
-        if key not in self._sd:
-            near = sorted(self._sd)[:5]
-            raise ValueError(
-                f"{self._model} state dict has no '{key}' (first keys: {near}); the checkpoint does not match "
-                f"its config.json or is not a {self._model} model."
-            )
-        self._used.add(key)
-        return self._sd[key].detach().to(torch.float32)
+        return self._read(key)
 
-    def check_all_used(self) -> None:
-        """ValueError listing tensors the conversion did not consume (an unsupported architecture variant)."""
-        unused = sorted(set(self._sd) - self._used)
-        if unused:
-            raise ValueError(
-                f"{self._model} state dict has {len(unused)} tensors this converter does not map "
-                f"(e.g. {unused[:5]}); the checkpoint uses a variant Trident does not support."
-            )
+    def _missing(self, key: str) -> str:
+        return (
+            f"{self._model} state dict has no '{key}' (first keys: {sorted(self._sd)[:5]}); the checkpoint "
+            f"does not match its config.json or is not a {self._model} model."
+        )
+
+    def _unused(self, unused: list[str]) -> str:
+        return (
+            f"{self._model} state dict has {len(unused)} tensors this converter does not map "
+            f"(e.g. {unused[:5]}); the checkpoint uses a variant Trident does not support."
+        )
 
 
-class MegatronKeys:
+class MegatronKeys(_TrackedKeys):
     """Callable lookup into a full Megatron state dict (fp32) that remembers which keys were read.
 
     Exporters call it per tensor and finish with :meth:`check_all_used`, so a state dict that does not match the
@@ -92,24 +115,20 @@ class MegatronKeys:
     """
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self._sd = dict(state_dict)
-        self._used: set[str] = set()
+        super().__init__(dict(state_dict))
 
     def __call__(self, key: str) -> torch.Tensor:
-        if key not in self._sd:
-            raise ValueError(
-                f"Megatron state dict has no '{key}'; pass the full (TP- and PP-merged) model whose "
-                "ModelConfig you gave."
-            )
-        self._used.add(key)
-        return self._sd[key].detach().to(torch.float32)
+        return self._read(key)
 
-    def check_all_used(self) -> None:
-        """ValueError listing keys the export did not read (state dict and ModelConfig disagree)."""
-        unused = sorted(set(self._sd) - self._used)
-        if unused:
-            raise ValueError(
-                f"Megatron state dict has {len(unused)} tensors the ModelConfig does not account for "
-                f"(e.g. {unused[:5]}); check --num-layers, --untie-embeddings-and-output-weights and "
-                "--disable-bias-linear."
-            )
+    def _missing(self, key: str) -> str:
+        return (
+            f"Megatron state dict has no '{key}'; pass the full (TP- and PP-merged) model whose ModelConfig "
+            "you gave."
+        )
+
+    def _unused(self, unused: list[str]) -> str:
+        return (
+            f"Megatron state dict has {len(unused)} tensors the ModelConfig does not account for "
+            f"(e.g. {unused[:5]}); check --num-layers, --untie-embeddings-and-output-weights and "
+            "--disable-bias-linear."
+        )

@@ -30,7 +30,7 @@ from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
 from megatron.model.rotary import apply_rotary_pos_emb
-from megatron.model.utils import init_seed
+from megatron.model.utils import init_seed, tp_linear_kwargs
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
@@ -142,11 +142,8 @@ class ParallelAttention(nn.Module):
             bias=config.add_bias_linear,
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
-            sequence_parallel=parallel.sequence_parallel,
-            params_dtype=parallel.params_dtype,
-            device=parallel.device,
             init_seed=seed_of("query_key_value.weight"),
-            group=parallel.tp_group,
+            **tp_linear_kwargs(parallel),
         )
         self.dense = RowParallelLinear(
             n * hn,
@@ -155,11 +152,8 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             skip_bias_add=True,
-            sequence_parallel=parallel.sequence_parallel,
-            params_dtype=parallel.params_dtype,
-            device=parallel.device,
             init_seed=seed_of("dense.weight"),
-            group=parallel.tp_group,
+            **tp_linear_kwargs(parallel),
         )
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

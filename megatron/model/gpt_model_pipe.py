@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -247,41 +248,35 @@ class GPTModelPipe(PipelineModule):
         padded = padded_vocab_size(
             config.vocab_size, config.make_vocab_size_divisible_by, parallel.tp_size
         )
-        specs: list = [_check_pipe_inputs]
-        if config.untie_embeddings_and_output_weights:
-            specs.append(LayerSpec(EmbeddingPipe, config, parallel, padded_vocab=padded))
-        else:
-            specs.append(
-                TiedLayerSpec(
-                    "embed",
-                    EmbeddingPipe,
-                    config,
-                    parallel,
-                    padded_vocab=padded,
-                    tied_weight_attr=["word_embeddings.weight"],
-                )
+
+        def tied_embedding(**extra: Any) -> TiedLayerSpec:
+            # the word embeddings of the first stage and the output layer of the last share one weight
+            return TiedLayerSpec(
+                "embed",
+                EmbeddingPipe,
+                config,
+                parallel,
+                padded_vocab=padded,
+                tied_weight_attr=["word_embeddings.weight"],
+                **extra,
             )
-        specs += [
-            LayerSpec(ParallelTransformerLayerPipe, config, parallel, layer_number=i)
-            for i in range(config.num_layers)
-        ]
+
+        untied = config.untie_embeddings_and_output_weights
         norm_cls = RMSNormPipe if config.normalization == "rmsnorm" else LayerNormPipe
-        specs.append(LayerSpec(norm_cls, config.hidden_size, **norm_kwargs(config, parallel)))
-        if config.untie_embeddings_and_output_weights:
-            specs.append(LayerSpec(LMHeadPipe, config, parallel, padded_vocab=padded))
-        else:
-            specs.append(
-                TiedLayerSpec(
-                    "embed",
-                    EmbeddingPipe,
-                    config,
-                    parallel,
-                    padded_vocab=padded,
-                    with_position_embeddings=False,
-                    forward_fn=_tied_logits,
-                    tied_weight_attr=["word_embeddings.weight"],
-                )
-            )
+        specs: list = [
+            _check_pipe_inputs,
+            LayerSpec(EmbeddingPipe, config, parallel, padded_vocab=padded)
+            if untied
+            else tied_embedding(),
+            *(
+                LayerSpec(ParallelTransformerLayerPipe, config, parallel, layer_number=i)
+                for i in range(config.num_layers)
+            ),
+            LayerSpec(norm_cls, config.hidden_size, **norm_kwargs(config, parallel)),
+            LayerSpec(LMHeadPipe, config, parallel, padded_vocab=padded)
+            if untied
+            else tied_embedding(with_position_embeddings=False, forward_fn=_tied_logits),
+        ]
         specs.append(_logits_to_fp32)
         super().__init__(
             layers=specs,

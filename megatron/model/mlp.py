@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
-from megatron.model.utils import init_seed
+from megatron.model.utils import init_seed, tp_linear_kwargs
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
@@ -57,11 +57,8 @@ class ParallelMLP(nn.Module):
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
             stride=2 if self.swiglu else 1,
-            sequence_parallel=parallel.sequence_parallel,
-            params_dtype=parallel.params_dtype,
-            device=parallel.device,
             init_seed=seed_of("dense_h_to_4h.weight"),
-            group=parallel.tp_group,
+            **tp_linear_kwargs(parallel),
         )
         self.dense_4h_to_h = RowParallelLinear(
             ffn,
@@ -70,11 +67,8 @@ class ParallelMLP(nn.Module):
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             skip_bias_add=True,
-            sequence_parallel=parallel.sequence_parallel,
-            params_dtype=parallel.params_dtype,
-            device=parallel.device,
             init_seed=seed_of("dense_4h_to_h.weight"),
-            group=parallel.tp_group,
+            **tp_linear_kwargs(parallel),
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
