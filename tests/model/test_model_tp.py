@@ -96,7 +96,25 @@ def _tp_worker(tp_sizes: list[int]) -> dict | None:
                     "padded": model.padded_vocab_size,
                 }
         parallel_state.destroy_model_parallel()
-    return _to_numpy(out) if torch.distributed.get_rank() == 0 else None
+    # A model built for another grid: TP = 1 on a group of this rank alone, inside a TP = 4 job. It must use the
+    # group it is given, not the job's TP group (ParallelContext), and a context without a group is refused here.
+    world = torch.distributed.get_world_size()
+    solo_group = [torch.distributed.new_group([r]) for r in range(world)][
+        torch.distributed.get_rank()
+    ]
+    parallel_state.initialize_model_parallel(tp_sizes[-1], 1)
+    try:
+        ParallelContext(seed=SEED)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    solo = {}
+    for key, cfg in CONFIGS.items():
+        per_token, logits, _ = _run(GPTModel(cfg, ParallelContext(seed=SEED, tp_group=solo_group)))
+        solo[key] = {"per_token": per_token, "logits": logits}
+    parallel_state.destroy_model_parallel()
+    result = {"layouts": out, "solo": solo, "refused": refused}
+    return _to_numpy(result) if torch.distributed.get_rank() == 0 else None
 
 
 def _to_numpy(tree):
@@ -117,7 +135,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_tensor_parallel_matches_single_process() -> None:
-    results = _to_torch(run_distributed(_tp_worker, 4, [2, 4], timeout=240)[0])
+    everything = _to_torch(run_distributed(_tp_worker, 4, [2, 4], timeout=240)[0])
+    results = everything["layouts"]
     refs = {}
     for key, cfg in CONFIGS.items():
         model = GPTModel(cfg, ParallelContext(seed=SEED))
@@ -157,4 +176,12 @@ def test_tensor_parallel_matches_single_process() -> None:
         worst["logits"] = max(worst["logits"], err)
         assert err <= 1e-6, f"{where}: logits rel err {err:.2e}"
     assert len(results) == 8
+    for key, (
+        _,
+        per_token,
+        logits,
+    ) in refs.items():  # the TP = 1 model on its one-rank group: the TP = 1 model
+        assert torch.equal(everything["solo"][key]["per_token"], per_token), key
+        assert torch.equal(everything["solo"][key]["logits"], logits), key
+    assert "name the tensor-parallel group" in everything["refused"]
     print(f"TP parity worst relative errors: {worst}")
