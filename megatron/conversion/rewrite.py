@@ -31,6 +31,7 @@ from megatron.conversion.verify import (
     fixed_prompts,
     megatron_logits_fn,
 )
+from megatron.deepspeed_internals import check_deepspeed_version
 from megatron.layout.vocab import pad_vocab_for_tp
 from megatron.training.spawn import spawn_local_ranks
 
@@ -130,6 +131,7 @@ def write_trident_checkpoint(
     """
     from safetensors.torch import save_file
 
+    check_deepspeed_version()  # here, not in each spawned rank: one line instead of a rank's traceback
     check_new_save_dir(out_dir)
     check_target_layout(cfg, tp=tp, pp=pp)
     padded = pad_vocab_for_tp(full, cfg, tp)
