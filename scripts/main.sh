@@ -52,7 +52,8 @@ ARGS=(
 )
 # Known-harmless deprecation warnings from DeepSpeed 0.19.8 on torch 2.13 (see the DeepSpeed CPU notes).
 export PYTHONWARNINGS="ignore::FutureWarning,ignore::UserWarning"
-deepspeed --num_gpus "$NPROC" --master_port "$(python -c 'from megatron.training.spawn import find_free_port; print(find_free_port())')" \
+PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+deepspeed --num_gpus "$NPROC" --master_port "$PORT" \
   pretrain_gpt.py "${ARGS[@]}"
 
 echo "== 5/6 plot"
