@@ -1,6 +1,9 @@
 """Benchmark tools/preprocess_data.py against the tokenizer's own batch encoding (not a test).
 
     python tools/bench_preprocess.py --sizes 10 100 [--workdir /tmp/bench] [--gpt2-dir DIR]
+    python tools/bench_preprocess.py --corpus my.jsonl --reference-cmd \
+        "python /path/to/Megatron-DeepSpeed/tools/preprocess_data.py --input {input} --output-prefix {output_prefix} \
+         --vocab-file {vocab} --merge-file {merges} --tokenizer-type GPT2BPETokenizer --append-eod --workers {workers}"
 
 Builds JSONL corpora of the given sizes in MB (the stdlib pydoc topics, each copy of a document prefixed with a
 distinct line, repeated to size), then for each size measures, each in a fresh subprocess:
@@ -9,6 +12,10 @@ distinct line, repeated to size), then for each size measures, each in a fresh s
   (the floor any preprocessing pays);
 * ``preprocess wN``: ``tools/preprocess_data.py --append-eod --workers N`` end to end (process start, reading,
   JSON, tokenizing, writing), for N = 1 and 2.
+
+* ``reference wN`` (with ``--reference-cmd``): any other preprocessing command on the same corpus and tokenizer
+  files, e.g. Megatron-DeepSpeed's script; its output (``{output_prefix}_text_document``) is compared with ours
+  byte for byte when it writes one,
 
 and prints wall and CPU time, MB/s, tokens/s, overhead over the tokenizer (wall, and CPU: the honest figure on a
 shared machine), speed-up over the first worker count (wall), and peak RSS (from ``os.wait4``: the largest of the
@@ -24,6 +31,7 @@ import argparse
 import filecmp
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,15 +147,64 @@ def best_of(repeat: int, cmd: list[str]) -> dict:
             "rss_mb": max(r["rss_mb"] for r in runs), "out": runs[0]["out"]}  # fmt: skip
 
 
+def _corpus_stats(corpus: Path) -> tuple[int, int]:
+    """(documents, text bytes) of a JSONL corpus with a ``text`` key."""
+    docs = nbytes = 0
+    with open(corpus, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                docs += 1
+                nbytes += len(json.loads(line)["text"].encode())
+    return docs, nbytes
+
+
+def _reference_rows(
+    template: str,
+    corpus: Path,
+    tok_args: list[str],
+    workdir: Path,
+    repeat: int,
+    workers_list: list[int],
+) -> list[tuple[str, dict, int, bool | None]]:
+    """(name, measurement, tokens, same bytes as ours) of ``--reference-cmd`` for each worker count."""
+    out = []
+    for workers in workers_list:
+        prefix = workdir / f"ref_{corpus.stem}_w{workers}"
+        cmd = shlex.split(
+            template.format(input=corpus, output_prefix=prefix, vocab=tok_args[3], merges=tok_args[5],
+                            workers=workers)
+        )  # fmt: skip
+        res = best_of(repeat, cmd)
+        written, ours = (
+            Path(f"{prefix}_text_document"),
+            workdir / f"out_{corpus.stem}_w1_text_document",
+        )
+        tokens, same = 0, None
+        if Path(
+            f"{written}.bin"
+        ).is_file():  # tokens from the .bin alone: MDS's .idx sizes omit the EOD
+            itemsize = np.dtype(MMapIndexedDataset(str(ours)).dtype).itemsize
+            tokens = os.path.getsize(f"{written}.bin") // itemsize
+            same = filecmp.cmp(f"{written}.bin", f"{ours}.bin", shallow=False)
+        out.append((f"reference w{workers}", res, tokens, same))  # same: the token stream (.bin)
+    return out
+
+
 def bench_size(
     workdir: Path,
     megabytes: float,
     tok_args: list[str] | None,
     repeat: int,
     workers_list: list[int],
+    corpus_file: Path | None = None,
+    reference_cmd: str | None = None,
 ) -> tuple[list[str], list[tuple]]:
-    corpus = workdir / f"corpus_{megabytes:g}mb.jsonl"
-    docs, nbytes = build_corpus(corpus, megabytes)
+    if corpus_file is not None:
+        corpus = corpus_file
+        docs, nbytes = _corpus_stats(corpus)
+    else:
+        corpus = workdir / f"corpus_{megabytes:g}mb.jsonl"
+        docs, nbytes = build_corpus(corpus, megabytes)
     tok_args = tok_args or tokenizer_files(workdir, None, corpus)
     runs = []
     res = best_of(
@@ -165,30 +222,39 @@ def bench_size(
         )
     )
     for workers in workers_list:
-        prefix = workdir / f"out_{megabytes:g}mb_w{workers}"
+        prefix = workdir / f"out_{corpus.stem}_w{workers}"
         cmd = [sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", str(corpus), "--append-eod",
                "--output-prefix", str(prefix), "--workers", str(workers), "--log-interval", "1000000", *tok_args]  # fmt: skip
         res = best_of(repeat, cmd)
         tokens = int(MMapIndexedDataset(f"{prefix}_text_document").sizes.sum(dtype=np.int64))
         runs.append((f"preprocess w{workers}", res["wall"], res["cpu"], tokens, res["rss_mb"]))
-    a, b = (
-        workdir / f"out_{megabytes:g}mb_w1_text_document",
-        workdir / f"out_{megabytes:g}mb_w2_text_document",
+    outs = [workdir / f"out_{corpus.stem}_w{w}_text_document" for w in workers_list]
+    same = all(
+        filecmp.cmp(f"{outs[0]}{e}", f"{o}{e}", shallow=False)
+        for o in outs[1:]
+        for e in (".bin", ".idx")
     )
-    same = all(filecmp.cmp(f"{a}{e}", f"{b}{e}", shallow=False) for e in (".bin", ".idx"))
+    references = (
+        _reference_rows(reference_cmd, corpus, tok_args, workdir, repeat, workers_list)
+        if reference_cmd
+        else []
+    )
+    runs += [(name, r["wall"], r["cpu"], tokens, r["rss_mb"]) for name, r, tokens, _ in references]
     table = []
     for name, wall, cpu, tokens, rss in runs:
         first = name == "tokenizer only"
         table.append((
-            f"{megabytes:g} MB", name, f"{wall:.2f}", f"{cpu:.2f}", f"{nbytes / wall / 1e6:.2f}",
+            corpus.name, name, f"{wall:.2f}", f"{cpu:.2f}", f"{nbytes / wall / 1e6:.2f}",
             f"{tokens / wall / 1e6:.3f}",
             "" if first else f"{100 * (wall / runs[0][1] - 1):+.0f} %",
             "" if first else f"{100 * (cpu / runs[0][2] - 1):+.0f} %",
-            f"{runs[1][1] / wall:.2f}x" if name.startswith("preprocess") else "",
+            f"{runs[1][1] / wall:.2f}x" if name.startswith("preprocess")
+            else f"ours w1 {wall / runs[1][1]:.1f}x faster" if name.startswith("reference") else "",
             f"{rss:.0f}",
         ))  # fmt: skip
-    notes = [f"{megabytes:g} MB: {docs:,} docs, {nbytes / 1e6:.1f} MB text, {runs[1][3]:,} tokens (with EOD); "
+    notes = [f"{corpus.name}: {docs:,} docs, {nbytes / 1e6:.1f} MB text, {runs[1][3]:,} tokens (with EOD); "
              f"outputs of all worker counts byte-identical: {same}"]  # fmt: skip
+    notes += [f"{name}: .bin byte-identical to ours: {s}" for name, _, _, s in references]
     return notes, table
 
 
@@ -211,6 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         default=[1, 2],
         help="worker counts (the first is the baseline)",
     )
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="benchmark this JSONL (a 'text' key) instead of built corpora",
+    )
+    p.add_argument(
+        "--reference-cmd",
+        default=None,
+        help="another preprocessing command to time on the same corpus: a template with {input}, "
+        "{output_prefix}, {vocab}, {merges}, {workers}",
+    )
     p.add_argument("--_tokenize-only", nargs=3, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._tokenize_only:
@@ -223,8 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         header = ("corpus", "run", "wall s", "CPU s", "MB/s", "Mtok/s", "overhead wall", "overhead CPU",
                   "speed-up", "peak RSS MB")  # fmt: skip
         rows, notes = [header], []
-        for mb in args.sizes:
-            n, t = bench_size(workdir, mb, tok_args, args.repeat, args.workers)
+        corpora = [(0.0, Path(args.corpus))] if args.corpus else [(mb, None) for mb in args.sizes]
+        for mb, corpus in corpora:
+            n, t = bench_size(
+                workdir, mb, tok_args, args.repeat, args.workers, corpus, args.reference_cmd
+            )
             notes += n
             rows += t
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -7,13 +7,16 @@
 then train with ``--data-path data/my-gpt2_text_document``. Megatron's flags; differences: every key is written
 (Megatron finalizes only the last), sizes include the EOD (the fixed Megatron-LM layout), the output is
 byte-identical for any --workers, files appear only when the run succeeds, and a bad line stops the run with
-``file:line`` (or is skipped with --skip-bad-lines). --partitions is accepted for compatibility and has no effect:
-inputs are streamed in order, so partitioning gains nothing. An input with no documents (or a key whose values
+``file:line`` (or is skipped with --skip-bad-lines). --partitions takes only 1 (Megatron's default): inputs are
+streamed to the --workers in order, which gives the same parallelism without a merge step. An input with no documents (or a key whose values
 are all empty) is an error, not an empty dataset, and --output-prefix must end with a file-name prefix, not a
 path separator (``data/my-corpus``, not ``data/``).
 
-Exit codes: 0 ok, 1 bad input or a failed run (one ``error:`` line; nothing written), 2 bad flags (argparse),
-130 interrupted.
+GPT2BPETokenizer encodes through tiktoken (built from the given files, offline) when it gives exactly the ids of the
+reference encoder, checked at start-up; the last lines say which encoder ran.
+
+Exit codes: 0 ok, 1 bad input or a failed run (one ``error:`` line; nothing written), 2 bad flags (argparse,
+--partitions other than 1), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     g.add_argument(
-        "--partitions", type=int, default=1, help="accepted for compatibility; no effect"
+        "--partitions",
+        type=int,
+        default=1,
+        help="Megatron's input partitions: 1 only (use --workers for parallelism)",
     )
     g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
     return p
@@ -88,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.partitions != 1:
+        print(
+            f"error: --partitions {args.partitions} is not supported: the input is streamed to --workers "
+            "processes in order, which gives the parallelism of partitions without the merge step and the same "
+            f"bytes for any worker count; use --workers {args.partitions} (and --partitions 1).",
+            file=sys.stderr,
+        )
+        return 2
     previous = signal.signal(signal.SIGTERM, _interrupt)
     tokenizer_kwargs = {
         "tokenizer_type": args.tokenizer_type,
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary.seconds:.2f} s ({rates(summary, summary.seconds)})",
         file=sys.stderr,
     )
+    print(f"encoder: {summary.encoder}", file=sys.stderr)
     if summary.bad_lines:
         print(f"skipped {summary.bad_lines:,} bad line(s) (--skip-bad-lines)", file=sys.stderr)
     for prefix in summary.outputs:

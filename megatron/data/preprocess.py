@@ -2,14 +2,17 @@
 
 Pipeline, streaming and order-preserving::
 
-    input files (.jsonl / .jsonl.gz, globs)            main process
-      -> chunks of raw lines (<= 128 lines / 256 KB)   read lazily, never a whole file
-      -> workers: json.loads, validate, batch-encode   Encoder.encode: one tokenizer batch call per key and chunk
+    input files (.jsonl / .jsonl.gz, globs)            main process: only cuts plain files into byte ranges
+      -> chunks (<= 128 lines / 256 KB, whole lines)   (a .gz is decompressed in the main process: no seeking)
+      -> workers: read the range, json.loads,          Encoder.encode: one tokenizer batch call per key and chunk
+         validate, batch-encode
          -> per key: flat token array (dtype), sequence sizes, sequences per document
       -> main: MMapIndexedDatasetBuilder.add_documents (numpy tofile), in input order
 
 With ``workers > 1`` at most ``2 * workers`` chunks are in flight (so memory stays flat however big the input),
-and results are consumed in submission order, so the output is byte-identical for any worker count.
+and results are consumed in submission order, so the output is byte-identical for any worker count. The workers are
+forked once the main process has built and checked its tokenizer (they inherit it: no start-up cost per worker, no
+helper process); every one is terminated and joined before ``preprocess`` returns or raises (also on Ctrl-C).
 
 Per document and key, as Megatron-LM: a string value is one sequence, a list of strings is one sequence per
 non-empty string; sequences with no tokens are dropped; with ``append_eod`` the EOD is appended to the document's
@@ -67,6 +70,26 @@ class Chunk:
     lines: list[bytes]
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """Whole lines ``[start, end)`` (byte offsets) of an uncompressed input file, read by the worker itself."""
+
+    path: str
+    start: int
+    end: int
+
+    def read(self) -> Chunk:
+        """The lines of the range (``first_line`` 0: the main process numbers lines as results arrive)."""
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            data = f.read(self.end - self.start)
+        parts = data.split(b"\n")  # as iterating a binary file splits: on b"\n" only, newline kept
+        lines = [part + b"\n" for part in parts[:-1]]
+        if parts[-1]:
+            lines.append(parts[-1])  # a last line without a newline
+        return Chunk(self.path, 0, lines)
+
+
 @dataclass
 class KeyResult:
     """One key's encoded chunk: flat tokens, sequence sizes, and sequences per accepted document."""
@@ -83,6 +106,8 @@ class ChunkResult:
     num_bytes: int
     keys: dict[str, KeyResult]
     bad: list[tuple[int, str]]
+    """(line index within the chunk, reason) of every bad line."""
+    num_lines: int
 
 
 @dataclass
@@ -95,6 +120,8 @@ class Summary:
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     outputs: list[str] = field(default_factory=list)
+    encoder: str = ""
+    """Which encoder tokenized (e.g. tiktoken, or the tokenizers reference and why)."""
 
 
 def resolve_inputs(pattern: str) -> list[str]:
@@ -140,6 +167,53 @@ def read_chunks(
                 ) from e
             if lines:
                 yield Chunk(path, first, lines)
+
+
+def _range_end(f: BinaryIO, start: int, max_lines: int, max_bytes: int) -> int:
+    """End offset of the chunk of whole lines that starts at ``start``: at most ``max_lines`` lines and at most
+    ``max_bytes`` bytes, except a single line longer than that (then that line alone)."""
+    f.seek(start)
+    block = f.read(max_bytes)
+    if not block:
+        return start
+    pos = -1
+    for _ in range(max_lines):
+        pos = block.find(b"\n", pos + 1)
+        if pos < 0:
+            break
+    else:
+        return start + pos + 1  # max_lines whole lines within max_bytes
+    if len(block) < max_bytes:
+        return start + len(block)  # the rest of the file (its last line may lack a newline)
+    last = block.rfind(b"\n")
+    if last >= 0:
+        return start + last + 1  # the whole lines that fit
+    while True:  # one line longer than max_bytes: read on to its end
+        more = f.read(max_bytes)
+        if not more:
+            return f.tell()
+        at = more.find(b"\n")
+        if at >= 0:
+            return f.tell() - len(more) + at + 1
+
+
+def plan_chunks(
+    paths: Sequence[str], max_lines: int = CHUNK_LINES, max_bytes: int = CHUNK_BYTES
+) -> Iterator[Chunk | ByteRange]:
+    """The chunks of ``paths`` in input order: byte ranges of regular files (the workers read them), lines of
+    ``.gz`` files and pipes (read here). A chunk never spans two files."""
+    for path in paths:
+        if path.endswith(".gz") or not os.path.isfile(path):  # compressed, or a pipe: no seeking
+            yield from read_chunks([path], max_lines, max_bytes)
+            continue
+        with open(path, "rb") as f:
+            start = 0
+            while True:
+                end = _range_end(f, start, max_lines, max_bytes)
+                if end == start:
+                    break
+                yield ByteRange(path, start, end)
+                start = end
 
 
 def _parse(line: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str]:
@@ -232,8 +306,11 @@ class Encoder:
             sizes[np.cumsum(seqs_per_doc)[has] - 1] += 1
         return KeyResult(tokens, sizes.astype(np.int32), seqs_per_doc.astype(np.int64))
 
-    def encode(self, chunk: Chunk) -> ChunkResult:
-        """Parse, validate and tokenize one chunk; bad lines are reported, not raised."""
+    def encode(self, chunk: Chunk | ByteRange) -> ChunkResult:
+        """Parse, validate and tokenize one chunk (read first when a byte range); bad lines are reported by their
+        index in the chunk, not raised."""
+        if isinstance(chunk, ByteRange):
+            chunk = chunk.read()
         bad: dict[int, str] = {}
         docs: list[tuple[int, list[list[str]]]] = []
         for i, line in enumerate(chunk.lines):
@@ -241,9 +318,9 @@ class Encoder:
                 continue
             values, reason = _parse(line, self.keys)
             if values is None:
-                bad[chunk.first_line + i] = reason
+                bad[i] = reason
             else:
-                docs.append((chunk.first_line + i, values))
+                docs.append((i, values))
         encoded = []
         for k in range(len(self.keys)):
             texts = [t for _, values in docs for t in values[k]]
@@ -258,7 +335,12 @@ class Encoder:
             parts = np.array([len(values[k]) for _, values in docs], dtype=np.int64)
             results[key] = self._key_result(encoded[k], parts)
         return ChunkResult(
-            chunk.path, len(docs), sum(map(len, chunk.lines)), results, sorted(bad.items())
+            chunk.path,
+            len(docs),
+            sum(map(len, chunk.lines)),
+            results,
+            sorted(bad.items()),
+            len(chunk.lines),
         )
 
 
@@ -270,6 +352,7 @@ def _select(
 
 
 _WORKER_ENCODER: Encoder | None = None
+"""The encoder a forked worker inherits from the main process (set just before the workers are forked)."""
 
 
 def _worker_signals() -> None:
@@ -279,32 +362,26 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _init_worker(tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_eod: bool) -> None:
-    global _WORKER_ENCODER
-    _worker_signals()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER_ENCODER = Encoder(tokenizer_kwargs, keys, append_eod)
-
-
-def _encode_in_worker(chunk: Chunk) -> ChunkResult:
+def _encode_in_worker(chunk: Chunk | ByteRange) -> ChunkResult:
     if _WORKER_ENCODER is None:
-        raise RuntimeError("preprocessing worker used before its initializer ran")
+        raise RuntimeError("preprocessing worker without the main process's encoder")
     return _WORKER_ENCODER.encode(chunk)
 
 
 def _results(
-    chunks: Iterator[Chunk], encoder: Encoder, init: tuple[Any, ...], workers: int
+    chunks: Iterator[Chunk | ByteRange], encoder: Encoder, workers: int
 ) -> Iterator[ChunkResult]:
     """Encoded chunks in input order; with workers > 1 at most 2 * workers in flight."""
+    global _WORKER_ENCODER
     if workers == 1:
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
-    # spawn, not fork: a forked child of a process with native threads (torch, tokenizer pools) can deadlock
-    # before its initializer runs; each spawned worker loads the tokenizer itself (a fraction of a second).
-    pool = multiprocessing.get_context("spawn").Pool(
-        workers, initializer=_init_worker, initargs=init
-    )
+    # fork: the workers inherit the built and checked tokenizer (spawning re-imports and rebuilds it, ~0.5 s each,
+    # and starts a resource-tracker process that outlives the run). No thread pool runs in this process: the
+    # tokenizers' own parallelism is off (TOKENIZERS_PARALLELISM=false) and torch is not imported here.
+    _WORKER_ENCODER = encoder
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals)
     try:
         pending: collections.deque[Any] = collections.deque()
         for chunk in chunks:
@@ -314,9 +391,10 @@ def _results(
         while pending:
             yield pending.popleft().get()
         pool.close()  # clean shutdown: workers exit on the sentinel
-        pool.join()
     finally:
-        pool.terminate()  # error or interrupt: stop the workers now (a no-op after join)
+        pool.terminate()  # error or interrupt: stop the workers now (a no-op after close)
+        pool.join()  # every worker reaped before returning or raising
+        _WORKER_ENCODER = None
 
 
 class _Progress:
@@ -422,10 +500,14 @@ def preprocess(
         )
     encoder = Encoder(
         tokenizer_kwargs, json_keys, append_eod
-    )  # validates the tokenizer (and eod) up front
+    )  # checks the tokenizer (and eod) up front
+
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     builders: dict[str, MMapIndexedDatasetBuilder] = {}
-    summary = Summary(tokens=dict.fromkeys(json_keys, 0))
+    summary = Summary(
+        tokens=dict.fromkeys(json_keys, 0),
+        encoder=getattr(encoder.tokenizer, "encoder", encoder.tokenizer.name),
+    )
     start = time.monotonic()
     progress = _Progress(log_interval)
     try:
@@ -433,17 +515,21 @@ def preprocess(
             builders[key] = make_builder(
                 data_file_path(prefix), vocab_size=encoder.tokenizer.vocab_size
             )
-        init = (tokenizer_kwargs, tuple(json_keys), append_eod)
         lines = chunk_lines or min(CHUNK_LINES, max(16, log_interval))
-        chunks = read_chunks(inputs, max_lines=lines)
-        for result in _results(chunks, encoder, init, workers):
+        chunks = plan_chunks(inputs, max_lines=lines)
+        path, first_line = "", 1  # 1-based number of the chunk's first line in its file
+        for result in _results(chunks, encoder, workers):
+            if result.path != path:
+                path, first_line = result.path, 1
             if result.bad and not skip_bad_lines:
-                line, reason = result.bad[0]
+                index, reason = result.bad[0]
                 raise PreprocessError(
-                    f"{result.path}:{line}: {reason}. Fix the line, or pass --skip-bad-lines to skip bad lines."
+                    f"{result.path}:{first_line + index}: {reason}. Fix the line, or pass --skip-bad-lines to "
+                    "skip bad lines."
                 )
-            for line, reason in result.bad:
-                logger.debug("skipping %s:%d: %s", result.path, line, reason)
+            for index, reason in result.bad:
+                logger.debug("skipping %s:%d: %s", result.path, first_line + index, reason)
+            first_line += result.num_lines
             summary.bad_lines += len(result.bad)
             summary.docs += result.docs
             summary.num_bytes += result.num_bytes

