@@ -17,11 +17,14 @@ same data, seed and flags give the same samples in the same order, and Megatron'
             (consecutive samples overlap by one token), returned as {"text": int64[seq_length + 1]}.
 
 GPT treats every ``.idx`` sequence as a document (the ``.idx`` ``doc_idx`` is not used). The index arrays are cached
-by :mod:`megatron.data.index_cache` (atomic, multi-writer safe) under the md5 of the Megatron description string.
+by :mod:`megatron.data.index_cache` (atomic, multi-writer safe) under the md5 of the Megatron description string,
+keyed also by the dataset's content (``MMapIndexedDataset.content_id``: a hash of the ``.idx`` and the ``.bin``
+size), so re-preprocessing into the same prefix never reuses the old arrays.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -188,13 +191,15 @@ def _index_checker(num_docs: int, num_epochs: int, num_seqs: int, total: int) ->
             )
         if shuffle_idx.shape != (total,) or shuffle_idx.dtype not in (np.uint32, np.int64):
             return f"shuffle_idx {shuffle_idx.dtype}{shuffle_idx.shape}, expected ({total},)"
-        probe = doc_idx[
-            :: max(1, len(doc_idx) // 4096)
-        ]  # a strided probe: no full read of big caches
-        if len(probe) and (int(probe.min()) < 0 or int(probe.max()) >= num_seqs):
+        # Whole-array ranges (no temporaries); the checksums in the .dsc catch values changed within range.
+        if len(doc_idx) and (int(doc_idx.min()) < 0 or int(doc_idx.max()) >= num_seqs):
             return "doc_idx holds ids outside the dataset"
         if tuple(sample_idx[0]) != (0, 0) or not 0 <= int(sample_idx[-1, 0]) < len(doc_idx):
             return "sample_idx end rows are out of range"
+        if int(sample_idx[:, 0].max()) >= len(doc_idx) or int(sample_idx.min()) < 0:
+            return "sample_idx holds positions outside doc_idx"
+        if total and int(shuffle_idx.max()) >= total:
+            return "shuffle_idx holds samples outside the dataset"
         return None
 
     return check
@@ -212,12 +217,14 @@ def build_index_mappings(
     *,
     data_cache_path: str | None = None,
     use_cpp: bool | None = None,
+    data_identity: str | None = None,
 ) -> tuple[dict[str, np.ndarray], str, str | None]:
     """Cached ``doc_idx``/``sample_idx``/``shuffle_idx`` for one dataset split, its description and cache dir.
 
     Lookup: ``{dirname(data_prefix)}/index-cache/`` then ``data_cache_path``; a miss builds into the last of them
     (every rank may build; writes are atomic). Arrays come back memory-mapped read-only; the cache directory is
-    None when none was writable (arrays then live in memory).
+    None when none was writable (arrays then live in memory). ``data_identity`` names the dataset's contents
+    (default: a hash of ``sizes``); a cached set built from other contents is rebuilt.
 
     Raises:
         ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``, or a request
@@ -266,8 +273,14 @@ def build_index_mappings(
         )
         return arrays
 
+    if data_identity is None:
+        data_identity = (
+            "sizes-sha256 " + hashlib.sha256(np.ascontiguousarray(sizes).data).hexdigest()[:32]
+        )
     check = _index_checker(len(documents), num_epochs, len(sizes), total)
-    arrays, cache_dir = load_or_build(directories, desc, GPT_INDEX_NAMES, build, check)
+    arrays, cache_dir = load_or_build(
+        directories, desc, GPT_INDEX_NAMES, build, check, identity=data_identity
+    )
     return arrays, desc, cache_dir
 
 
@@ -327,6 +340,7 @@ class GPTDataset(torch.utils.data.Dataset):
             int(seed),
             data_cache_path=data_cache_path,
             use_cpp=use_cpp,
+            data_identity=getattr(indexed_dataset, "content_id", None),
         )
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]

@@ -15,6 +15,17 @@ Concurrency contract (no rank-0 build, no barrier, no shared filesystem needed):
 * Loading validates every file (``.npy`` header, size, dtype and shape via ``np.load(mmap_mode="r")``, the
   ``.dsc`` text, and a caller check); an incomplete or corrupted set — e.g. left by Megatron's own non-atomic
   writer — is logged and rebuilt in place.
+
+Content keying (a stale cache never passes for a fresh one): the ``.dsc`` holds Megatron's description followed by
+two lines of ours (Megatron only checks that the ``.dsc`` exists, never reads it, so it still finds the files)::
+
+    Trident dataset idx-sha256 <32 hex> bin <bytes>        # the dataset's identity (GPT; absent for blends)
+    Trident crc32 doc_idx=<8 hex> sample_idx=<8 hex> ...   # checksum of each array's data as written
+
+A set whose identity differs from the dataset now on disk (the data was re-preprocessed into the same prefix), whose
+arrays do not match their checksums (values overwritten, even in range), or that has no such lines (written by
+Megatron or an older Trident) is rebuilt, with one log line saying why. The ``.dsc`` is written last, after the
+arrays it describes, so a reader that accepts a ``.dsc`` finds the arrays it names.
 * An unwritable cache directory is not fatal: the freshly built arrays are used from memory, with a warning that
   names ``--data-cache-path``.
 """
@@ -26,6 +37,7 @@ import logging
 import os
 import socket
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -95,44 +107,97 @@ def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def load_cached(
+_IDENTITY_TAG = "Trident dataset "
+_CRC_TAG = "Trident crc32 "
+
+
+def array_crc32(array: np.ndarray) -> str:
+    """crc32 (8 hex digits) of an array's C-ordered data bytes (zero-copy for a C-contiguous memmap)."""
+    data = (
+        np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    )  # a view: no copy of a contiguous memmap
+    return f"{zlib.crc32(data.data) & 0xFFFFFFFF:08x}"
+
+
+def dsc_text(desc: str, arrays: Arrays, names: Sequence[str], identity: str | None) -> str:
+    """The ``.dsc`` content: Megatron's description, then our identity and checksum lines."""
+    text = desc if desc.endswith("\n") else desc + "\n"
+    if identity is not None:
+        text += f"{_IDENTITY_TAG}{identity}\n"
+    crcs = " ".join(f"{name}={array_crc32(arrays[name])}" for name in names)
+    return text + f"{_CRC_TAG}{crcs}\n"
+
+
+def _parse_trailer(found: str, desc: str) -> dict[str, str]:
+    """``{"identity": ..., "<array name>": crc, ...}`` from a ``.dsc``'s lines after the description."""
+    head = desc if desc.endswith("\n") else desc + "\n"
+    if not found.startswith(head):
+        raise ValueError("its .dsc describes another dataset or configuration")
+    out: dict[str, str] = {}
+    for line in found[len(head) :].splitlines():
+        if line.startswith(_IDENTITY_TAG):
+            out["identity"] = line[len(_IDENTITY_TAG) :]
+        elif line.startswith(_CRC_TAG):
+            for item in line[len(_CRC_TAG) :].split():
+                name, _, crc = item.partition("=")
+                out[name] = crc
+    return out
+
+
+def _read_set(
     paths: dict[str, str],
     desc: str,
     check: Callable[[Arrays], str | None],
-    *,
-    warn: bool = True,
-) -> Arrays | None:
-    """Memory-map a complete, valid cache set, or return None (missing) / log and return None (invalid).
-
-    Args:
-        paths: from :func:`cache_file_paths`.
-        desc: the expected description (must equal the ``.dsc`` text).
-        check: returns None when the arrays are consistent, else a reason.
-        warn: log a warning for an invalid set.
-    """
+    identity: str | None,
+) -> tuple[Arrays | None, str | None]:
+    """``(arrays, None)`` for a valid set, ``(None, None)`` for an incomplete one, ``(None, why)`` otherwise."""
     if not all(os.path.isfile(p) for p in paths.values()):
-        return None
+        return None, None
     try:
         with open(paths["desc"], encoding="utf-8") as f:
-            found = f.read()
-        if found != desc:
-            raise ValueError("the .dsc text differs from this dataset's description")
+            trailer = _parse_trailer(f.read(), desc)
+        if identity is not None and trailer.get("identity") != identity:
+            if "identity" not in trailer:
+                raise ValueError(
+                    "it records no dataset identity (written by Megatron or an older Trident)"
+                )
+            raise ValueError(
+                f"it was built from other contents of the dataset ({trailer['identity']}; the files on disk "
+                f"now are {identity}): the data was re-preprocessed or replaced"
+            )
         arrays = {
             name: np.load(p, mmap_mode="r", allow_pickle=False)
             for name, p in paths.items()
             if name != "desc"
         }
+        for name, array in arrays.items():
+            if name not in trailer:
+                raise ValueError(
+                    "it records no array checksums (written by Megatron or an older Trident)"
+                )
+            if array_crc32(array) != trailer[name]:
+                raise ValueError(
+                    f"{os.path.basename(paths[name])} does not match the checksum recorded when it was written "
+                    "(its values were changed)"
+                )
         reason = check(arrays)
         if reason is not None:
             raise ValueError(reason)
     except (OSError, ValueError, EOFError, UnicodeDecodeError) as exc:
-        if not warn:
-            return None
-        logger.warning(
-            "index cache %s is incomplete or corrupted (%s); rebuilding it.", paths["desc"], exc
-        )
-        return None
-    return arrays
+        return None, str(exc)
+    return arrays, None
+
+
+def _write_set(
+    target: str, desc: str, names: Sequence[str], arrays: Arrays, identity: str | None
+) -> None:
+    paths = cache_file_paths(target, desc, names)
+    os.makedirs(target, exist_ok=True)
+    for name in names:
+        atomic_save_npy(paths[name], arrays[name])
+    atomic_write_text(
+        paths["desc"], dsc_text(desc, arrays, names, identity)
+    )  # last: it vouches for the arrays
 
 
 def load_or_build(
@@ -141,59 +206,73 @@ def load_or_build(
     names: Sequence[str],
     build: Callable[[], Arrays],
     check: Callable[[Arrays], str | None],
+    *,
+    identity: str | None = None,
 ) -> tuple[Arrays, str | None]:
     """Return cached arrays from the first directory holding a valid set, else build, save and return them.
 
     Lookup follows Megatron: ``directories`` in order, the first valid set wins; otherwise the arrays are built
-    and written where the first partial or invalid set was found, else into the last directory. Safe to call from any number of processes at once (see module docstring).
+    and written where the first partial, stale or damaged set was found (repaired in place, so no reader - ours
+    or Megatron's - meets it again), falling back to the other directories when that one is not writable, else
+    into the last directory. A stale or damaged set costs one log line naming the file and the reason. Safe to
+    call from any number of processes at once (see module docstring).
 
     Args:
         directories: cache directories to look in (non-empty).
         desc: description; its md5 names the files.
         names: array names (file suffixes).
-        build: builds the arrays (deterministic in ``desc``).
+        build: builds the arrays (deterministic in ``desc`` and the dataset's contents).
         check: validates loaded arrays (None = fine, else a reason).
+        identity: the dataset's content identity (e.g. a hash of its ``.idx`` and its ``.bin`` size); a set that
+            records another one is stale. None: the arrays do not depend on the data's contents.
 
     Returns:
         ``(arrays, directory)``: memory-mapped arrays and the cache directory they came from, or the in-memory
         arrays and None when no directory could be written.
     """
-    target = None
+    damaged: list[str] = []
+    problems: list[str] = []
     for directory in directories:
         paths = cache_file_paths(directory, desc, names)
-        found = load_cached(paths, desc, check)
+        found, reason = _read_set(paths, desc, check, identity)
         if found is not None:
+            if problems:
+                logger.warning(
+                    "ignoring the stale or damaged index cache %s; using the valid one in %s.",
+                    "; ".join(problems),
+                    directory,
+                )
             return found, directory
-        if target is None and any(os.path.isfile(p) for p in paths.values()):
-            target = (
-                directory  # a broken or partial set (or one being written): complete it where it is
-            )
-    target = directories[-1] if target is None else target
+        if any(os.path.isfile(p) for p in paths.values()):
+            damaged.append(directory)  # a broken, stale or partial set (or one being written)
+            if reason is not None:
+                problems.append(f"{paths['desc']} ({reason})")
+    if problems:
+        logger.warning("stale or damaged index cache %s; rebuilding it.", "; ".join(problems))
+    targets = list(dict.fromkeys([*damaged, directories[-1]]))
     arrays = build()
-    paths = cache_file_paths(target, desc, names)
-    # Another rank may have finished the same build meanwhile: then skip the redundant write.
-    done = (
-        load_cached(paths, desc, check) if all(os.path.isfile(p) for p in paths.values()) else None
+    errors = []
+    for target in targets:
+        paths = cache_file_paths(target, desc, names)
+        # Another rank may have finished the same build meanwhile: then skip the redundant write.
+        done, _ = _read_set(paths, desc, check, identity)
+        if done is not None:
+            return done, target
+        try:
+            _write_set(target, desc, names, arrays, identity)
+        except OSError as exc:
+            errors.append(f"{target} ({exc})")
+            continue
+        loaded, reason = _read_set(paths, desc, check, identity)
+        if loaded is None:
+            raise RuntimeError(
+                f"the index cache just written to {target} does not read back ({paths['desc']}: {reason}); check "
+                "the filesystem or point --data-cache-path elsewhere."
+            )
+        return loaded, target
+    logger.warning(
+        "could not write the index cache in %s; using the indices from memory (they are rebuilt on every "
+        "start). Point --data-cache-path at a writable directory to cache them.",
+        ", ".join(errors),
     )
-    if done is not None:
-        return done, target
-    try:
-        os.makedirs(target, exist_ok=True)
-        for name in names:
-            atomic_save_npy(paths[name], arrays[name])
-        atomic_write_text(paths["desc"], desc)
-    except OSError as exc:
-        logger.warning(
-            "could not write the index cache in %s (%s); using the indices from memory (they are rebuilt on "
-            "every start). Point --data-cache-path at a writable directory to cache them.",
-            target,
-            exc,
-        )
-        return arrays, None
-    loaded = load_cached(paths, desc, check)
-    if loaded is None:
-        raise RuntimeError(
-            f"the index cache just written to {target} does not read back ({paths['desc']}); check the "
-            "filesystem or point --data-cache-path elsewhere."
-        )
-    return loaded, target
+    return arrays, None

@@ -14,6 +14,10 @@ array of one dtype, concatenated with no header or padding. ``{prefix}.idx`` (li
     34+12N      8*D    doc_idx: int64, doc_idx[0] = 0, doc_idx[k+1] = index of the first sequence after document k
 
 so an ``.idx`` is exactly ``34 + 12N + 8D`` bytes and its ``.bin`` exactly ``sum(sizes) * itemsize`` bytes.
+Opening checks all of it, vectorized in blocks (bounded memory on multi-GB indexes; once per process and file
+version): ``pointers`` equal the running sum of ``sizes * itemsize`` (so swapped sizes or an overwritten pointer are
+caught), ``doc_idx`` starts at 0, never decreases and ends at most at N, and the ``.bin`` length is the last pointer
+plus the last size. A failure is one ``ValueError`` naming the file.
 A sequence is a sentence when documents were split into sentences, otherwise a whole document (then N = D - 1).
 
 Known upstream bug: Megatron-DeepSpeed's ``preprocess_data.py --append-eod`` writes each document's EOD into the
@@ -28,6 +32,7 @@ so an interrupted run never leaves a partial file under the final name.
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 import shutil
 import struct
@@ -43,6 +48,10 @@ _INDEX_VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D
 HEADER_SIZE = _HEADER.size  # 34
 _WARMUP_CHUNK = 100 * 1024 * 1024
+_CHECK_BLOCK = 1 << 22  # index entries per vectorized step: 32 MiB int64 temporaries at most
+# Indexes already checked (and their content ids) in this process, by file version: preflight, the dataset
+# builders and every split open the same files; a replaced file has another inode, size or mtime.
+_VERIFIED: dict[tuple[str, int, int, int, int], str | None] = {}
 
 DTYPES: dict[int, type[np.generic]] = {
     1: np.uint8,
@@ -234,9 +243,76 @@ class _Index:
         self.sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
         self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
         self.doc_idx = np.frombuffer(buf, dtype="<i8", count=d, offset=HEADER_SIZE + 12 * n)
+        st = os.stat(path)
+        self._version = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._version not in _VERIFIED:
+            check_index_arrays(
+                path, self.sizes, self.pointers, self.doc_idx, np.dtype(self.dtype).itemsize
+            )
+            _VERIFIED[self._version] = None
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def content_hash(self) -> str:
+        """sha256 (first 32 hex digits) of the whole ``.idx`` file, computed once per process and file version."""
+        known = _VERIFIED.get(self._version)
+        if known is None:
+            with open(self.path, "rb") as f:
+                known = hashlib.file_digest(f, "sha256").hexdigest()[:32]
+            _VERIFIED[self._version] = known
+        return known
+
+
+def check_index_arrays(
+    path: str, sizes: np.ndarray, pointers: np.ndarray, doc_idx: np.ndarray, itemsize: int
+) -> None:
+    """Check that an index agrees with itself (see the module docstring); vectorized, in blocks.
+
+    Raises:
+        ValueError: one line naming ``path``, the first bad entry and the fix.
+    """
+    fix = "the file was changed after it was written; rebuild it with tools/preprocess_data.py."
+    n, end = len(sizes), 0
+    for start in range(0, n, _CHECK_BLOCK):
+        block = sizes[start : start + _CHECK_BLOCK]
+        if int(block.min()) < 0:
+            i = start + int(np.argmax(block < 0))
+            raise ValueError(
+                f"{path} is corrupted: sequence {i} has a negative size ({sizes[i]}); {fix}"
+            )
+        ends = np.cumsum(block, dtype=np.int64)
+        ends *= itemsize
+        ends += end
+        starts = (
+            ends - block.astype(np.int64) * itemsize
+        )  # exclusive running sum: where each sequence begins
+        bad = np.flatnonzero(starts != pointers[start : start + len(block)])
+        if len(bad):
+            i = start + int(bad[0])
+            raise ValueError(
+                f"{path} is corrupted: the pointer of sequence {i} is {int(pointers[i])}, but the sizes before it "
+                f"add up to {int(starts[bad[0]])} bytes (sizes swapped or pointers overwritten); {fix}"
+            )
+        end = int(ends[-1])
+    d = len(doc_idx)
+    if d and int(doc_idx[0]) != 0:
+        raise ValueError(
+            f"{path} is corrupted: doc_idx must start at 0, got {int(doc_idx[0])}; {fix}"
+        )
+    for start in range(0, max(d - 1, 0), _CHECK_BLOCK):
+        block = doc_idx[start : start + _CHECK_BLOCK + 1]
+        down = np.flatnonzero(block[1:] < block[:-1])
+        if len(down):
+            k = start + int(down[0]) + 1
+            raise ValueError(
+                f"{path} is corrupted: doc_idx decreases at entry {k} ({int(doc_idx[k - 1])} -> "
+                f"{int(doc_idx[k])}); {fix}"
+            )
+    if d and int(doc_idx[-1]) > n:
+        raise ValueError(
+            f"{path} is corrupted: doc_idx ends at {int(doc_idx[-1])}, beyond its {n} sequences; {fix}"
+        )
 
 
 class MMapIndexedDataset:
@@ -389,6 +465,15 @@ class MMapIndexedDataset:
     @property
     def path_prefix(self) -> str:
         return self._path
+
+    @property
+    def content_id(self) -> str:
+        """The dataset's identity for caches: a hash of the ``.idx`` bytes and the ``.bin`` length.
+
+        Independent of paths and mtimes (a copy has the same id); any change of order, sizes or documents changes
+        it. Reads the ``.idx`` once per process and file version, never the ``.bin``.
+        """
+        return f"idx-sha256 {self._index.content_hash()} bin {len(self._bin_buffer)}"
 
     @property
     def supports_prefetch(self) -> bool:

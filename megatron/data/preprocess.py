@@ -434,6 +434,39 @@ def check_output_prefix(output_prefix: str) -> None:
         )
 
 
+def check_outputs_not_inputs(outputs: Sequence[str], inputs: Sequence[str], flag: str) -> None:
+    """Refuse to write a file that is one of the inputs, by whatever path either is named.
+
+    Paths are compared after ``os.path.realpath`` (symlinked directories, ``..``), and existing files also by
+    device and inode (hard links, bind mounts), so ``link/a`` and ``real/a`` are one file.
+
+    Raises:
+        PreprocessError: naming the flag, the output file and the input it would overwrite.
+    """
+    real = {os.path.realpath(p): p for p in inputs}
+    stats = {}
+    for p in inputs:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        stats[(st.st_dev, st.st_ino)] = p
+    for out in outputs:
+        hit = real.get(os.path.realpath(out))
+        if hit is None:
+            try:
+                st = os.stat(out)
+                hit = stats.get((st.st_dev, st.st_ino))
+            except OSError:
+                pass
+        if hit is not None:
+            alias = "" if hit == out else f" ({hit}: the same file by another path)"
+            raise PreprocessError(
+                f"{flag} would write {out}, which is also an input{alias}; nothing written. Choose another "
+                "output prefix."
+            )
+
+
 def _describe_inputs(inputs: Sequence[str]) -> str:
     shown = ", ".join(inputs[:3])
     return shown + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
@@ -503,6 +536,11 @@ def preprocess(
     )  # checks the tokenizer (and eod) up front
 
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    check_outputs_not_inputs(
+        [f(p) for p in prefixes.values() for f in (data_file_path, index_file_path)],
+        inputs,
+        "--output-prefix",
+    )
     builders: dict[str, MMapIndexedDatasetBuilder] = {}
     summary = Summary(
         tokens=dict.fromkeys(json_keys, 0),
@@ -572,11 +610,11 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MMapIndexedData
             "nothing to merge: no dataset prefixes given (or none found in --input)."
         )
     check_output_prefix(output_prefix)
-    out = os.path.abspath(output_prefix)
-    if any(os.path.abspath(p) == out for p in inputs):
-        raise PreprocessError(
-            f"--output-prefix {output_prefix} is also an input; choose another output prefix."
-        )
+    check_outputs_not_inputs(
+        [data_file_path(output_prefix), index_file_path(output_prefix)],
+        [f(p) for p in inputs for f in (data_file_path, index_file_path)],
+        "--output-prefix",
+    )
     first = MMapIndexedDataset(inputs[0])
     builder = MMapIndexedDatasetBuilder(data_file_path(output_prefix), dtype=first.dtype)
     with builder:

@@ -270,7 +270,13 @@ def test_cache_files_follow_megatron_naming_and_are_reused(corpus, tmp_path) -> 
     cache = tmp_path / "index-cache"
     names = {f"{h}.dsc", f"{h}_doc_idx.npy", f"{h}_sample_idx.npy", f"{h}_shuffle_idx.npy"}
     assert set(os.listdir(cache)) == names
-    assert (cache / f"{h}.dsc").read_text() == desc
+    # Megatron's description, then the dataset identity and the array checksums (Megatron never reads the .dsc).
+    dsc = (cache / f"{h}.dsc").read_text()
+    assert dsc.startswith(desc)
+    assert (
+        dsc[len(desc) :].splitlines()[0]
+        == "Trident dataset " + MMapIndexedDataset(prefix).content_id
+    )
     # A second dataset memory-maps the cached arrays instead of rebuilding.
     before = {n: (cache / n).stat().st_mtime_ns for n in names}
     again = make_ds(prefix, documents, 300, 16, 1234, split="969, 30, 1")
