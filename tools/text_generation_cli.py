@@ -2,8 +2,9 @@
 
     python tools/text_generation_cli.py localhost:5000 [--tokens-to-generate 64] [--top_p 0.9]
 
-Reads a prompt per line from standard input and prints each completion. Exit codes: 0 end of input, 2 the server
-cannot be reached or refuses the request (its message is printed).
+Reads a prompt per line from standard input and prints each completion. The address is checked before the first
+prompt is read. Exit codes: 0 end of input, 2 a malformed address, or the server cannot be reached or refuses the
+request (one ``error:`` line with its message).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -29,13 +31,47 @@ def request(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str,
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
+            answer = json.loads(resp.read())
+    except json.JSONDecodeError:
+        raise ValueError(f"{url} answered something that is not JSON; is it our server?") from None
     except urllib.error.HTTPError as err:
         try:
             message = json.loads(err.read()).get("error", err.reason)
         except (json.JSONDecodeError, AttributeError):
             message = err.reason
         raise ValueError(f"the server refused the request (HTTP {err.code}): {message}") from None
+    if not isinstance(answer, dict) or not isinstance(answer.get("text"), list):
+        raise ValueError(f"{url} answered JSON without a 'text' list; is it our server?")
+    return answer
+
+
+def api_url(address: str) -> str:
+    """The ``PUT`` URL for ``address`` (``host:port``, or ``http(s)://host:port[/api]``).
+
+    Raises:
+        ValueError: the address is not a usable URL (one line naming it and the expected shape).
+    """
+    url = address.strip() if "://" in address else f"http://{address.strip()}"
+    how = "give host:port (e.g. localhost:5000) or http://host:port"
+    if not address.strip() or any(c.isspace() or not c.isprintable() for c in address.strip()):
+        raise ValueError(f"the server address {address!r} is empty or holds spaces; {how}.")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # parses it: a non-number or one outside 0..65535 raises
+    except ValueError as err:
+        raise ValueError(
+            f"the server address {address!r} is not a valid URL ({err}); {how}."
+        ) from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"the server address {address!r} uses {parts.scheme}://; {how}.")
+    if not parts.hostname:
+        raise ValueError(f"the server address {address!r} names no host; {how}.")
+    if port == 0:
+        raise ValueError(f"the server address {address!r} has port 0; {how}.")
+    path = parts.path.rstrip("/")
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc, path if path.endswith("/api") else f"{path}/api", "", "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top_k", "--top-k", dest="top_k", type=int, default=0)
     p.add_argument("--top_p", "--top-p", dest="top_p", type=float, default=0.0)
     a = p.parse_args(argv)
-    url = f"http://{a.address}/api" if "://" not in a.address else f"{a.address.rstrip('/')}/api"
+    try:
+        url = api_url(a.address)  # before the first prompt is read
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for line in sys.stdin:
         prompt = line.rstrip("\n")
         body = {
@@ -58,8 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         try:
             answer = request(url, body)
-        except (ValueError, OSError) as e:
+        except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            why = getattr(e, "reason", None) or e.strerror or e
+            print(
+                f"error: cannot reach the server at {url} ({why}); is "
+                "tools/run_text_generation_server.py running there (host:port, e.g. localhost:5000)?",
+                file=sys.stderr,
+            )
             return 2
         print(answer["text"][0], flush=True)
     return 0
