@@ -5,7 +5,8 @@ Launch with ``torchrun``, ``deepspeed``, a plain RANK/WORLD_SIZE/MASTER_* enviro
 ``--help`` and ``examples/``.
 
 Exit codes (``megatron/training/exit_codes.py``): 0 finished; 1 unexpected error (traceback); 2 bad flags or
-missing files (one ``error: ...`` line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM.
+missing files, a --save another run holds, LR flags that differ from the checkpoint's schedule (one ``error: ...``
+line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,17 +16,37 @@ import os
 import sys
 import traceback
 
-from megatron.config import parse_args
-from megatron.log import setup_logging
-from megatron.training import preflight, pretrain
-from megatron.training.exit_codes import EXIT_CONFIG_ERROR
-from megatron.training.initialize import destroy_distributed
+from megatron.config import TridentConfig, parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, check (before any process group), train; returns the process exit code."""
+    """Parse, check (before any process group), train; returns the process exit code.
+
+    The flags are parsed before torch and DeepSpeed are imported, so ``--help`` and a mistyped flag answer at once
+    (argparse's one line and exit 2) instead of after several seconds of imports.
+    """
     try:
         cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2  # EXIT_CONFIG_ERROR of megatron/training/exit_codes.py (importing it would import torch first)
+    from megatron.training.exit_codes import EXIT_INTERRUPTED
+
+    try:
+        return _main(cfg)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, or a second Ctrl-C)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(cfg: TridentConfig) -> int:
+    from megatron.checkpointing.engine import CheckpointSaveError
+    from megatron.log import setup_logging
+    from megatron.training import preflight, pretrain
+    from megatron.training.exit_codes import EXIT_CONFIG_ERROR, ConfigError
+    from megatron.training.initialize import destroy_distributed
+
+    try:
         setup_logging(getattr(logging, cfg.logging.log_level))
         checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -33,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     try:
         result = pretrain(cfg, checked=checked)
-    except FileNotFoundError as e:  # a data or tokenizer file that vanished or was never there
+    except (
+        FileNotFoundError,
+        ConfigError,
+        CheckpointSaveError,
+    ) as e:  # + a save that failed (disk full)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     destroy_distributed()  # every rank returns here together (after an exception, others may be mid-collective)

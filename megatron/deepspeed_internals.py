@@ -23,18 +23,25 @@ optimizer ``fp16_groups`` /            the unfused fp16/bf16 optimizer's per-par
 ``fp32_groups``
 optimizer ``refresh_fp32_params()``    re-reads the master copy from the parameters (ZeRO-1/2/3, bf16)
 ``runtime.zero.config.ZeroStageEnum``, classes pickled inside ZeRO checkpoint files (allow-listed for
-``runtime.fp16.loss_scaler.*``         ``torch.load(weights_only=True)``)
+``runtime.fp16.loss_scaler.*``,        ``torch.load(weights_only=True)``)
+``utils.tensor_fragment.fragment_address``
 ``checkpoint.ds_to_universal.main``    the universal-checkpoint converter, called with its argparse namespace
+``c10d.default_pg_timeout``            set to --distributed-timeout-minutes: DeepSpeed's own groups
+                                       (``deepspeed.comm.new_group(ranks)``, no timeout argument) get it
+``engine.checkpoint_engine.save``      replaced on the instance during a save: each file is written through
+                                       the checksum recorder (``megatron/checkpointing/checksums.py``)
 =====================================  =====================================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -83,6 +90,22 @@ def check_deepspeed_version(installed: str | None = None) -> None:
         _checked = True
         return
     raise DeepSpeedVersionError(message)
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` the timeout of every process group created from now on without one (process-wide).
+
+    DeepSpeed creates groups of its own (the pipeline grid's stage, data, slice and p2p groups in
+    ``runtime/pipe/topology.py``; ``utils/groups.py``) through ``deepspeed.comm.new_group(ranks)``, which takes no
+    timeout; torch then uses ``distributed_c10d.default_pg_timeout`` (30 minutes; ``default_pg_nccl_timeout``, 10,
+    for NCCL), read at each ``new_group`` call.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    check_deepspeed_version()
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def skip_cpu_shm_build() -> None:
@@ -164,8 +187,9 @@ def zero_checkpoint_classes() -> list[Any]:
     """The DeepSpeed classes pickled inside ZeRO checkpoint files (to allow-list for a weights-only load)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def ds_to_universal(input_folder: str, output_folder: str, *, workers: int) -> None:
@@ -189,3 +213,21 @@ def ds_to_universal(input_folder: str, output_folder: str, *, workers: int) -> N
             inject_missing_state=False,
         )
     )
+
+
+@contextlib.contextmanager
+def checkpoint_saves_through(engine: Any, save: Callable[[Any, str, bool], None]) -> Iterator[bool]:
+    """Route every file ``engine.save_checkpoint`` writes to ``save(state_dict, path, zipfile_serialization)``
+    instead of its checkpoint engine's ``torch.save``; yields False (and routes nothing) when the engine is not
+    DeepSpeed's plain ``TorchCheckpointEngine`` (Nebula, decoupled and fast engines write asynchronously)."""
+    check_deepspeed_version()
+    ce = getattr(engine, "checkpoint_engine", None)
+    if type(ce).__name__ != "TorchCheckpointEngine":
+        yield False
+        return
+    zipped = bool(getattr(ce, "zipfile_serialization", True))
+    ce.save = lambda state_dict, path: save(state_dict, path, zipped)
+    try:
+        yield True
+    finally:
+        del ce.save

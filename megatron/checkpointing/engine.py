@@ -1,7 +1,8 @@
 """Training checkpoints through the DeepSpeed engine: the save protocol and the load (``CheckpointHooks``).
 
 Files of a tag: DeepSpeed's (``mp_rank_XX_model_states.pt``, ``zero_*_optim_states.pt``, pipeline layer files),
-``rng_state_rank{R:05d}.safetensors`` per rank (``rng.py``) and ``trident_meta.json`` (``meta.py``), written last.
+``rng_state_rank{R:05d}.safetensors`` per rank (``rng.py``) and ``trident_meta.json`` (``meta.py``), written last,
+holding the SHA-256 of every other file, computed as it was written (``checksums.py``).
 
 Save protocol (crash safety): every rank writes its RNG file, then ``engine.save_checkpoint(tag=...,
 save_latest=False)`` (which ends with a barrier over all ranks), then rank 0 writes ``trident_meta.json`` and moves
@@ -30,6 +31,12 @@ import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron import mpu
+from megatron.checkpointing.checksums import (
+    CHECKSUMS_KEY,
+    ChecksumRecorder,
+    merge_sidecars,
+    remove_sidecars,
+)
 from megatron.checkpointing.meta import (
     META_FILE,
     META_VERSION,
@@ -54,6 +61,7 @@ from megatron.checkpointing.weights_only import (
 )
 from megatron.checkpointing.zero3 import read_zero3_client_state
 from megatron.config import RunPlan, TridentConfig
+from megatron.deepspeed_internals import checkpoint_saves_through
 from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_reduce_max_, communication_device
@@ -87,7 +95,23 @@ class DeepSpeedCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, engine: Any, scheduler: Any, state: Any) -> None:
-        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring)."""
+        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring).
+
+        Raises:
+            CheckpointSaveError: a file could not be written (disk full, quota, permissions): one line naming the
+                file and the checkpoint 'latest' still points to.
+        """
+        save_dir = Path(self.cfg.checkpoint.save or "")
+        try:
+            self._save(engine, scheduler, state)
+        except OSError as err:
+            raise CheckpointSaveError(save_failed_message(save_dir, state.iteration, err)) from None
+        except RuntimeError as err:  # torch.save wraps the OSError of a failed write
+            if "write" not in str(err).lower():
+                raise
+            raise CheckpointSaveError(save_failed_message(save_dir, state.iteration, err)) from None
+
+    def _save(self, engine: Any, scheduler: Any, state: Any) -> None:
         start = time.perf_counter()
         save_dir = Path(self.cfg.checkpoint.save or "")
         tag = tag_for_iteration(state.iteration)
@@ -98,8 +122,10 @@ class DeepSpeedCheckpointer:
             retreat_latest(save_dir, tag)
             if marker.exists():
                 marker.unlink()  # re-saving an iteration: incomplete until this save finishes
+            remove_sidecars(tag_dir)  # records of an earlier, failed save of this tag
         _wait_for_all_ranks()  # no rank overwrites files of the tag before 'latest' left it
-        save_rng_file(tag_dir / rng_file_name(global_rank()))
+        recorder = ChecksumRecorder(tag_dir)
+        save_rng_file(tag_dir / rng_file_name(global_rank()), recorder.write_bytes)
         seq = self.cfg.model.seq_length
         client_state = {
             "iteration": int(state.iteration),
@@ -116,7 +142,13 @@ class DeepSpeedCheckpointer:
             ),
         }
         # Ends with a barrier over all ranks: after it, every rank's files are written.
-        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+        with checkpoint_saves_through(engine, recorder.torch_save) as hashed:
+            engine.save_checkpoint(
+                str(save_dir), tag=tag, client_state=client_state, save_latest=False
+            )
+        if hashed:
+            recorder.write_sidecar(global_rank())
+            _wait_for_all_ranks()  # every rank's record is on disk before rank 0 merges them
         if global_rank() == 0:
             d, plan = self.cfg.data, self.plan
             tokenizer = tokenizer_info(
@@ -140,8 +172,10 @@ class DeepSpeedCheckpointer:
                 "precision": plan.precision,
                 **({"tokenizer": tokenizer} if tokenizer else {}),
                 **self.extra_meta,
+                **({CHECKSUMS_KEY: merge_sidecars(tag_dir)} if hashed else {}),
             }
             atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+            remove_sidecars(tag_dir)
             atomic_write(save_dir / LATEST_FILE, tag)
             atomic_write(save_dir / ITERATION_FILE, f"{state.iteration}\n")
         _wait_for_all_ranks()  # nobody reads the pointers (e.g. a relaunch's preflight) before they moved
@@ -235,6 +269,28 @@ class DeepSpeedCheckpointer:
                 ", --finetune: weights only, iteration 0" if finetune else "",
                 self.last_load_seconds,
             )
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint file could not be written; 'latest' still names the last complete checkpoint."""
+
+
+def save_failed_message(save_dir: Path, iteration: int, err: BaseException) -> str:
+    """One line: which file of which save failed, why, and where 'latest' points (it was never moved)."""
+    latest = save_dir / LATEST_FILE
+    good = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
+    where = (
+        f"'latest' still points to {good}, the last good checkpoint"
+        if good
+        else f"{save_dir} has no complete checkpoint ('latest' was never written)"
+    )
+    what = getattr(err, "filename", None)
+    reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    return (
+        f"saving checkpoint {tag_for_iteration(iteration)} to --save {save_dir} failed"
+        f"{f' writing {what}' if what else ''}: {reason}; {where}. Free space (or fix the directory) and "
+        "relaunch to resume from it."
+    )
 
 
 def _wait_for_all_ranks() -> None:

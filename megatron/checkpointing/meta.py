@@ -44,8 +44,24 @@ SHAPE_FIELDS = (
 
 
 def read_meta(load_dir: str | Path, tag: str) -> dict[str, Any]:
-    """The ``trident_meta.json`` of a checkpoint (plain JSON, safe to read)."""
-    return json.loads((Path(load_dir) / tag / META_FILE).read_text(encoding="utf-8"))
+    """The ``trident_meta.json`` of a checkpoint (plain JSON, safe to read).
+
+    Raises:
+        ValueError: the file is not a JSON object (damaged): one line naming it.
+    """
+    path = Path(load_dir) / tag / META_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{path} is not valid JSON ({err}): the checkpoint's meta is damaged; restore it from a good copy "
+            "or --load-tag another checkpoint."
+        ) from None
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(meta).__name__}, not an object; it is damaged."
+        )
+    return meta
 
 
 def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:

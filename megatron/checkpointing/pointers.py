@@ -46,6 +46,40 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_tag(tag: str, source: str) -> str:
+    """``tag`` if it is one path component (a directory name inside the checkpoint directory), else an error.
+
+    Every tag that reaches a path goes through here: --load-tag, the tools' --tag, and the contents of ``latest`` /
+    ``latest_universal``. A tag like ``../other/global_step4`` or ``/abs/path`` would make the run (and DeepSpeed's
+    unpickler) read a checkpoint outside the directory the user named.
+
+    Args:
+        tag: the tag as given.
+        source: where it came from, for the message (``--load-tag``, ``DIR/latest``, ...).
+
+    Raises:
+        ValueError: one line naming ``source``, the tag and the rule.
+    """
+    bad = (
+        not tag
+        or tag in (".", "..")
+        or any(c in tag for c in ("/", "\\", "\0"))
+        or Path(tag).is_absolute()
+        or Path(tag).name != tag
+    )
+    if bad:
+        raise ValueError(
+            f"{source}: tag {tag!r} is not a plain directory name; a tag names one checkpoint directory inside "
+            "the checkpoint directory (e.g. global_step1000), without '/', '..' or an absolute path."
+        )
+    return tag
+
+
+def _read_pointer(pointer: Path) -> str:
+    """The tag ``pointer`` (``latest``, ``latest_universal``) holds, checked by :func:`check_tag`."""
+    return check_tag(pointer.read_text(encoding="utf-8").strip(), str(pointer))
+
+
 def is_complete(load_dir: str | Path, tag: str) -> bool:
     """True when ``load_dir/tag`` was fully written (its ``trident_meta.json`` exists)."""
     return (Path(load_dir) / tag / META_FILE).is_file()
@@ -62,6 +96,7 @@ def find_checkpoint(
     """
     root = Path(load_dir)
     if load_tag is not None:
+        check_tag(load_tag, "--load-tag")
         if not is_complete(root, load_tag):
             raise FileNotFoundError(
                 f"--load-tag {load_tag}: {root / load_tag} is not a complete checkpoint "
@@ -76,7 +111,7 @@ def find_checkpoint(
                 f"python -m tools.checkpoint.to_universal --load {load_dir}"
             )
         return None
-    tag = latest.read_text(encoding="utf-8").strip()
+    tag = _read_pointer(latest)
     if not is_complete(root, tag):
         raise ValueError(
             f"--load {load_dir}: '{latest.name}' points to {tag!r}, which is not a complete checkpoint "
@@ -92,7 +127,7 @@ def _refuse_stale_universal(root: Path, universal_tag: str) -> None:
     regular = root / LATEST_FILE
     if not regular.is_file():
         return
-    newest = regular.read_text(encoding="utf-8").strip()
+    newest = _read_pointer(regular)
     if not is_complete(root, newest):
         return
     done = int(read_meta(root, newest).get("iteration", 0))
@@ -123,6 +158,7 @@ def find_tag(
             return find_checkpoint(str(root), None)
         except ValueError as err:
             raise ValueError(str(err).replace("--load-tag", tag_flag)) from None
+    check_tag(tag, tag_flag)
     if is_complete(root, tag):
         return tag
     complete = (
@@ -189,8 +225,8 @@ def resolve_universal_flag(cfg: TridentConfig, world_size: int | None = None) ->
     universal, regular = root / LATEST_UNIVERSAL_FILE, root / LATEST_FILE
     if not (universal.is_file() and regular.is_file()):
         return cfg
-    u_tag = universal.read_text(encoding="utf-8").strip()
-    r_tag = regular.read_text(encoding="utf-8").strip()
+    u_tag = _read_pointer(universal)
+    r_tag = _read_pointer(regular)
     if not (is_complete(root, u_tag) and is_complete(root, r_tag)):
         return cfg
     meta = read_meta(root, r_tag)

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.checksums import CHECKSUMS_KEY, verify_checkpoint_files
 from megatron.checkpointing.meta import model_config_from_meta, read_meta
 from megatron.checkpointing.pointers import find_tag
 from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.weights_only import read_tp_rank_weights
+from megatron.checkpointing.zero3 import is_zero3_checkpoint
 from megatron.config import ModelConfig
 from megatron.layout.pipeline import pipe_layers_to_megatron
 from megatron.layout.tensor_parallel import merge_tp_shards
@@ -70,13 +72,21 @@ def read_checkpoint_weights(
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or a model-state file is missing.
-        ValueError: a file cannot be read safely, or its contents disagree.
+        ValueError: a file cannot be read safely, differs from its checksum recorded at save, or its contents
+            disagree.
     """
     root = Path(ckpt_dir)
     found, cfg, meta = read_checkpoint_config(root, tag)
     tp = int(meta["tensor_model_parallel_size"])
     pp = int(meta["pipeline_model_parallel_size"])
     tag_dir = root / found
+    zero3 = is_zero3_checkpoint(tag_dir, meta)
+    recorded = (meta.get(CHECKSUMS_KEY) or {}).get("files", {})
+    verify_checkpoint_files(
+        tag_dir,
+        meta,
+        [n for n in recorded if n.endswith("_model_states.pt") or (zero3 and "optim_states" in n)],
+    )
     shards: list[dict[str, torch.Tensor]] = []
     if pp == 1:
         # ZeRO-3's module weights are placeholders: read_tp_rank_weights rebuilds them from the fp32 partitions.

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, safe_open, save, save_file
 
 from megatron.data.indexed_dataset import apply_umask_mode
 from megatron.mpu.random import get_cuda_rng_tracker
@@ -75,10 +76,15 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any])
         tracker.set_states(merged)
 
 
-def save_rng_file(path: Path) -> None:
-    """Write this process's RNG states to ``path`` (safetensors; mode from the umask, as the other files)."""
+def save_rng_file(path: Path, write: Callable[[Path, bytes], None] | None = None) -> None:
+    """Write this process's RNG states to ``path`` (safetensors; mode from the umask, as the other files), through
+    ``write(path, data)`` when given (the checksum recorder)."""
     tensors, scalars = capture_rng_state()
-    save_file(tensors, str(path), metadata={"trident_rng": json.dumps(scalars)})
+    metadata = {"trident_rng": json.dumps(scalars)}
+    if write is None:
+        save_file(tensors, str(path), metadata=metadata)
+    else:
+        write(path, save(tensors, metadata=metadata))
     apply_umask_mode(path)
 
 

@@ -18,6 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpointing.checksums import (
+    PendingVerification,
+    check_readable_archives,
+    files_to_verify,
+    start_verification,
+    verify_checkpoint_files,
+)
 from megatron.checkpointing.meta import check_model_matches, check_universal_kind, read_meta
 from megatron.checkpointing.pointers import complete_tags, find_checkpoint
 from megatron.checkpointing.weights_only import saved_zero_stage, stage_family
@@ -322,8 +329,12 @@ def _check_tokenizer_matches(
 
 
 def check_checkpoint_dirs(
-    cfg: TridentConfig, plan: RunPlan | None = None, tokenizer_fingerprint: str | None = None
-) -> None:
+    cfg: TridentConfig,
+    plan: RunPlan | None = None,
+    tokenizer_fingerprint: str | None = None,
+    *,
+    background_hashes: bool = False,
+) -> PendingVerification | None:
     """Preflight (before any process group), identical on every rank.
 
     --save must be writable and must not hold another run's checkpoints; --load must be a directory (a missing
@@ -333,6 +344,10 @@ def check_checkpoint_dirs(
     tokenizer (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and the rows of
     :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size). No checkpoint in an existing --load is fine
     otherwise (the run starts from scratch, with one log line).
+
+    The files this rank will load are checked against the checksums recorded at save: sizes here, digests here
+    too, or, with ``background_hashes``, on a thread whose :class:`PendingVerification` is returned (the caller
+    joins it before the load; ``pretrain`` does, on every rank together).
 
     Raises:
         ValueError / FileNotFoundError: naming the flag, the problem and the fix.
@@ -351,7 +366,7 @@ def check_checkpoint_dirs(
         if given and not ck.load:
             raise ValueError(f"{flag} was given without --load; add --load DIR.")
     if not ck.load:
-        return
+        return None
     root = Path(ck.load)
     if root.is_file():
         raise ValueError(
@@ -371,7 +386,7 @@ def check_checkpoint_dirs(
                 f"{wants}: --load {ck.load} holds no checkpoint (no 'latest'); point --load at a --save "
                 "directory of a run."
             )
-        return
+        return None
     if plan is not None:
         model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
         meta = check_model_matches(ck.load, tag, model)
@@ -379,6 +394,51 @@ def check_checkpoint_dirs(
         _check_tokenizer_matches(meta, cfg, tag, tokenizer_fingerprint)
         check_resume_compatibility(resume_case(meta, cfg, plan, tag))
         _check_model_state_files(root / tag, meta)
+        _check_universal_stage(cfg, plan)
+        return _verify_checkpoint_files(root / tag, meta, cfg, plan, background_hashes)
+    return None
+
+
+def _check_universal_stage(cfg: TridentConfig, plan: RunPlan) -> None:
+    """DeepSpeed loads a universal checkpoint into a ZeRO (or bf16) optimizer's partitions; fp32/fp16 ZeRO-0 has
+    none (DeepSpeed would fail deep inside its loader)."""
+    ck = cfg.checkpoint
+    if ck.universal_checkpoint and plan.zero_stage == 0 and plan.precision != "bf16":
+        raise ValueError(
+            f"--load {ck.load} --universal-checkpoint: DeepSpeed loads a universal checkpoint into the ZeRO "
+            "optimizer's partitions, which --zero-stage 0 does not have; pass --zero-stage 1 (or 2)."
+        )
+
+
+def _verify_checkpoint_files(
+    tag_dir: Path, meta: dict[str, Any], cfg: TridentConfig, plan: RunPlan, background: bool = False
+) -> PendingVerification | None:
+    """The files this rank will load have the sizes and SHA-256 recorded at save (``checksums.py``); a checkpoint
+    saved before checksums were recorded gets one warning and a structural check of its archives."""
+    ck = cfg.checkpoint
+    weights_only = ck.finetune or bool(meta.get("weights_only", False))
+    names = files_to_verify(
+        meta,
+        rank=global_rank(),
+        run_tp=plan.tensor_model_parallel_size,
+        run_pp=plan.pipeline_model_parallel_size,
+        run_dp=plan.data_parallel_size,
+        optimizer_state=not (weights_only or ck.no_load_optim),
+    )
+    if names:
+        if background and ck.verify_checkpoint_checksums:
+            return start_verification(tag_dir, meta, names)
+        verify_checkpoint_files(tag_dir, meta, names, hashes=ck.verify_checkpoint_checksums)
+        return None
+    if global_rank() == 0:
+        logger.warning(
+            "--load %s (tag %s) records no checksums (saved before Trident recorded them): its files are loaded "
+            "unverified",
+            ck.load,
+            tag_dir.name,
+        )
+    check_readable_archives(tag_dir, sorted(p.name for p in tag_dir.glob("*.pt")))
+    return None
 
 
 def _check_model_state_files(tag_dir: Path, meta: dict[str, Any]) -> None:

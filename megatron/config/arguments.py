@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -58,6 +59,18 @@ SECTIONS: tuple[tuple[str, str, type], ...] = (
 """(``TridentConfig`` attribute, --help group title, dataclass) in --help order."""
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a number that is neither NaN nor infinite (``--lr=nan`` would train
+    NaN weights, ``--lr=inf`` too, without a word)."""
+    value = float(text)  # ValueError: argparse's own "invalid float value: 'abc'"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number; give a finite value")
+    return value
+
+
+finite_float.__name__ = "float"  # argparse names the type in its "invalid float value" messages
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -109,7 +122,7 @@ def _field_argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[st
         default = f.default if isinstance(f.default, tuple) else ()
         kwargs.update(nargs="*", type=str, default=list(default), metavar="VALUE")
     elif base in _METAVARS:
-        kwargs.update(type=base, metavar=_METAVARS[base])
+        kwargs.update(type=finite_float if base is float else base, metavar=_METAVARS[base])
     else:
         raise TypeError(f"no flag type for field {f.name}: {hint!r}")
     return flags, kwargs

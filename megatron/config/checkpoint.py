@@ -25,3 +25,6 @@ class CheckpointConfig:
     """Load weights only and start at iteration 0."""
     universal_checkpoint: bool = False
     """Load a DeepSpeed universal checkpoint (any TP/PP/DP; from tools/checkpoint/to_universal)."""
+    verify_checkpoint_checksums: bool = True
+    """Check the SHA-256 of every checkpoint file a rank loads against the one recorded at save (sizes are
+    always checked); --no-verify-checkpoint-checksums skips the hashing for huge checkpoints on trusted storage."""

@@ -23,6 +23,8 @@ INVERTED: dict[str, str] = {
     "use_flash_attn": "--no-flash-attn",
     "layout_invariant_init": "--per-shard-init",
     "exit_signal_handler": "--no-exit-signal-handler",
+    "verify_checkpoint_checksums": "--no-verify-checkpoint-checksums",
+    "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
 }
 """Field -> the switch that sets it False (the field defaults to True)."""
 
@@ -30,9 +32,18 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "local_rank": ("--local_rank", "--local-rank"),
     "deepspeed_config": ("--deepspeed_config", "--deepspeed-config"),
     "recompute_num_layers": ("--recompute-num-layers", "--checkpoint-num-layers"),
+    "override_opt_param_scheduler": (
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+    ),
+    "use_checkpoint_opt_param_scheduler": (
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+    ),
 }
 """Field -> every spelling of its flag (the deepspeed launcher passes ``--local_rank``; ``--deepspeed_config`` is
-DeepSpeed's own spelling; ``--checkpoint-num-layers`` is Megatron's older name)."""
+DeepSpeed's own spelling; ``--checkpoint-num-layers`` is Megatron's older name; Megatron spells the LR-schedule
+resume switches ``--override-opt_param-scheduler``, the all-dash form is accepted too)."""
 
 NOT_FLAGS: frozenset[tuple[str, str]] = frozenset(
     {("ModelConfig", "vocab_size"), ("DataConfig", "extra")}
@@ -56,6 +67,10 @@ class CompatFlag:
 
 COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
     CompatFlag(("--deepspeed",), "Trident always trains through the DeepSpeed engine."),
+    CompatFlag(
+        ("--check-for-nan-in-loss-and-grad",),
+        "the check is on by default; --no-check-for-nan-in-loss-and-grad turns it off.",
+    ),
     CompatFlag(
         ("--data-impl",),
         "datasets are always Megatron's mmap .bin/.idx format (infer finds the same files).",

@@ -22,8 +22,8 @@ class ParallelConfig:
     """Use the plain GPTModel with DeepSpeedEngine (needs pipeline size 1; always so at PP = 1)."""
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto is nccl with CUDA, gloo on CPU."""
-    distributed_timeout_minutes: int = 10
-    """Timeout of every collective, in minutes."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every collective on every process group, in minutes (fractions allowed)."""
     local_rank: int | None = None
     """This process's rank on its node, as the deepspeed launcher passes it (else the LOCAL_RANK variable)."""
 

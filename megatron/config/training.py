@@ -38,6 +38,10 @@ class TrainingConfig:
     """LR warmup as a fraction of the decay length."""
     lr_warmup_samples: int = 0
     """Samples of linear LR warmup, for a --train-samples run."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use the LR schedule of the flags where it differs from the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's LR schedule where it differs from the flags."""
     weight_decay: float = 0.01
     """Weight decay (not applied to biases and norm weights)."""
     adam_beta1: float = 0.9
@@ -56,6 +60,9 @@ class TrainingConfig:
     """float16 with dynamic loss scaling (GPU only)."""
     loss_scale: float | None = None
     """Static fp16 loss scale (default: dynamic)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run (exit code 6, no checkpoint saved) at the first iteration whose loss, or whose grad norm in a
+    step the fp16 loss scaler did not skip, is NaN or infinite."""
     initial_loss_scale: float = 2.0**32
     """Starting value of the dynamic fp16 loss scale."""
     min_loss_scale: float = 1.0

@@ -142,6 +142,11 @@ def _check_precision(cfg: TridentConfig, device_type: str) -> None:
         raise ValueError(f"--lr ({t.lr}) and --min-lr ({t.min_lr}) must not be negative.")
     if t.min_lr > t.lr:
         raise ValueError(f"--min-lr ({t.min_lr}) must not exceed --lr ({t.lr}).")
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise ValueError(
+            "--override-opt_param-scheduler (the flags' LR schedule wins) and "
+            "--use-checkpoint-opt_param-scheduler (the checkpoint's wins) are exclusive; give one of them."
+        )
     if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
         raise ValueError(f"--lr-warmup-fraction ({t.lr_warmup_fraction}) must be in [0, 1].")
     # Megatron: iteration-based runs count the schedule in iterations, sample-based runs in samples.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from megatron.config import ModelConfig
 from megatron.conversion.hf_gpt2 import megatron_to_gpt2_hf
 from megatron.conversion.hf_llama import megatron_to_llama_hf
 from megatron.conversion.hf_tokenizer import export_tokenizer, special_token_ids
-from megatron.conversion.output_dirs import check_output_dir_path
+from megatron.conversion.output_dirs import check_output_dir_path, check_output_not_input
 from megatron.conversion.verify import (
     LogitComparison,
     compare_logits,
@@ -62,13 +63,18 @@ STALE_EXPORT_FILES = (
 transformers would otherwise read beside ours (a stale ``tokenizer.json`` wins over our ``vocab.json``)."""
 
 
-def check_export_dir(out_dir: str | Path, *, overwrite: bool) -> None:
-    """--out of ``trident_to_hf``: a new or empty directory, or any directory with ``overwrite``.
+def check_export_dir(
+    out_dir: str | Path, *, overwrite: bool, load: str | Path | None = None
+) -> None:
+    """--out of ``trident_to_hf``: a new or empty directory, or any directory with ``overwrite``; never the
+    checkpoint directory ``load`` or a directory inside it (compared by real path).
 
     Raises:
-        ValueError: --out is a file, or a non-empty directory without ``overwrite``.
+        ValueError: --out is a file, inside --load, or a non-empty directory without ``overwrite``.
     """
     check_output_dir_path(out_dir, "--out")
+    if load is not None:
+        check_output_not_input(out_dir, "--out", load, "--load")
     out = Path(out_dir)
     if overwrite or not out.is_dir():
         return
@@ -106,6 +112,7 @@ def export_to_hf(
     tokenizer: dict[str, str] | None = None,
     write_tokenizer: bool = True,
     overwrite: bool = False,
+    tolerance: float | None = None,
     say: Callable[[str], None] = logger.info,
 ) -> LogitComparison | None:
     """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint.
@@ -119,6 +126,10 @@ def export_to_hf(
     :data:`STALE_EXPORT_FILES` in it (only once the tokenizer was checked: a refused export changes nothing).
     ``model.safetensors`` gets the mode the umask gives new files (safetensors itself writes 0600).
 
+    The files are written and verified in a staging directory beside ``out_dir`` and moved in only when the
+    comparison passes ``tolerance`` (:meth:`LogitComparison.passes`; None: any result): a failed export goes to
+    ``<out_dir>.unverified/`` instead, never into ``out_dir``.
+
     Returns:
         The comparison (None without ``verify``).
 
@@ -128,7 +139,7 @@ def export_to_hf(
     """
     from safetensors.torch import save_file
 
-    check_export_dir(out_dir, overwrite=overwrite)
+    check_export_dir(out_dir, overwrite=overwrite, load=ckpt_dir)
     full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
     tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
     if tok_info:
@@ -139,26 +150,45 @@ def export_to_hf(
     hf_sd, hf_cfg = export(
         full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
-    out = Path(out_dir)
-    with tempfile.TemporaryDirectory() as staging:
-        # The tokenizer is written and checked first, aside: a refused tokenizer leaves out_dir untouched.
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Everything is written and verified in a staging directory beside --out; only an export that passed (or was
+    # not verified) is moved in. A refused tokenizer or a failed verification leaves --out as it was.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
+        staging = Path(tmp)
         if write_tokenizer:
             trained = (meta.get("tokenizer") or {}).get("fingerprint")
-            say(export_tokenizer(tok_info, staging, cfg.vocab_size, trained))
+            say(export_tokenizer(tok_info, str(staging), cfg.vocab_size, trained))
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / "model.safetensors"))
+        apply_umask_mode(staging / "model.safetensors")
+        (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+        progress("writing", 1, 1)
+        result = _verify_export(staging, full, cfg, steps) if verify else None
+        if result is not None and tolerance is not None and not result.passes(tolerance):
+            failed = out.with_name(f"{out.name}.unverified")
+            shutil.rmtree(failed, ignore_errors=True)
+            staging.rename(failed)
+            staging.mkdir()  # for TemporaryDirectory's cleanup
+            say(
+                f"verification FAILED: the export was NOT written to {out} (left for inspection in {failed}; "
+                "do not use it)"
+            )
+            return result
         out.mkdir(parents=True, exist_ok=True)
         if overwrite and (removed := remove_stale_export_files(out)):
             say(f"--overwrite: removed {', '.join(removed)} from {out}")
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"))
-        apply_umask_mode(out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-        for f in Path(staging).iterdir():
-            shutil.copyfile(f, out / f.name)
-    progress("writing", 1, 1)
-    if not verify:
-        return None
+        for f in staging.iterdir():
+            os.replace(f, out / f.name)
+    return result
+
+
+def _verify_export(
+    hf_dir: Path, full: dict[str, torch.Tensor], cfg: ModelConfig, steps: int
+) -> LogitComparison:
+    """The written HF directory (loaded with transformers, offline) against the checkpoint in our ``GPTModel``."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).float().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
     ours = build_megatron_model(full, cfg)
     max_pos = cfg.max_position_embeddings or cfg.seq_length
     prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.pointers import check_tag
 from megatron.checkpointing.readers import (
     Progress,
     build_megatron_model,
@@ -144,7 +145,9 @@ def find_mds_tag(root: Path, tag: str | None) -> Path:
                 f"--load {root} has no 'latest' (DeepSpeed format) nor {NATIVE_TRACKER} (Megatron-native); "
                 "point --load at a Megatron-DeepSpeed --save directory, or pass --tag."
             )
-        tag = latest.read_text(encoding="utf-8").strip()
+        tag = check_tag(latest.read_text(encoding="utf-8").strip(), str(latest))
+    else:
+        check_tag(tag, "--tag")
     tag_dir = root / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")
@@ -377,6 +380,7 @@ def find_native_iteration_dir(root: Path, tag: str | None) -> Path:
     if tag is None:
         text = (root / NATIVE_TRACKER).read_text(encoding="utf-8").strip()
         tag = "release" if text == "release" else f"iter_{int(text):07d}"
+    check_tag(tag, "--tag")
     it_dir = root / tag
     if not it_dir.is_dir():
         raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")

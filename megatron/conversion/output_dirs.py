@@ -30,6 +30,34 @@ def check_output_dir_path(path: str | Path, flag: str) -> None:
             return
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output_not_input(
+    output: str | Path, out_flag: str, source: str | Path, in_flag: str
+) -> None:
+    """An output directory must not be its input, nor lie inside it: compared by real path (symlinks resolved,
+    ``os.path.realpath``) and by identity (``os.path.samefile``: bind mounts, case-insensitive file systems).
+
+    Raises:
+        ValueError: naming both flags, the real path and the fix.
+    """
+    out, src = Path(os.path.realpath(output)), Path(os.path.realpath(source))
+    # The output may not exist yet: its nearest existing ancestor decides whether it lands inside the input.
+    existing = next((p for p in (out, *out.parents) if p.exists()), out)
+    inside = out == src or src in out.parents or _same_file(out, src)
+    inside = inside or any(_same_file(p, src) for p in (existing, *existing.parents))
+    if inside:
+        raise ValueError(
+            f"{out_flag} {output} is {'' if out == src else 'inside '}the {in_flag} directory ({src}, real path): "
+            f"the conversion would write into its own input; choose a {out_flag} directory outside {in_flag}."
+        )
+
+
 def check_new_save_dir(
     save: str | Path, *, load: str | Path | None = None, load_flag: str = "--load"
 ) -> None:
@@ -45,8 +73,8 @@ def check_new_save_dir(
     check_output_dir_path(save, "--save")
     out = Path(save)
     fix = "write the converted checkpoint to a new or empty directory"
-    if load is not None and Path(load).resolve() == out.resolve():
-        raise ValueError(f"--save {save} is the {load_flag} directory; {fix}.")
+    if load is not None:
+        check_output_not_input(save, "--save", load, load_flag)
     if not out.is_dir():
         return
     found = sorted(p.name for p in out.glob("global_step*")) + sorted(

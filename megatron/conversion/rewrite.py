@@ -8,8 +8,12 @@ loads it like --finetune). Used by the HF importer and by :func:`reshard_checkpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +97,28 @@ def _rank_writer(
         mpu.destroy_model_parallel()
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) arrived while a conversion was writing."""
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """While inside: SIGTERM raises :class:`Interrupted` like SIGINT raises ``KeyboardInterrupt``, so ``finally``
+    blocks and context managers clean up (a no-op outside the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int) -> None:
     """The model of ``cfg`` can be split over ``tp`` x ``pp`` ranks (the rules ``GPTModel`` enforces).
 
@@ -135,7 +161,14 @@ def write_trident_checkpoint(
     check_new_save_dir(out_dir)
     check_target_layout(cfg, tp=tp, pp=pp)
     padded = pad_vocab_for_tp(full, cfg, tp)
-    with tempfile.TemporaryDirectory() as tmp:
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Beside --save (same file system, sized for the output; not a small system /tmp), removed on any exit:
+    # SIGINT and SIGTERM raise here so the context manager's cleanup runs.
+    with (
+        interrupts_raise(),
+        tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.full-weights-") as tmp,
+    ):
         path = str(Path(tmp) / "full.safetensors")
         save_file({k: v.contiguous() for k, v in padded.items()}, path)
         spawn_local_ranks(

@@ -19,9 +19,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpointing.checksums import (
+    CHECKSUMS_KEY,
+    checksums_of_tree,
+    verify_checkpoint_files,
+)
 from megatron.checkpointing.meta import META_FILE, read_meta
 from megatron.checkpointing.pointers import LATEST_UNIVERSAL_FILE, atomic_write, find_tag
-from megatron.deepspeed_internals import ds_to_universal
+from megatron.checkpointing.safe_load import load_weights_only
+from megatron.deepspeed_internals import ds_to_universal, zero_checkpoint_classes
 from megatron.layout.names import pipe_layer_key, pipe_to_megatron_name
 
 
@@ -72,6 +78,37 @@ def _check_has_optimizer_partitions(tag_dir: Path, meta: dict[str, Any]) -> None
         )
 
 
+_NOT_UNPICKLED = (".json", ".safetensors", ".txt")
+"""Files in a tag that ``ds_to_universal`` never unpickles (meta, RNG states, checksum records)."""
+
+
+def check_converter_inputs(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Before ``ds_to_universal`` (which unpickles with ``weights_only=False``, so a crafted file runs code): every
+    file it may read has its recorded size and SHA-256, and unpickles with ``torch.load(weights_only=True)``
+    allowing only tensors, plain containers and DeepSpeed's own checkpoint classes.
+
+    Raises:
+        ValueError / FileNotFoundError: one line naming the first file that fails.
+    """
+    verify_checkpoint_files(tag_dir, meta)
+    allowed = zero_checkpoint_classes()
+    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()):
+        if path.suffix in _NOT_UNPICKLED:
+            continue
+        if path.is_symlink():
+            raise ValueError(
+                f"{path} is a symlink; to_universal converts only regular files of the checkpoint (a link could "
+                "make DeepSpeed unpickle a file from elsewhere). Copy the real file in its place."
+            )
+        try:
+            load_weights_only(path, allowed=allowed, mmap=True, kind="DeepSpeed checkpoint file")
+        except ValueError as err:
+            raise ValueError(
+                f"{err} to_universal refuses it: DeepSpeed's ds_to_universal unpickles every checkpoint file "
+                "without restrictions."
+            ) from None
+
+
 def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1) -> str:
     """Write ``{tag}_universal`` (default tag: ``latest``) and point ``latest_universal`` at it; returns its tag.
 
@@ -88,6 +125,7 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
     if meta.get("universal"):
         raise ValueError(f"{root / found} is already a universal checkpoint.")
     _check_has_optimizer_partitions(root / found, meta)
+    check_converter_inputs(root / found, meta)
     out_tag = f"{found}_universal"
     out = root / out_tag
     if out.exists():
@@ -99,6 +137,8 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
     add_name_aliases(out, int(meta["model"]["num_layers"]))
     meta["universal"] = True
     meta["universal_source_tag"] = found
+    # ds_to_universal writes with torch.save directly: hashed by reading back (offline, once).
+    meta[CHECKSUMS_KEY] = checksums_of_tree(out, skip=[META_FILE])
     atomic_write(out / META_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
     return out_tag

@@ -20,6 +20,10 @@ class LogitComparison(NamedTuple):
     """Generated tokens up to each prompt's first disagreement of the two independent greedy decodes, over all
     prompts x steps (1.0 = identical decodes)."""
 
+    def passes(self, tolerance: float) -> bool:
+        """Within ``tolerance`` and with identical greedy decodes (what the tools accept, else exit 3)."""
+        return self.max_abs_dlogit <= tolerance and self.greedy_agreement == 1.0
+
 
 def _greedy(fn: LogitsFn, prompt: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:
     seq = prompt.view(1, -1)  # [1, s]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -282,11 +283,21 @@ _STATE: ParallelState | None = None
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    timeout: timedelta | None = None,
 ) -> ParallelState:
     """Build every TP / PP / DP / model / embedding group on every rank and keep them as the default.
 
     Preconditions: ``torch.distributed`` is initialized; every rank calls this with the same arguments.
+
+    Args:
+        tensor_model_parallel_size: TP degree p.
+        pipeline_model_parallel_size: PP degree.
+        timeout: the timeout of every collective on every group built here (--distributed-timeout-minutes);
+            None: torch's default for new groups (30 minutes on gloo), which the default group's timeout does
+            NOT change, so a stalled rank would block TP/PP/DP collectives that long.
 
     Raises:
         RuntimeError: torch.distributed not initialized, or already initialized here (destroy first).
@@ -323,7 +334,7 @@ def initialize_model_parallel(
         for ranks in getattr(grid, kind):
             key = tuple(ranks)
             if key not in made:  # same call order on every rank: new_group is collective
-                made[key] = dist.new_group(ranks)
+                made[key] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind] = made[key]
     _STATE = ParallelState(grid=grid, rank=rank, groups=groups)

@@ -19,6 +19,7 @@ one line saying so (``megatron.config.plan.effective_zero_stage``). Numerics are
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -111,6 +112,107 @@ def load_user_ds_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"--deepspeed_config {path}: the top level must be a JSON object.")
     return data
+
+
+class _RecordingDict(dict):  # type: ignore[type-arg]
+    """A dict that records every top-level key DeepSpeed's config parser looks up (and the last one)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self.seen: set[str] = set()
+        self.last: str | None = None
+
+    def _note(self, key: Any) -> None:
+        if isinstance(key, str):
+            self.seen.add(key)
+            self.last = key
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._note(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._note(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._note(key)
+        return super().__contains__(key)
+
+    def keys(self) -> Any:  # DeepSpeed writes ``KEY in param_dict.keys()``
+        owner = self
+
+        class _Keys:
+            def __contains__(self, key: object) -> bool:
+                return owner.__contains__(key)
+
+            def __iter__(self) -> Any:
+                return iter(dict.keys(owner))
+
+        return _Keys()
+
+
+_WORLD_OF_ONE = {
+    "train_batch_size": 1,
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+}
+
+
+def _parse_with_deepspeed(rec: _RecordingDict) -> None:
+    """Run DeepSpeed's own config parser (``DeepSpeedConfig``: its constants and pydantic models) over ``rec``, which
+    records the top-level keys it reads. Raises what DeepSpeed raises."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class _OneRank:  # the batch keys are a world of one, whatever process group exists (a rank of a real run)
+        @staticmethod
+        def get_data_parallel_world_size() -> int:
+            return 1
+
+    DeepSpeedConfig(rec, mpu=_OneRank())
+
+
+def check_deepspeed_keys(user: dict[str, Any], source: str) -> None:
+    """Every top-level key of ``user`` is one DeepSpeed reads, and DeepSpeed's pydantic models accept every section.
+
+    DeepSpeed itself ignores an unknown top-level key (``zero_optimisation`` silently meant ZeRO-0); the known keys
+    are those its parser looks up (recorded while it parses, so they follow the installed DeepSpeed).
+
+    Raises:
+        ValueError: one line naming the unknown key (and the known ones), or the key path DeepSpeed rejects.
+    """
+    import pydantic
+
+    # The batch keys become a world of one (ours are checked against the flags separately).
+    rec = _RecordingDict({**user, **_WORLD_OF_ONE})
+    try:
+        _parse_with_deepspeed(rec)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        # The section whose object holds the rejected path (pydantic names only the path inside its model).
+        sections = [k for k, v in user.items() if isinstance(v, dict) and _get(v, ".".join(loc))[0]]
+        path = ".".join([sections[0] if len(sections) == 1 else rec.last or "?", *loc])
+        raise ValueError(
+            f"{source}: DeepSpeed rejects {path} ({first['msg']}); fix or remove it in {source}."
+        ) from None
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        where = f" (while reading '{rec.last}')" if rec.last else ""
+        raise ValueError(f"{source}: DeepSpeed rejects the config{where}: {err}") from None
+    known = rec.seen | set(_owned_keys())
+    unknown = sorted(k for k in user if k not in known)
+    if unknown:
+        close = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        hints = "".join(f" ('{k}': did you mean '{m[0]}'?)" for k, m in close.items() if m)
+        raise ValueError(
+            f"{source}: unknown top-level key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hints}; "
+            f"DeepSpeed would ignore {'them' if len(unknown) > 1 else 'it'}. Known keys: "
+            f"{', '.join(sorted(known))}."
+        )
+
+
+def _owned_keys() -> tuple[str, ...]:
+    return ("steps_per_print", "wall_clock_breakdown", "zero_force_ds_cpu_optimizer")
 
 
 def _get(d: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -222,6 +324,8 @@ def build_ds_config(
             )
         _set(merged, key, value)
     _check_offload(user, plan.zero_stage, source)
+    if user:  # after our own checks, whose messages know more than DeepSpeed's
+        check_deepspeed_keys(user, source)
     return merged
 
 

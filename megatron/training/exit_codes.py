@@ -10,9 +10,14 @@ code name                            meaning
 3    ``EXIT_INTERVAL``               stopped by --exit-interval (iteration % N == 0, before the last); saved if --save
 4    ``EXIT_DURATION``               stopped by --exit-duration-in-mins (max elapsed time over ranks); saved if --save
 5    ``EXIT_SIGNAL``                 stopped by SIGTERM (exit signal handler); saved if --save
+6    ``EXIT_NON_FINITE``             a NaN/Inf loss or grad norm (--check-for-nan-in-loss-and-grad, on by default):
+                                     nothing saved, ``latest`` stays at the last good checkpoint
+130  ``EXIT_INTERRUPTED``            Ctrl-C (SIGINT): during training, the same clean stop as SIGTERM (saved if
+                                     --save); before it, one line and no traceback
 ==== =============================== ===============================================================================
 
-A job scheduler that re-submits on 3, 4 or 5 resumes from ``--load`` where the run stopped.
+A job scheduler that re-submits on 3, 4 or 5 resumes from ``--load`` where the run stopped; 6 needs a person (lower
+--lr, resume from an earlier checkpoint, ...): resubmitting would stop at the same iteration again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ EXIT_CONFIG_ERROR = 2
 EXIT_INTERVAL = 3
 EXIT_DURATION = 4
 EXIT_SIGNAL = 5
+EXIT_NON_FINITE = 6
+EXIT_INTERRUPTED = 130
+
+
+class ConfigError(ValueError):
+    """Bad user input found after the process groups exist (a checkpoint's LR schedule against the flags, a --save
+    another run holds): identical on every rank, so every rank raises it together; ``pretrain_gpt.py`` prints
+    its one line and exits with :data:`EXIT_CONFIG_ERROR`."""
+
 
 EXIT_REASONS: dict[int, str] = {
     EXIT_OK: "finished",
@@ -29,4 +43,6 @@ EXIT_REASONS: dict[int, str] = {
     EXIT_INTERVAL: "--exit-interval reached",
     EXIT_DURATION: "--exit-duration-in-mins reached",
     EXIT_SIGNAL: "SIGTERM received",
+    EXIT_NON_FINITE: "non-finite loss or grad norm",
+    EXIT_INTERRUPTED: "interrupted (SIGINT)",
 }

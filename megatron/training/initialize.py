@@ -24,7 +24,7 @@ import torch
 
 from megatron import mpu
 from megatron.config import TridentConfig
-from megatron.deepspeed_internals import skip_cpu_shm_build
+from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
 
     On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built: that build costs
-    30-50 s per cold start and needs a compiler.
+    30-50 s per cold start and needs a compiler. --distributed-timeout-minutes reaches the default group, every
+    group of ``parallel_state`` and the groups DeepSpeed creates later (``set_default_group_timeout``).
     """
     dev = device_type(cfg)
     if dev == "cpu":
@@ -178,15 +179,19 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(
             dist_backend=_backend(cfg, dev),
             auto_mpi_discovery=False,
             verbose=False,
-            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+            timeout=timeout,
         )
+    set_default_group_timeout(timeout)  # the groups DeepSpeed creates itself (pipeline grid, ...)
     mpu.initialize_model_parallel(
-        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+        timeout=timeout,
     )
     return device
 

@@ -7,15 +7,19 @@ as consumed, advance the schedule unless the step was skipped, then log (every -
 * ``--exit-interval N``: stop when iteration % N == 0 -> :data:`~megatron.training.exit_codes.EXIT_INTERVAL`;
 * ``--exit-duration-in-mins M``: stop once the MAX elapsed time over all ranks exceeds M minutes (so every rank
   decides the same) -> ``EXIT_DURATION``;
-* SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``.
+* SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``;
+* SIGINT (Ctrl-C): the same clean stop when any rank got it -> ``EXIT_INTERRUPTED`` (130).
 
-Each of them saves a checkpoint first when a save hook is present. Reaching --train-iters returns ``EXIT_OK`` (after
+Each of them saves a checkpoint first when a save hook is present. A non-finite loss or grad norm
+(--check-for-nan-in-loss-and-grad, on by default) stops at once on every rank -> ``EXIT_NON_FINITE``, saving
+nothing, so ``latest`` stays at the last good checkpoint. Reaching --train-iters returns ``EXIT_OK`` (after
 saving the final iteration, unless --save-interval just did), also when that iteration is an exit point.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -26,8 +30,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunPlan, TridentConfig
+from megatron.log import global_rank
 from megatron.mpu.mappings import all_reduce_max_
-from megatron.training.exit_codes import EXIT_DURATION, EXIT_INTERVAL, EXIT_OK, EXIT_SIGNAL
+from megatron.training.exit_codes import (
+    EXIT_DURATION,
+    EXIT_INTERRUPTED,
+    EXIT_INTERVAL,
+    EXIT_NON_FINITE,
+    EXIT_OK,
+    EXIT_SIGNAL,
+)
 from megatron.training.flops import Throughput
 from megatron.training.metrics import (
     EvalRecord,
@@ -61,6 +73,8 @@ class LoopSpec:
     exit_duration_in_mins: float | None
     exit_signal_handler: bool
     save_interval: int | None
+    check_for_nan: bool = True
+    """Stop at a non-finite loss or grad norm (--check-for-nan-in-loss-and-grad)."""
 
     @classmethod
     def of(cls, cfg: TridentConfig, plan: RunPlan) -> LoopSpec:
@@ -76,38 +90,52 @@ class LoopSpec:
             exit_duration_in_mins=t.exit_duration_in_mins,
             exit_signal_handler=t.exit_signal_handler,
             save_interval=cfg.checkpoint.save_interval,
+            check_for_nan=t.check_for_nan_in_loss_and_grad,
         )
 
 
-class _SigtermFlag:
-    """Records SIGTERM instead of dying, so the loop can save and exit cleanly."""
+class _StopSignals:
+    """Records SIGTERM (with the exit signal handler) and SIGINT (Ctrl-C) instead of dying, so the loop can save and
+    exit cleanly at the end of the iteration. A second Ctrl-C interrupts at once (``KeyboardInterrupt``:
+    ``pretrain_gpt.py`` exits 130 with one line)."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        self._previous: Any = None
-        if enabled:
+    def __init__(self, sigterm: bool) -> None:
+        self.sigterm = False
+        self.sigint = False
+        self._previous: dict[int, Any] = {}
+        for sig in (signal.SIGINT, *((signal.SIGTERM,) if sigterm else ())):
             try:
-                self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. a test harness): no handler
-                self._previous = None
+                pass
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = True
+        if signum == signal.SIGINT:
+            if self.sigint:
+                raise KeyboardInterrupt
+            self.sigint = True
+            logger.warning("Ctrl-C: stopping after this iteration (press again to interrupt now)")
+        else:
+            self.sigterm = True
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    return bool(all_reduce_max_(t, group=dist.group.WORLD).item() > 0)
+def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Element-wise OR of ``flags`` over every rank (one all-reduce), so every rank decides the same."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    return [bool(v > 0) for v in all_reduce_max_(t, group=dist.group.WORLD).tolist()]
 
 
 def _exit_code(
-    spec: LoopSpec, state: TrainState, start: float, sigterm: _SigtermFlag, device: torch.device
+    spec: LoopSpec, state: TrainState, start: float, signals: _StopSignals, device: torch.device
 ) -> int | None:
-    if spec.exit_signal_handler and _any_rank(sigterm.received, device):
+    sigint, sigterm = _any_rank([signals.sigint, signals.sigterm], device)
+    if sigint:
+        return EXIT_INTERRUPTED
+    if spec.exit_signal_handler and sigterm:
         return EXIT_SIGNAL
     if spec.exit_duration_in_mins is not None:
         elapsed = torch.tensor([(time.time() - start) / 60.0], dtype=torch.float64, device=device)
@@ -116,6 +144,35 @@ def _exit_code(
     if spec.exit_interval and state.iteration % spec.exit_interval == 0:
         return EXIT_INTERVAL
     return None
+
+
+def _non_finite(result: StepResult) -> bool:
+    """The loss is NaN/Inf, or the grad norm is in a step the fp16 loss scaler did not skip (a skipped step's
+    overflow is the scaler's business: it lowers the scale and the run goes on, as before)."""
+    if not math.isfinite(result.loss):
+        return True
+    return (
+        not result.skipped and result.grad_norm is not None and not math.isfinite(result.grad_norm)
+    )
+
+
+def _report_non_finite(state: TrainState, result: StepResult, last_saved: int | None) -> None:
+    if global_rank() != 0:
+        return
+    kept = (
+        f"the newest checkpoint in --save stays the one of iteration {last_saved}"
+        if last_saved is not None
+        else "no checkpoint was saved by this run"
+    )
+    logger.error(
+        "iteration %d: non-finite lm loss (%s) or grad norm (%s); stopping without saving (%s). Lower --lr or "
+        "raise --lr-warmup-iters and resume from a good checkpoint (--no-check-for-nan-in-loss-and-grad turns "
+        "this check off).",
+        state.iteration,
+        result.loss,
+        result.grad_norm,
+        kept,
+    )
 
 
 def _log(
@@ -188,10 +245,11 @@ def train(
     writer: MetricsWriter,
 ) -> int:
     """Run iterations until --train-iters or an exit condition; returns the exit code."""
-    sigterm = _SigtermFlag(spec.exit_signal_handler)
+    signals = _StopSignals(spec.exit_signal_handler)
     start = time.time()
     interval_start, interval_iters = time.perf_counter(), 0
     saved, first_iteration = False, state.iteration
+    last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
     try:
         while state.iteration < spec.train_iters:
             lr = trainer.apply_lr()
@@ -211,6 +269,9 @@ def train(
                     rates, spec, state, result, lr, (now - interval_start) / interval_iters, writer
                 )
                 interval_iters = 0
+            if spec.check_for_nan and _any_rank([_non_finite(result)], trainer.device)[0]:
+                _report_non_finite(state, result, last_saved)
+                return EXIT_NON_FINITE
             if spec.eval_interval and state.iteration % spec.eval_interval == 0:
                 run_evaluation(trainer, spec, state, writer)
             if spec.log_interval and state.iteration % spec.log_interval == 0:
@@ -222,11 +283,11 @@ def train(
                 and state.iteration % spec.save_interval == 0
             ):
                 trainer.save(state)
-                saved = True
+                saved, last_saved = True, state.iteration
             # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
             # resubmits on 3/4/5 would only relaunch a finished run.
             finished = state.iteration >= spec.train_iters
-            code = None if finished else _exit_code(spec, state, start, sigterm, trainer.device)
+            code = None if finished else _exit_code(spec, state, start, signals, trainer.device)
             if code is not None:
                 if trainer.save_enabled and not saved:
                     trainer.save(state)
@@ -236,4 +297,4 @@ def train(
             trainer.save(state)  # Megatron saves the final iteration too
         return EXIT_OK
     finally:
-        sigterm.restore()
+        signals.restore()

@@ -14,10 +14,19 @@ sample-based run uses ``--lr-warmup-samples`` and ``--lr-decay-samples`` (defaul
 The trainer drives it: before each optimizer step it writes :meth:`get_lr` into every param group (times the group's
 ``lr_mult``, default 1); after an applied step it calls :meth:`step` with the global batch. A step skipped by the
 fp16 loss scaler does not advance the schedule (Megatron's behaviour).
+
+On resume (:meth:`OptimizerParamScheduler.load_state_dict`) the sample count comes from the checkpoint; the constants
+(--lr, --min-lr, --lr-decay-style, warmup and decay lengths) are compared with the flags' and a difference is an
+error unless --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the checkpoint
+wins) says which, as in Megatron. One exception, so that extending a run with a larger --train-iters/--train-samples
+does not train at --min-lr: when --lr-decay-iters/--lr-decay-samples is not given, the decay length is derived from
+the run length (Megatron's default) and follows the flags (with a log line), as does a --lr-warmup-fraction warmup;
+--use-checkpoint-opt_param-scheduler keeps the checkpoint's there too.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
@@ -25,8 +34,14 @@ import torch
 
 from megatron.config import TrainingConfig
 from megatron.config.plan import train_samples_and_iters
+from megatron.training.exit_codes import ConfigError
 
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+ResumePolicy = Literal["error", "override", "checkpoint"]
+"""What a resume does with schedule constants that differ from the checkpoint's: refuse, or take the flags'
+(--override-opt_param-scheduler), or the checkpoint's (--use-checkpoint-opt_param-scheduler)."""
+
+logger = logging.getLogger(__name__)
 
 
 class OptimizerParamScheduler:
@@ -41,6 +56,8 @@ class OptimizerParamScheduler:
         lr_warmup_steps: int,
         lr_decay_steps: int,
         lr_decay_style: DecayStyle,
+        on_resume: ResumePolicy = "error",
+        from_run_length: frozenset[str] = frozenset(),
     ) -> None:
         if lr_decay_steps <= 0:
             raise ValueError(
@@ -58,6 +75,10 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps = int(lr_warmup_steps)
         self.lr_decay_steps = int(lr_decay_steps)
         self.lr_decay_style: DecayStyle = lr_decay_style
+        self.on_resume: ResumePolicy = on_resume
+        self.from_run_length = from_run_length
+        """Constants derived from the run length (``lr_decay_steps`` without --lr-decay-iters/-samples, then
+        ``lr_warmup_steps`` of a --lr-warmup-fraction): on resume they follow the flags."""
         self.num_steps = 0
         self.step(0)
 
@@ -108,14 +129,79 @@ class OptimizerParamScheduler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the sample count (and schedule constants, Megatron's --use-checkpoint-opt_param-scheduler)."""
-        self.max_lr = float(state.get("max_lr", self.max_lr))
-        self.min_lr = float(state.get("min_lr", self.min_lr))
-        self.lr_warmup_steps = int(state.get("lr_warmup_steps", self.lr_warmup_steps))
-        self.lr_decay_steps = int(state.get("lr_decay_steps", self.lr_decay_steps))
-        self.lr_decay_style = state.get("lr_decay_style", self.lr_decay_style)
+        """Resume from a checkpoint's schedule: its sample count, and the rule of the module docstring for constants
+        that differ from the flags (Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler).
+
+        Raises:
+            ConfigError: a constant differs and neither switch is given (identical on every rank).
+        """
+        mismatches: list[str] = []
+        for key, what in _COMPARED:
+            if key not in state:
+                continue  # an older checkpoint without it: the flags' value
+            mine, theirs = getattr(self, key), state[key]
+            if _same_value(mine, theirs):
+                continue
+            if key in self.from_run_length and self.on_resume != "checkpoint":
+                logger.info(
+                    "LR schedule: %s follows the run length of the flags: %s (the checkpoint had %s)",
+                    what,
+                    mine,
+                    theirs,
+                )
+            elif self.on_resume == "override":
+                logger.info(
+                    "LR schedule: %s = %s from the flags (the checkpoint had %s)",
+                    what,
+                    mine,
+                    theirs,
+                )
+            elif self.on_resume == "checkpoint":
+                logger.info(
+                    "LR schedule: %s = %s from the checkpoint (the flags give %s)",
+                    what,
+                    theirs,
+                    mine,
+                )
+                setattr(self, key, type(mine)(theirs))
+            else:
+                mismatches.append(f"{what}: flags {mine}, checkpoint {theirs}")
+        if mismatches:
+            raise ConfigError(
+                "the LR schedule of the flags differs from the checkpoint's ("
+                + "; ".join(mismatches)
+                + "). Pass --override-opt_param-scheduler to use the flags' schedule, or "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's, or give the flags it was saved with."
+            )
         self.num_steps = 0
         self.step(int(state["num_steps"]))
+        if self.num_steps >= self.lr_decay_steps and self.lr_decay_style in ("linear", "cosine"):
+            logger.warning(
+                "LR schedule: the run resumes at sample %d, past the decay length (%d samples): it trains at "
+                "--min-lr (%s)",
+                self.num_steps,
+                self.lr_decay_steps,
+                self.min_lr,
+            )
+
+
+_COMPARED: tuple[tuple[str, str], ...] = (
+    ("max_lr", "--lr"),
+    ("min_lr", "--min-lr"),
+    ("lr_decay_style", "--lr-decay-style"),
+    ("lr_warmup_steps", "warmup length in samples (--lr-warmup-iters/-samples/-fraction)"),
+    (
+        "lr_decay_steps",
+        "decay length in samples (--lr-decay-iters/-samples, default: the run length)",
+    ),
+)
+"""(state key, how the message names it) of every schedule constant compared on resume."""
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return float(a) == float(b)
 
 
 def build_lr_scheduler(
@@ -136,6 +222,18 @@ def build_lr_scheduler(
             if t.lr_warmup_fraction is not None
             else t.lr_warmup_samples
         )
+    on_resume: ResumePolicy = (
+        "override"
+        if t.override_opt_param_scheduler
+        else "checkpoint"
+        if t.use_checkpoint_opt_param_scheduler
+        else "error"
+    )
+    derived: frozenset[str] = frozenset()
+    if (t.lr_decay_iters if t.train_iters is not None else t.lr_decay_samples) is None:
+        derived = frozenset(
+            {"lr_decay_steps", *(("lr_warmup_steps",) if t.lr_warmup_fraction is not None else ())}
+        )
     return OptimizerParamScheduler(
         optimizer,
         max_lr=t.lr,
@@ -143,4 +241,6 @@ def build_lr_scheduler(
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
         lr_decay_style=t.lr_decay_style,
+        on_resume=on_resume,
+        from_run_length=derived,
     )

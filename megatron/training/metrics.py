@@ -88,7 +88,9 @@ def format_test_line(rec: TestRecord) -> str:
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss), capped at exp(20) like Megatron."""
+    """exp(loss), capped at exp(20) like Megatron; NaN for a NaN loss (``min(20, nan)`` would print exp(20))."""
+    if math.isnan(loss):
+        return math.nan
     return math.exp(min(20.0, loss))
 
 

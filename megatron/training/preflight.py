@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.pointers import resolve_universal_flag
 from megatron.checkpointing.rules import check_checkpoint_dirs
 from megatron.config import RunPlan, TridentConfig, validate
@@ -38,6 +39,9 @@ class Preflight:
     """The run's tokenizer (its files are read here, so a missing one fails before any group exists)."""
     tokenizer_fingerprint: str | None = None
     """``megatron.tokenizer.encoding_fingerprint`` of ``tokenizer`` (recorded in checkpoints, checked on load)."""
+    checksums: PendingVerification | None = None
+    """The digests of the checkpoint files this rank will load, computed while the engine is built; ``pretrain``
+    joins them (every rank together) before the load."""
 
 
 def check_output_paths(cfg: TridentConfig) -> None:
@@ -79,11 +83,14 @@ def preflight(cfg: TridentConfig) -> Preflight:
     ds_config = build_ds_config(cfg, plan)
     check_data_vocab(cfg, tokenizer.vocab_size)
     fingerprint = encoding_fingerprint(tokenizer)
-    check_checkpoint_dirs(cfg, plan, tokenizer_fingerprint=fingerprint)
+    pending = check_checkpoint_dirs(
+        cfg, plan, tokenizer_fingerprint=fingerprint, background_hashes=True
+    )
     return Preflight(
         cfg=cfg,
         plan=plan,
         ds_config=ds_config,
         tokenizer=tokenizer,
         tokenizer_fingerprint=fingerprint,
+        checksums=pending,
     )

@@ -6,7 +6,9 @@
     result.exit_code, result.iteration, result.losses
 
 Stages: (1) :func:`~megatron.training.preflight.preflight` (no process group yet): every user-input check, and the
-run plan. (2) ``deepspeed.init_distributed`` + ``initialize_model_parallel`` + seeds. (3) model, optimizer, engine,
+run plan. (2) ``deepspeed.init_distributed`` + ``initialize_model_parallel`` (every group with
+--distributed-timeout-minutes) + the --save lock (``checkpointing/save_lock.py``, held by global rank 0 until
+``pretrain`` returns or raises) + seeds. (3) model, optimizer, engine,
 LR schedule, checkpoint load, data iterators: a :class:`~megatron.training.trainer.Trainer`. (4) the loop
 (``loop.py``; skipped with --skip-train), the final evaluations (validation unless the last iteration just did it,
 then the test split, --eval-iters batches each, as Megatron does at the end of training), and teardown of the
@@ -21,15 +23,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from megatron import mpu
+from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.engine import DeepSpeedCheckpointer
+from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
 from megatron.log import global_rank
+from megatron.mpu.mappings import all_gather_object
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
 from megatron.training.ds_config import log_zero_upgrade
-from megatron.training.exit_codes import EXIT_OK
+from megatron.training.exit_codes import EXIT_OK, ConfigError
 from megatron.training.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
@@ -91,10 +98,47 @@ def pretrain(
     """
     pre = checked if checked is not None else preflight(cfg)
     device = initialize.init_distributed(pre.cfg)
+    lock: SaveLock | None = None
     try:
+        lock = _hold_save_lock(pre.cfg.checkpoint.save)
         return _run(pre, device, checkpoint_hooks)
     finally:
+        if lock is not None:
+            lock.release()
         mpu.destroy_model_parallel()
+
+
+def _hold_save_lock(save: str | None) -> SaveLock | None:
+    """Global rank 0 locks --save for the run (``save_lock.py``); every rank raises the same ``ConfigError`` when it
+    cannot, before any checkpoint is read or written."""
+    if not save:
+        return None
+    lock, error = None, None
+    if global_rank() == 0:
+        try:
+            lock = acquire_save_lock(save)
+        except (ValueError, OSError) as err:
+            error = str(err)
+    errors = [e for e in all_gather_object(error, group=dist.group.WORLD) if e]
+    if errors:
+        if lock is not None:
+            lock.release()
+        raise ConfigError(errors[0])
+    return lock
+
+
+def _join_checksums(pending: PendingVerification | None) -> None:
+    """Wait for this rank's checkpoint digests (started in preflight); every rank raises the same ``ConfigError``
+    when any rank's files do not match, before anything is loaded."""
+    error = None
+    if pending is not None:
+        try:
+            pending.result()
+        except (OSError, ValueError) as err:
+            error = str(err)
+    errors = [e for e in all_gather_object(error, group=dist.group.WORLD) if e]
+    if errors:
+        raise ConfigError(errors[0])
 
 
 def _build_trainer(
@@ -120,6 +164,7 @@ def _build_trainer(
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
         hooks = DeepSpeedCheckpointer(cfg, plan, tokenizer_fingerprint=pre.tokenizer_fingerprint)
     if hooks is not None and cfg.checkpoint.load:
+        _join_checksums(pre.checksums)
         hooks.load(bundle.engine, scheduler, state)
     if state.iteration >= plan.train_iters and not cfg.training.skip_train and global_rank() == 0:
         logger.info(

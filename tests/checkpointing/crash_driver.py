@@ -37,8 +37,8 @@ def install(point: str, iteration: int) -> None:
     if point == "before_engine_save":
         save_rng = engine.save_rng_file
 
-        def save_rng_then_die(path: Path) -> None:
-            save_rng(path)
+        def save_rng_then_die(path: Path, write: Any = None) -> None:
+            save_rng(path, write)
             if path.parent.name == tag:
                 _die()
 

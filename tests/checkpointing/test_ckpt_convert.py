@@ -111,7 +111,10 @@ def test_round_trip_matrix(tmp_path: Path, capsys, kind: str, tp: int, pp: int) 
 
 
 def test_tool_errors(tmp_path: Path, capsys) -> None:
-    assert trident_to_hf.main(["--load", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert (
+        trident_to_hf.main(["--load", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "holds no Trident checkpoint" in err
     bert = tmp_path / "bert"
@@ -132,10 +135,11 @@ def test_export_over_tolerance_exits_3(tmp_path: Path, capsys) -> None:
     argv = ["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--no-progress"]
     assert trident_to_hf.main([*argv, "--tolerance", "1e-30"]) == 3
     assert "FAILED" in capsys.readouterr().out
-    # The failed export's files are there: a second export does not overwrite them silently.
-    assert trident_to_hf.main(argv) == 2
-    assert "--overwrite" in capsys.readouterr().err
-    assert trident_to_hf.main([*argv, "--overwrite"]) == 0
+    # The failed export is not moved into --out (never mistaken for a good one): it waits in hf.unverified/.
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    assert (tmp_path / "hf.unverified" / "config.json").is_file()
+    assert trident_to_hf.main(argv) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def _save_tiny(ck: str) -> None:

@@ -161,10 +161,10 @@ def test_import_errors(trained: Path, tmp_path: Path, capsys) -> None:
     argv = ["--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o1")]
     assert megatron_deepspeed_to_trident.main(argv) == 2
     assert "mixture of experts (num_experts [4])" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
     assert (
-        megatron_deepspeed_to_trident.main(
-            ["--load", str(tmp_path), "--save", str(tmp_path / "o2")]
-        )
+        megatron_deepspeed_to_trident.main(["--load", str(empty), "--save", str(tmp_path / "o2")])
         == 2
     )
     assert "has no 'latest' (DeepSpeed format) nor latest_checkpointed_iteration.txt" in (

@@ -89,9 +89,7 @@ def test_save_must_be_a_new_directory(
     fast = ["--no-verify", "--no-progress"]
 
     assert reshard.main(["--load", str(ck), "--save", str(ck), "--tp", "1", "--pp", "1"]) == 2
-    assert "is the --load directory; write the converted checkpoint to a new or empty" in _error(
-        capsys
-    )
+    assert "is the --load directory" in _error(capsys)
     for argv in (
         ["reshard", "--load", str(ck), "--save", str(other_run), "--tp", "1", "--pp", "1"],
         ["hf", "--hf-dir", str(hf_bpe), "--save", str(other_run)],

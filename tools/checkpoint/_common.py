@@ -12,6 +12,7 @@ from megatron.conversion.verify import LogitComparison
 EXIT_OK = 0
 EXIT_INPUT_ERROR = 2
 EXIT_VERIFY_FAILED = 3
+EXIT_INTERRUPTED = 130
 DEFAULT_TOLERANCE = 1e-5
 
 
@@ -79,5 +80,12 @@ def run_checkpoint_writer(
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    except KeyboardInterrupt as e:
+        print(
+            f"interrupted ({e or 'SIGINT'}): the temporary full-model file was removed; {a.save} may hold an "
+            "incomplete checkpoint (no 'latest'): delete it and run the conversion again.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp})")
     return report(result, a.tolerance)

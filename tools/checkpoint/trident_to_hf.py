@@ -5,7 +5,8 @@
 The tokenizer recorded at training time is exported too (``--no-tokenizer`` to skip; ``--tokenizer-type`` and its
 file flags to name another). --out must be new or empty unless ``--overwrite`` is given.
 
-Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
+Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance (then
+nothing is written to --out: the unverified files are left in ``<out>.unverified/`` for inspection).
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=tokenizer,
             write_tokenizer=not a.no_tokenizer,
             overwrite=a.overwrite,
+            tolerance=a.tolerance,
             say=print,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT_ERROR
-    print(f"wrote {a.out}/config.json and {a.out}/model.safetensors")
+    if result is None or result.passes(a.tolerance):
+        print(f"wrote {a.out}/config.json and {a.out}/model.safetensors")
     return report(result, a.tolerance)
 
 
