@@ -130,7 +130,7 @@ class DeepSpeedCheckpointer:
         client_state = {
             "iteration": int(state.iteration),
             "consumed_train_samples": int(state.consumed_train_samples),
-            "consumed_train_tokens": int(state.consumed_train_samples) * seq,
+            "consumed_train_tokens": int(state.consumed_train_tokens),
             "consumed_valid_samples": int(state.consumed_valid_samples),
             "consumed_valid_tokens": int(state.consumed_valid_samples) * seq,
             "skipped_iterations": int(state.skipped_iterations),
@@ -251,7 +251,16 @@ class DeepSpeedCheckpointer:
             state.consumed_train_samples = int(client["consumed_train_samples"])
             state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
             state.skipped_iterations = int(client.get("skipped_iterations", 0))
+            # Before the token count was kept, every iteration had --seq-length tokens per sample.
+            state.consumed_train_tokens = int(
+                client.get(
+                    "consumed_train_tokens",
+                    state.consumed_train_samples * self.cfg.model.seq_length,
+                )
+            )
             scheduler.load_state_dict(client["lr_scheduler"])
+            if "num_tokens" not in client["lr_scheduler"]:
+                scheduler.step(0, tokens=state.consumed_train_tokens)
         same_world = meta.get("world_size") == self.plan.world_size and not universal
         if not (ck.no_load_rng or finetune):
             if same_world:

@@ -20,6 +20,9 @@ class TrainingConfig:
     """Optimizer steps to train (exclusive with --train-samples)."""
     train_samples: int | None = None
     """Samples to train on (exclusive with --train-iters); the LR schedule then counts samples."""
+    train_tokens: int | None = None
+    """Also stop once this many tokens (global batch x --seq-length per iteration) are consumed, if that comes
+    before --train-iters/--train-samples (Megatron-DeepSpeed)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """adam (decoupled weight decay, i.e. AdamW) or sgd."""
     lr: float = 1e-4
@@ -32,12 +35,16 @@ class TrainingConfig:
     """Iterations the LR decays over (default: --train-iters)."""
     lr_decay_samples: int | None = None
     """Samples the LR decays over, for a --train-samples run (default: --train-samples)."""
+    lr_decay_tokens: int | None = None
+    """Tokens the LR decays over; replaces the iteration/sample decay (Megatron-DeepSpeed)."""
     lr_warmup_iters: int = 0
     """Iterations of linear LR warmup."""
     lr_warmup_fraction: float | None = None
     """LR warmup as a fraction of the decay length."""
     lr_warmup_samples: int = 0
     """Samples of linear LR warmup, for a --train-samples run."""
+    lr_warmup_tokens: int | None = None
+    """Tokens of linear LR warmup (needs --lr-decay-tokens; Megatron-DeepSpeed)."""
     override_opt_param_scheduler: bool = False
     """On resume, use the LR schedule of the flags where it differs from the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = False

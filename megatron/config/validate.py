@@ -165,6 +165,38 @@ def _check_precision(cfg: TridentConfig, device_type: str) -> None:
             )
 
 
+def _check_tokens(cfg: TridentConfig) -> None:
+    """Megatron-DeepSpeed's token schedule: --train-tokens adds a stop, --lr-*-tokens replace the LR lengths."""
+    t = cfg.training
+    for flag, value in (
+        ("--train-tokens", t.train_tokens),
+        ("--lr-decay-tokens", t.lr_decay_tokens),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be a positive integer (or left out).")
+    warmup = t.lr_warmup_tokens
+    if warmup is None:
+        return
+    if warmup < 0:
+        raise ValueError(f"--lr-warmup-tokens ({warmup}) must be >= 0 (or left out).")
+    if t.lr_decay_tokens is None:
+        raise ValueError(
+            f"--lr-warmup-tokens ({warmup}) needs --lr-decay-tokens: a token warmup followed by an "
+            "iteration/sample decay is not supported; add --lr-decay-tokens, or warm up with --lr-warmup-iters/"
+            "--lr-warmup-samples."
+        )
+    if warmup > t.lr_decay_tokens:
+        raise ValueError(
+            f"--lr-warmup-tokens ({warmup}) exceeds --lr-decay-tokens ({t.lr_decay_tokens}); shorten the warmup "
+            "or lengthen the decay."
+        )
+    if t.lr_warmup_iters or t.lr_warmup_samples or t.lr_warmup_fraction is not None:
+        raise ValueError(
+            "--lr-warmup-tokens is exclusive with --lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction; "
+            "give one warmup length."
+        )
+
+
 def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -> None:
     """Raise ``ValueError`` for the first inconsistency in ``cfg`` for ``world_size`` ranks on ``device_type``."""
     if world_size < 1:
@@ -175,3 +207,4 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_parallel(cfg, world_size)
     _check_batch(cfg, world_size)
     _check_precision(cfg, device_type)
+    _check_tokens(cfg)

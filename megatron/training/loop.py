@@ -75,6 +75,16 @@ class LoopSpec:
     save_interval: int | None
     check_for_nan: bool = True
     """Stop at a non-finite loss or grad norm (--check-for-nan-in-loss-and-grad)."""
+    tokens_per_iteration: int = 0
+    """Tokens consumed per iteration (global batch x --seq-length)."""
+    train_tokens: int | None = None
+    """--train-tokens: the run also finishes once this many tokens are consumed (Megatron-DeepSpeed)."""
+
+    def finished(self, state: TrainState) -> bool:
+        """--train-iters reached, or --train-tokens (whichever comes first, as in Megatron-DeepSpeed)."""
+        return state.iteration >= self.train_iters or (
+            self.train_tokens is not None and state.consumed_train_tokens >= self.train_tokens
+        )
 
     @classmethod
     def of(cls, cfg: TridentConfig, plan: RunPlan) -> LoopSpec:
@@ -91,6 +101,8 @@ class LoopSpec:
             exit_signal_handler=t.exit_signal_handler,
             save_interval=cfg.checkpoint.save_interval,
             check_for_nan=t.check_for_nan_in_loss_and_grad,
+            tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,
+            train_tokens=t.train_tokens,
         )
 
 
@@ -244,25 +256,26 @@ def train(
     state: TrainState,
     writer: MetricsWriter,
 ) -> int:
-    """Run iterations until --train-iters or an exit condition; returns the exit code."""
+    """Run iterations until --train-iters (or --train-tokens) or an exit condition; returns the exit code."""
     signals = _StopSignals(spec.exit_signal_handler)
     start = time.time()
     interval_start, interval_iters = time.perf_counter(), 0
     saved, first_iteration = False, state.iteration
     last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
     try:
-        while state.iteration < spec.train_iters:
+        while not spec.finished(state):
             lr = trainer.apply_lr()
             result = trainer.train_step()
             state.iteration += 1
             state.consumed_train_samples += spec.global_batch
+            state.consumed_train_tokens += spec.tokens_per_iteration
             state.history.append(result.loss)
             state.grad_norms.append(result.grad_norm)
             interval_iters += 1
             if result.skipped:
                 state.skipped_iterations += 1
             else:
-                trainer.scheduler.step(spec.global_batch)
+                trainer.scheduler.step(spec.global_batch, tokens=state.consumed_train_tokens)
             if state.iteration % spec.log_interval == 0:
                 now = time.perf_counter()
                 _log(
@@ -286,7 +299,7 @@ def train(
                 saved, last_saved = True, state.iteration
             # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
             # resubmits on 3/4/5 would only relaunch a finished run.
-            finished = state.iteration >= spec.train_iters
+            finished = spec.finished(state)
             code = None if finished else _exit_code(spec, state, start, signals, trainer.device)
             if code is not None:
                 if trainer.save_enabled and not saved:

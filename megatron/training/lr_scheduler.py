@@ -22,6 +22,16 @@ wins) says which, as in Megatron. One exception, so that extending a run with a 
 does not train at --min-lr: when --lr-decay-iters/--lr-decay-samples is not given, the decay length is derived from
 the run length (Megatron's default) and follows the flags (with a log line), as does a --lr-warmup-fraction warmup;
 --use-checkpoint-opt_param-scheduler keeps the checkpoint's there too.
+
+Token-based schedule (Megatron-DeepSpeed's --lr-warmup-tokens / --lr-decay-tokens, ``OptimizerParamScheduler.get_lr``
+of its ``megatron/optimizer_param_scheduler.py``): with --lr-decay-tokens the same formulas run on ``tokens``, the
+tokens consumed so far (global batch x --seq-length per iteration, skipped iterations included), with
+``warmup = --lr-warmup-tokens`` and ``decay = --lr-decay-tokens``; past the decay every style but constant gives
+--min-lr. An iteration/sample warmup followed by a token decay (--lr-warmup-iters with --lr-decay-tokens) warms up
+by samples and decays from the tokens consumed when that warmup ended. The trainer passes the token count with each
+:meth:`step`; one difference from Megatron-DeepSpeed: its engine steps the schedule before the loop adds the
+iteration's tokens, so its token count lags one iteration behind its sample count; here both include the iteration
+just trained. The token constants are compared on resume like the others; the token count is restored.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ class OptimizerParamScheduler:
         lr_decay_style: DecayStyle,
         on_resume: ResumePolicy = "error",
         from_run_length: frozenset[str] = frozenset(),
+        lr_warmup_tokens: int | None = None,
+        lr_decay_tokens: int | None = None,
     ) -> None:
         if lr_decay_steps <= 0:
             raise ValueError(
@@ -69,6 +81,12 @@ class OptimizerParamScheduler:
                 f"LR warmup ({lr_warmup_steps} samples) exceeds the decay length ({lr_decay_steps} samples); "
                 "shorten --lr-warmup-* or lengthen --lr-decay-*."
             )
+        if lr_warmup_tokens is not None and (
+            lr_decay_tokens is None or lr_warmup_tokens > lr_decay_tokens
+        ):
+            raise ValueError(
+                f"LR warmup of {lr_warmup_tokens} tokens needs a longer --lr-decay-tokens (got {lr_decay_tokens})."
+            )
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
@@ -79,11 +97,19 @@ class OptimizerParamScheduler:
         self.from_run_length = from_run_length
         """Constants derived from the run length (``lr_decay_steps`` without --lr-decay-iters/-samples, then
         ``lr_warmup_steps`` of a --lr-warmup-fraction): on resume they follow the flags."""
+        self.lr_warmup_tokens = lr_warmup_tokens
+        self.lr_decay_tokens = lr_decay_tokens
         self.num_steps = 0
+        self.num_tokens = 0
+        """Tokens consumed (the token schedule's position), as last given to :meth:`step`."""
+        self.warmup_end_tokens: int | None = None
+        """Tokens consumed when the iteration/sample warmup ended (where a token decay after it starts)."""
         self.step(0)
 
     def get_lr(self) -> float:
-        """The learning rate at the current sample count."""
+        """The learning rate at the current sample count (token count with --lr-decay-tokens)."""
+        if self.lr_decay_tokens is not None:
+            return self._token_lr(self.lr_decay_tokens)
         step, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
         if warmup > 0 and step <= warmup:
             return self.max_lr * step / warmup
@@ -94,7 +120,34 @@ class OptimizerParamScheduler:
             return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
         if step > decay:
             return self.min_lr
-        ratio = (step - warmup) / max(decay - warmup, 1)
+        return self._decayed((step - warmup) / max(decay - warmup, 1))
+
+    def _token_lr(self, decay: int) -> float:
+        tokens = self.num_tokens
+        if self.lr_warmup_tokens is not None:
+            warmup = self.lr_warmup_tokens
+            if warmup > 0 and tokens <= warmup:
+                return self.max_lr * tokens / warmup
+        else:
+            if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+                return self.max_lr * self.num_steps / self.lr_warmup_steps
+            warmup = self.warmup_end_tokens or 0
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if tokens > decay:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            # Megatron-DeepSpeed: by tokens after a token warmup, by samples after a sample warmup.
+            at, start = (
+                (tokens, self.lr_warmup_tokens)
+                if self.lr_warmup_tokens is not None
+                else (self.num_steps, self.lr_warmup_steps)
+            )
+            return max(self.min_lr, self.max_lr * math.sqrt(max(start, 1)) / math.sqrt(max(at, 1)))
+        return self._decayed((tokens - warmup) / max(decay - warmup, 1))
+
+    def _decayed(self, ratio: float) -> float:
+        """min_lr + coeff(ratio) x (max_lr - min_lr) for the linear and cosine decays."""
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.lr_decay_style == "cosine":
@@ -112,9 +165,14 @@ class OptimizerParamScheduler:
                 group["lr"] = lr * group.get("lr_mult", 1.0)
         return lr
 
-    def step(self, increment: int) -> None:
-        """Advance by ``increment`` samples and apply the new LR."""
+    def step(self, increment: int, tokens: int | None = None) -> None:
+        """Advance by ``increment`` samples, set the token count to ``tokens`` (the total consumed, when given)
+        and apply the new LR."""
         self.num_steps += int(increment)
+        if tokens is not None:
+            self.num_tokens = int(tokens)
+        if self.warmup_end_tokens is None and self.num_steps >= self.lr_warmup_steps:
+            self.warmup_end_tokens = self.num_tokens
         self.apply()
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,6 +184,10 @@ class OptimizerParamScheduler:
             "lr_decay_steps": self.lr_decay_steps,
             "lr_decay_style": self.lr_decay_style,
             "num_steps": self.num_steps,
+            "lr_warmup_tokens": self.lr_warmup_tokens,
+            "lr_decay_tokens": self.lr_decay_tokens,
+            "num_tokens": self.num_tokens,
+            "lr_warmup_end_tokens": self.warmup_end_tokens,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,7 +225,7 @@ class OptimizerParamScheduler:
                     theirs,
                     mine,
                 )
-                setattr(self, key, type(mine)(theirs))
+                setattr(self, key, theirs if mine is None or theirs is None else type(mine)(theirs))
             else:
                 mismatches.append(f"{what}: flags {mine}, checkpoint {theirs}")
         if mismatches:
@@ -174,13 +236,24 @@ class OptimizerParamScheduler:
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's, or give the flags it was saved with."
             )
         self.num_steps = 0
-        self.step(int(state["num_steps"]))
-        if self.num_steps >= self.lr_decay_steps and self.lr_decay_style in ("linear", "cosine"):
+        # A checkpoint without it (before the token schedule): a warmup of 0 samples ended at token 0.
+        self.warmup_end_tokens = state.get(
+            "lr_warmup_end_tokens", 0 if self.lr_warmup_steps == 0 else None
+        )
+        self.step(int(state["num_steps"]), tokens=state.get("num_tokens", self.num_tokens))
+        at, decay, unit = (
+            (self.num_steps, self.lr_decay_steps, "samples")
+            if self.lr_decay_tokens is None
+            else (self.num_tokens, self.lr_decay_tokens, "tokens")
+        )
+        if at >= decay and self.lr_decay_style in ("linear", "cosine"):
             logger.warning(
-                "LR schedule: the run resumes at sample %d, past the decay length (%d samples): it trains at "
+                "LR schedule: the run resumes at %d %s, past the decay length (%d %s): it trains at "
                 "--min-lr (%s)",
-                self.num_steps,
-                self.lr_decay_steps,
+                at,
+                unit,
+                decay,
+                unit,
                 self.min_lr,
             )
 
@@ -194,11 +267,15 @@ _COMPARED: tuple[tuple[str, str], ...] = (
         "lr_decay_steps",
         "decay length in samples (--lr-decay-iters/-samples, default: the run length)",
     ),
+    ("lr_warmup_tokens", "--lr-warmup-tokens"),
+    ("lr_decay_tokens", "--lr-decay-tokens"),
 )
 """(state key, how the message names it) of every schedule constant compared on resume."""
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
     if isinstance(a, str) or isinstance(b, str):
         return a == b
     return float(a) == float(b)
@@ -243,4 +320,6 @@ def build_lr_scheduler(
         lr_decay_style=t.lr_decay_style,
         on_resume=on_resume,
         from_run_length=derived,
+        lr_warmup_tokens=t.lr_warmup_tokens,
+        lr_decay_tokens=t.lr_decay_tokens,
     )

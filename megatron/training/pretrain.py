@@ -56,6 +56,7 @@ class TrainResult:
     exit_code: int
     iteration: int
     consumed_train_samples: int
+    consumed_train_tokens: int
     losses: list[float] = field(default_factory=list)
     """lm loss of each iteration run (global-batch mean, same on every rank)."""
     grad_norms: list[float | None] = field(default_factory=list)
@@ -227,6 +228,7 @@ def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainRes
         exit_code=code,
         iteration=state.iteration,
         consumed_train_samples=state.consumed_train_samples,
+        consumed_train_tokens=state.consumed_train_tokens,
         losses=list(state.history),
         grad_norms=list(state.grad_norms),
         valid_loss=state.last_valid_loss,

@@ -11,6 +11,9 @@ class TrainState:
 
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_train_tokens: int = 0
+    """Tokens trained on so far (global batch x --seq-length per iteration): --train-tokens and the token LR
+    schedule count them."""
     consumed_valid_samples: int = 0
     """Validation samples drawn so far (a resumed run continues the validation stream where it stopped)."""
     skipped_iterations: int = 0
