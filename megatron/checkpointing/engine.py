@@ -246,7 +246,7 @@ class DeepSpeedCheckpointer:
                 refresh_master_weights(engine)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
-        if not finetune:
+        if not (finetune or ck.reset_iteration):
             state.iteration = int(client["iteration"])
             state.consumed_train_samples = int(client["consumed_train_samples"])
             state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
@@ -258,6 +258,12 @@ class DeepSpeedCheckpointer:
                     state.consumed_train_samples * self.cfg.model.seq_length,
                 )
             )
+        elif not finetune:
+            # --reset-iteration (Megatron-DeepSpeed's load_checkpoint): progress restarts at 0, so the data
+            # order restarts at its first sample; the engine's step count follows, as theirs does.
+            engine.global_steps = 0
+            engine.global_samples = 0
+        if not (finetune or ck.no_load_lr_state):
             scheduler.load_state_dict(client["lr_scheduler"])
             if "num_tokens" not in client["lr_scheduler"]:
                 scheduler.step(0, tokens=state.consumed_train_tokens)

@@ -88,6 +88,12 @@ def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
             f"checkpoints there (newest {newest}). To continue a fine-tuning run, relaunch without "
             "--finetune; to start one, --load the pretrained checkpoint and --save to an empty directory."
         )
+    if ck.reset_iteration:
+        raise ValueError(
+            f"--reset-iteration with --load = --save = {ck.save}: every relaunch would restart at iteration 0 "
+            f"over the checkpoints there (newest {newest}). Pass --reset-iteration once, with --save to an empty "
+            "directory."
+        )
 
 
 @dataclass(frozen=True)
@@ -339,11 +345,11 @@ def check_checkpoint_dirs(
 
     --save must be writable and must not hold another run's checkpoints; --load must be a directory (a missing
     one is an error unless it is the --save of an auto-resumed run); --load-tag, --finetune,
-    --universal-checkpoint need --load, and --finetune / --skip-train need a checkpoint there. With the run's
-    ``plan``, a checkpoint found in --load must match the model flags (at the plan's true vocabulary), the
-    tokenizer (``tokenizer_fingerprint``, else its type), the --universal-checkpoint kind and the rows of
-    :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size). No checkpoint in an existing --load is fine
-    otherwise (the run starts from scratch, with one log line).
+    --universal-checkpoint, --no-load-lr-state, --reset-iteration need --load, and --finetune / --skip-train
+    need a checkpoint there. With the run's ``plan``, a checkpoint found in --load must match the model flags (at
+    the plan's true vocabulary), the tokenizer (``tokenizer_fingerprint``, else its type), the
+    --universal-checkpoint kind and the rows of :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size). No
+    checkpoint in an existing --load is fine otherwise (the run starts from scratch, with one log line).
 
     The files this rank will load are checked against the checksums recorded at save: sizes here, digests here
     too, or, with ``background_hashes``, on a thread whose :class:`PendingVerification` is returned (the caller
@@ -362,6 +368,8 @@ def check_checkpoint_dirs(
         ("--load-tag", ck.load_tag),
         ("--finetune", ck.finetune),
         ("--universal-checkpoint", ck.universal_checkpoint),
+        ("--no-load-lr-state", ck.no_load_lr_state),
+        ("--reset-iteration", ck.reset_iteration),
     ):
         if given and not ck.load:
             raise ValueError(f"{flag} was given without --load; add --load DIR.")

@@ -21,6 +21,10 @@ class CheckpointConfig:
     """Load weights, schedule and iteration but not the optimizer state."""
     no_load_rng: bool = False
     """Keep fresh RNG states instead of the checkpoint's."""
+    no_load_lr_state: bool = False
+    """Do not load the LR schedule's state: it starts from sample 0 with the flags' constants (warmup again)."""
+    reset_iteration: bool = False
+    """Load weights, optimizer, LR schedule and RNG but restart at iteration 0 with 0 consumed samples/tokens."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
     universal_checkpoint: bool = False
