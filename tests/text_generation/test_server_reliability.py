@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_server import CFG  # the same tiny model as the server's functional tests
 
-from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu.context import ParallelContext
 from megatron.text_generation import TextGenerator
@@ -25,16 +25,6 @@ from megatron.tokenizer import build_tokenizer
 from tools import run_text_generation_server, text_generation_cli
 
 READ_TIMEOUT = 1.0
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=32,
-    max_position_embeddings=32,
-    vocab_size=60,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
 
 
 @pytest.fixture(autouse=True)
