@@ -12,7 +12,8 @@ Pipeline, streaming and order-preserving::
 With ``workers > 1`` at most ``2 * workers`` chunks are in flight (so memory stays flat however big the input),
 and results are consumed in submission order, so the output is byte-identical for any worker count. The workers are
 forked once the main process has built and checked its tokenizer (they inherit it: no start-up cost per worker, no
-helper process); every one is terminated and joined before ``preprocess`` returns or raises (also on Ctrl-C).
+helper process); every one is reaped before ``preprocess`` returns or raises, also on Ctrl-C (``fork_workers``:
+no shared queue, so stopping a worker mid-write cannot hang the run, and a worker killed by the OS is one error).
 
 Per document and key, as Megatron-LM: a string value is one sequence, a list of strings is one sequence per
 non-empty string; sequences with no tokens are dropped; with ``append_eod`` the EOD is appended to the document's
@@ -25,15 +26,12 @@ writes nothing (an empty dataset would only fail later, in training).
 
 from __future__ import annotations
 
-import collections
 import glob
 import gzip
 import itertools
 import json
 import logging
-import multiprocessing
 import os
-import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from megatron.data.fork_workers import WorkerDied, ordered_map
 from megatron.data.indexed_dataset import (
     MMapIndexedDataset,
     MMapIndexedDatasetBuilder,
@@ -351,50 +350,18 @@ def _select(
     return [x for j in keep for x in ids[offsets[j] : offsets[j + 1]]]
 
 
-_WORKER_ENCODER: Encoder | None = None
-"""The encoder a forked worker inherits from the main process (set just before the workers are forked)."""
-
-
-def _worker_signals() -> None:
-    """Workers leave interrupts to the parent: Ctrl-C is ignored (the parent terminates the pool, so there is one
-    message, not one traceback per worker) and SIGTERM, which Pool.terminate sends, kills at once."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _encode_in_worker(chunk: Chunk | ByteRange) -> ChunkResult:
-    if _WORKER_ENCODER is None:
-        raise RuntimeError("preprocessing worker without the main process's encoder")
-    return _WORKER_ENCODER.encode(chunk)
-
-
 def _results(
     chunks: Iterator[Chunk | ByteRange], encoder: Encoder, workers: int
 ) -> Iterator[ChunkResult]:
     """Encoded chunks in input order; with workers > 1 at most 2 * workers in flight."""
-    global _WORKER_ENCODER
     if workers == 1:
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
     # fork: the workers inherit the built and checked tokenizer (spawning re-imports and rebuilds it, ~0.5 s each,
-    # and starts a resource-tracker process that outlives the run). No thread pool runs in this process: the
+    # and starts a resource-tracker process that outlives the run). No thread runs in this process: the
     # tokenizers' own parallelism is off (TOKENIZERS_PARALLELISM=false) and torch is not imported here.
-    _WORKER_ENCODER = encoder
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals)
-    try:
-        pending: collections.deque[Any] = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()  # clean shutdown: workers exit on the sentinel
-    finally:
-        pool.terminate()  # error or interrupt: stop the workers now (a no-op after close)
-        pool.join()  # every worker reaped before returning or raising
-        _WORKER_ENCODER = None
+    yield from ordered_map(encoder.encode, chunks, workers)
 
 
 class _Progress:
@@ -579,9 +546,11 @@ def preprocess(
         for key, prefix in prefixes.items():
             builders[key].finalize(index_file_path(prefix))
             summary.outputs.append(prefix)
-    except BaseException:
+    except BaseException as e:
         for builder in builders.values():
             builder.abort()
+        if isinstance(e, WorkerDied):
+            raise PreprocessError(f"preprocessing {e}; nothing written.") from None
         raise
     summary.seconds = time.monotonic() - start
     return summary
