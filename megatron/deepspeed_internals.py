@@ -30,6 +30,10 @@ optimizer ``refresh_fp32_params()``    re-reads the master copy from the paramet
                                        (``deepspeed.comm.new_group(ranks)``, no timeout argument) get it
 ``engine.checkpoint_engine.save``      replaced on the instance during a save: each file is written through
                                        the checksum recorder (``megatron/checkpointing/checksums.py``)
+``checkpointing._CUDA_RNG_STATE_       set to Trident's RNG tracker: ``deepspeed.checkpointing.checkpoint`` saves
+TRACKER``                              and restores the streams of the tracker dropout really draws from
+pipeline ``_INSTRUCTION_MAP``          shadowed per engine instance to time the 1F1B instructions under
+                                       Megatron's timer names (``training/timers.py``)
 =====================================  =====================================================================
 """
 
@@ -143,6 +147,35 @@ def loss_scale(engine: Any) -> float:
         if isinstance(value, (int, float, torch.Tensor)):
             return float(value)
     return 1.0
+
+
+def share_rng_tracker(tracker: Any) -> None:
+    """Make ``tracker`` the one ``deepspeed.checkpointing.get_cuda_rng_tracker()`` returns (one tracker, not two).
+
+    DeepSpeed's checkpoint saves ``get_cuda_rng_tracker().get_states()`` before the forward and restores them for
+    the recomputation; only ``get_states`` / ``set_states`` are called on it, which Trident's tracker has.
+
+    Raises:
+        RuntimeError: DeepSpeed still returns another tracker (its module changed).
+    """
+    import deepspeed
+
+    deepspeed.checkpointing._CUDA_RNG_STATE_TRACKER = tracker
+    if deepspeed.checkpointing.get_cuda_rng_tracker() is not tracker:
+        raise RuntimeError(
+            f"deepspeed.checkpointing.get_cuda_rng_tracker() ignores _CUDA_RNG_STATE_TRACKER in DeepSpeed "
+            f"{deepspeed.__version__}; --deepspeed-activation-checkpointing needs DeepSpeed {TESTED_DEEPSPEED}."
+        )
+
+
+def wrap_pipe_instructions(
+    engine: Any, wrap: Callable[[Callable[..., Any], type], Callable[..., Any]]
+) -> None:
+    """Replace, on this pipeline engine only, each instruction handler ``fn`` of its 1F1B schedule by
+    ``wrap(fn, instruction_class)`` (``_exec_schedule`` looks handlers up in ``self._INSTRUCTION_MAP``; an instance
+    attribute shadows the class table)."""
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    engine._INSTRUCTION_MAP = {instr: wrap(fn, instr) for instr, fn in table.items()}
 
 
 def is_zero3_partitioned(param: torch.Tensor) -> bool:

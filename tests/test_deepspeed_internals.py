@@ -46,6 +46,7 @@ def test_untested_deepspeed_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, 
 PRIVATE_ATTRIBUTES = {
     "_hp_mapping", "set_full_hp_param", "fp32_groups", "fp16_groups", "refresh_fp32_params",
     "_global_grad_norm", "clip_fp32_gradients", "build_shm_op", "ds_id", "ds_shape", "cur_scale",
+    "_CUDA_RNG_STATE_TRACKER", "_INSTRUCTION_MAP",
 }  # fmt: skip
 PRIVATE_MODULES = (
     "deepspeed.runtime.utils",

@@ -214,6 +214,12 @@ class DeepSpeedCheckpointer:
         universal = ck.universal_checkpoint
         tag = find_checkpoint(load_dir, ck.load_tag, universal=universal)
         if tag is None:
+            # Every rank sees the same directory, so all ranks stop here together.
+            if ck.exit_on_missing_checkpoint:
+                raise FileNotFoundError(
+                    f"--load {load_dir} holds no checkpoint and --exit-on-missing-checkpoint is set; fix the "
+                    "path, or drop the flag to start from scratch"
+                )
             if global_rank() == 0:
                 logger.info("no checkpoint in --load %s: starting from scratch", load_dir)
             return

@@ -35,6 +35,9 @@ SHAPE_FIELDS = (
     "normalization",
     "swiglu",
     "use_rotary_position_embeddings",
+    "rotary_percent",
+    "add_position_embedding",
+    "apply_layernorm_1p",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "vocab_size",
@@ -78,7 +81,10 @@ def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
 def model_mismatches(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """``"field: checkpoint X, flags Y"`` for every :data:`SHAPE_FIELDS` value that differs."""
     theirs_cfg = model_config_from_dict(saved)
-    rotary = current.use_rotary_position_embeddings and theirs_cfg.use_rotary_position_embeddings
+    rotary = all(  # neither has a learned position table
+        c.use_rotary_position_embeddings or not c.add_position_embedding
+        for c in (current, theirs_cfg)
+    )
     out = []
     for name in SHAPE_FIELDS:
         if name == "max_positions" and rotary:

@@ -28,11 +28,13 @@ from megatron.config.flags import (
     COMPAT_NO_OPS,
     INVERTED,
     NOT_FLAGS,
+    RECOMPUTE_ACTIVATIONS,
     field_docs,
 )
 from megatron.config.logging_config import LoggingConfig
 from megatron.config.model import ModelConfig
 from megatron.config.parallel import ParallelConfig
+from megatron.config.refused import REFUSED, RefuseAction
 from megatron.config.training import TrainingConfig
 
 
@@ -159,13 +161,41 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         extra: dict[str, Any] = {"action": "store_true"}
         if flag.choices:
             extra = {"choices": list(flag.choices), "default": None}
+        elif flag.takes_value:
+            extra = {"metavar": "VALUE", "default": None}
         compat.add_argument(
             *flag.flags,
             dest=f"compat_{flag.flags[0].lstrip('-')}",
             help=f"No effect: {flag.why}",
             **extra,
         )
+    compat.add_argument(
+        RECOMPUTE_ACTIVATIONS,
+        action="store_const",
+        const="selective",
+        dest="recompute_granularity",
+        help="Megatron's name for --recompute-granularity selective.",
+    )
+    _add_refused(p)
     return p
+
+
+def _add_refused(p: argparse.ArgumentParser) -> None:
+    """The group of Megatron-DeepSpeed flags refused by name (``refused.py``): each stops the parse with one line."""
+    group = p.add_argument_group(
+        "refused",
+        "Megatron-DeepSpeed features Trident does not have: passing one stops the run with the reason.",
+    )
+    for entry in REFUSED:
+        group.add_argument(
+            *entry.flags,
+            action=RefuseAction,
+            refused=entry,
+            dest=f"refused_{entry.flags[0].lstrip('-')}",
+            default=argparse.SUPPRESS,
+            metavar="VALUE" if entry.takes_value else None,
+            help=f"Refused: {entry.why}; {entry.instead}.",
+        )
 
 
 def config_from_namespace(a: argparse.Namespace) -> TridentConfig:
@@ -182,6 +212,10 @@ def config_from_namespace(a: argparse.Namespace) -> TridentConfig:
     model: ModelConfig = sections["model"]
     if model.recompute_granularity is None and a.checkpoint_activations:
         sections["model"] = dataclasses.replace(model, recompute_granularity="full")
+    data: DataConfig = sections["data"]
+    if data.tokenizer_type is None and data.vocab_file and data.merge_file:
+        # Megatron(-DeepSpeed)'s pretrain_gpt.py defaults the type to GPT2BPETokenizer; their scripts rely on it.
+        sections["data"] = dataclasses.replace(data, tokenizer_type="GPT2BPETokenizer")
     return TridentConfig(**sections)
 
 

@@ -32,3 +32,5 @@ class CheckpointConfig:
     verify_checkpoint_checksums: bool = True
     """Check the SHA-256 of every checkpoint file a rank loads against the one recorded at save (sizes are
     always checked); --no-verify-checkpoint-checksums skips the hashing for huge checkpoints on trusted storage."""
+    exit_on_missing_checkpoint: bool = False
+    """Stop (exit 2) instead of starting from scratch when --load holds no checkpoint (a mistyped path)."""

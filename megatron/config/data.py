@@ -44,5 +44,15 @@ class DataConfig:
     """Positions restart after each end-of-document token."""
     reset_attention_mask: bool = False
     """No attention across end-of-document tokens."""
+    train_doc_idx_path: str | None = None
+    """Read the training split's doc_idx from this Megatron index .npy instead of building it."""
+    train_sample_idx_path: str | None = None
+    """Read the training split's sample_idx from this Megatron index .npy instead of building it."""
+    train_shuffle_idx_path: str | None = None
+    """Read the training split's shuffle_idx from this Megatron index .npy instead of building it."""
+    train_data_exact_num_epochs: int | None = None
+    """Build the training dataset from exactly this many epochs of its documents."""
+    return_data_index: bool = False
+    """Dataset items also carry 'index', the sample's position (Megatron-DeepSpeed's data-efficiency hook)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Reserved for tool-specific settings; empty for training (not a flag)."""

@@ -8,7 +8,8 @@ to False is a switch; a ``Literal`` gives the choices; ``tuple[str, ...]`` takes
 The exceptions, all below: flags that turn a default-True field off (:data:`INVERTED`), extra spellings
 (:data:`ALIASES`), fields that are not flags (:data:`NOT_FLAGS`), one flag that sets another field's value
 (``--checkpoint-activations``), and Megatron-DeepSpeed flags accepted as deliberate no-ops, each with its reason
-(:data:`COMPAT_NO_OPS`; README lists them).
+(:data:`COMPAT_NO_OPS`; README lists them). Megatron-DeepSpeed flags whose feature Trident does not have are known
+by name and refused with their reason (``refused.py``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,20 @@ INVERTED: dict[str, str] = {
     "exit_signal_handler": "--no-exit-signal-handler",
     "verify_checkpoint_checksums": "--no-verify-checkpoint-checksums",
     "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+    "barrier_with_level_1_timing": "--no-barrier-with-level-1-timing",
+    # Megatron-DeepSpeed's spelling (sic: "learnig"), kept so their scripts carry over.
+    "log_learning_rate_to_tensorboard": "--no-log-learnig-rate-to-tensorboard",
+    "log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
+    "async_tensor_model_parallel_allreduce": "--no-async-tensor-model-parallel-allreduce",
+    "add_position_embedding": "--no-position-embedding",
 }
 """Field -> the switch that sets it False (the field defaults to True)."""
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "local_rank": ("--local_rank", "--local-rank"),
-    "deepspeed_config": ("--deepspeed_config", "--deepspeed-config"),
     "recompute_num_layers": ("--recompute-num-layers", "--checkpoint-num-layers"),
+    # Megatron-DeepSpeed spells it "contigious"; both spellings set the same field.
+    "contiguous_checkpointing": ("--contiguous-checkpointing", "--contigious-checkpointing"),
     "override_opt_param_scheduler": (
         "--override-opt_param-scheduler",
         "--override-opt-param-scheduler",
@@ -40,6 +48,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "--use-checkpoint-opt_param-scheduler",
         "--use-checkpoint-opt-param-scheduler",
     ),
+    "cpu_torch_adam": ("--cpu_torch_adam", "--cpu-torch-adam"),
+    # Megatron-DeepSpeed: for GPT, --encoder-num-layers / --encoder-seq-length are other names of these two.
+    "num_layers": ("--num-layers", "--encoder-num-layers"),
+    "seq_length": ("--seq-length", "--encoder-seq-length"),
+    "deepspeed_config": ("--deepspeed_config", "--deepspeed-config", "--deepscale_config"),
 }
 """Field -> every spelling of its flag (the deepspeed launcher passes ``--local_rank``; ``--deepspeed_config`` is
 DeepSpeed's own spelling; ``--checkpoint-num-layers`` is Megatron's older name; Megatron spells the LR-schedule
@@ -53,6 +66,9 @@ NOT_FLAGS: frozenset[tuple[str, str]] = frozenset(
 CHECKPOINT_ACTIVATIONS = "--checkpoint-activations"
 """Megatron-DeepSpeed's switch for ``--recompute-granularity full`` (an explicit granularity wins)."""
 
+RECOMPUTE_ACTIVATIONS = "--recompute-activations"
+"""Megatron's switch for ``--recompute-granularity selective`` (the later of the two flags wins)."""
+
 
 @dataclass(frozen=True)
 class CompatFlag:
@@ -63,10 +79,14 @@ class CompatFlag:
     """Why it has nothing to do here (the help text and the README's compatibility table)."""
     choices: tuple[str, ...] | None = None
     """The values it accepts, when it takes one."""
+    takes_value: bool = False
+    """Whether it takes one value of any kind (``choices`` limits it; a switch otherwise)."""
 
 
 COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
-    CompatFlag(("--deepspeed",), "Trident always trains through the DeepSpeed engine."),
+    CompatFlag(
+        ("--deepspeed", "--deepscale"), "Trident always trains through the DeepSpeed engine."
+    ),
     CompatFlag(
         ("--check-for-nan-in-loss-and-grad",),
         "the check is on by default; --no-check-for-nan-in-loss-and-grad turns it off.",
@@ -77,7 +97,13 @@ COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
         choices=("mmap", "infer"),
     ),
     CompatFlag(
-        ("--use-flash-attn", "--use-flash-attn-v2"),
+        (
+            "--use-flash-attn",
+            "--use-flash-attn-v1",
+            "--use-flash-attn-v2",
+            "--use-flash-attn-triton",
+            "--use-flash-attn-builder",
+        ),
         "torch SDPA (flash kernels on GPU) is already the attention; --no-flash-attn selects the reference path.",
     ),
     CompatFlag(
@@ -90,12 +116,151 @@ COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
         "there is no fused masked-softmax kernel to turn off: attention is SDPA or the reference path.",
     ),
     CompatFlag(
+        ("--openai-gelu",),
+        "the GeLU is always the tanh approximation (OpenAI's, and Megatron's fused bias-GeLU), so the flag selects "
+        "what already runs.",
+    ),
+    CompatFlag(
         ("--no-bias-gelu-fusion",),
         "there is no fused bias-GeLU kernel yet; the unfused bias + GeLU (the same math) always runs.",
     ),
     CompatFlag(
         ("--no-bias-dropout-fusion",),
         "there is no fused bias-dropout-add kernel yet; the unfused path (the same math) always runs.",
+    ),
+    *(
+        CompatFlag(flags, why, takes_value=value)
+        for flags, value, why in (
+            (
+                ("--exit-signal-handler",),
+                False,
+                "the SIGTERM handler (save, then exit 5) is on by default; "
+                "--no-exit-signal-handler turns it off.",
+            ),
+            (("--attention-softmax-in-fp32",), False, "attention softmax always runs in fp32."),
+            (
+                ("--no-persist-layer-norm", "--disable-mem-efficient-ln"),
+                False,
+                "there is no persistent or "
+                "memory-efficient fused LayerNorm kernel to turn off; torch's LayerNorm (the same math) runs.",
+            ),
+            (
+                ("--no-gradient-accumulation-fusion",),
+                False,
+                "there is no fused weight-grad accumulation "
+                "kernel to turn off; autograd accumulates (the same math).",
+            ),
+            (
+                ("--use-cpu-initialization",),
+                False,
+                "every weight is already drawn whole on CPU from the seed, "
+                "then sharded (layout-invariant init).",
+            ),
+            (
+                ("--no-initialization",),
+                False,
+                "weights are initialized, then --load overwrites them: the same "
+                "model, a little more start-up time.",
+            ),
+            (
+                ("--ds_fused_adam",),
+                False,
+                "Trident's Adam (torch's, foreach/fused kernels on GPU) does the same "
+                "AdamW update as DeepSpeed's FusedAdam.",
+            ),
+            (
+                (
+                    "--no-scatter-gather-tensors-in-pipeline",
+                    "--use-ring-exchange-p2p",
+                    "--overlap-p2p-communication",
+                ),
+                False,
+                "options of Megatron's own pipeline schedules; "
+                "DeepSpeed's pipeline engine runs the pipeline (Megatron-DeepSpeed ignores them under DeepSpeed too).",
+            ),
+            (
+                ("--no-contiguous-buffers-in-local-ddp", "--accumulate-allreduce-grads-in-fp32"),
+                False,
+                "options of Megatron's local DDP; the DeepSpeed engine owns gradient accumulation and reduction "
+                "(Megatron-DeepSpeed ignores them under DeepSpeed too).",
+            ),
+            (
+                ("--train-desc-path",),
+                True,
+                "Megatron's dataset description file is not used; forced index "
+                "files (--train-doc/sample/shuffle-idx-path) are checked against the dataset itself.",
+            ),
+            (
+                ("--mmap-warmup",),
+                False,
+                "warming the page cache of the .bin files changes start-up time only.",
+            ),
+            (
+                ("--trust-remote-code",),
+                False,
+                "HFTokenizer reads local tokenizer files and never runs model code.",
+            ),
+            (
+                (
+                    "--scattered-embeddings",
+                    "--memory-centric-tiled-linear",
+                    "--zero-reduce-scatter",
+                    "--zero-contigious-gradients",
+                    "--use-pin-memory",
+                ),
+                False,
+                "Megatron-DeepSpeed defines it but "
+                "never reads it; ZeRO settings belong in the DeepSpeed JSON (zero_optimization).",
+            ),
+            (
+                (
+                    "--tile-factor",
+                    "--zero-reduce-bucket-size",
+                    "--zero-allgather-bucket-size",
+                    "--aml-data-download-path",
+                ),
+                True,
+                "Megatron-DeepSpeed defines it but never reads it; ZeRO "
+                "settings belong in the DeepSpeed JSON (zero_optimization).",
+            ),
+            (
+                (
+                    "--disable-moe-token-dropping",
+                    "--create-moe-param-group",
+                    "--disable-moe-top2-2nd-expert-sampling",
+                ),
+                False,
+                "an MoE setting; with no MoE layers (--num-experts "
+                "1, the only value accepted until MoE is built) it changes nothing, as in Megatron-DeepSpeed.",
+            ),
+            (("--topk",), True, "MoE top-k gating; no MoE layers while --num-experts is 1."),
+            (
+                ("--expert-interval",),
+                True,
+                "MoE layer spacing; no MoE layers while --num-experts is 1.",
+            ),
+            (
+                ("--mlp-type",),
+                True,
+                "MoE residual/standard MLP choice; no MoE layers while --num-experts is 1.",
+            ),
+            (
+                (
+                    "--moe-train-capacity-factor",
+                    "--moe-eval-capacity-factor",
+                    "--moe-min-capacity",
+                    "--moe-loss-coeff",
+                ),
+                True,
+                "an MoE setting; no MoE layers while --num-experts is 1.",
+            ),
+        )
+    ),
+    CompatFlag(
+        ("--DDP-impl",),
+        "Megatron's DDP wrapper choice; the DeepSpeed engine is the data-parallel wrapper (Megatron-DeepSpeed "
+        "ignores it under DeepSpeed too).",
+        choices=("local", "torch", "FSDP"),
     ),
 )
 

@@ -39,6 +39,13 @@ class ModelConfig:
     """Rotary position embeddings (half-split, HF LLaMA convention) instead of learned positions."""
     rotary_position_embeddings_theta: float = 10000.0
     """Base of the rotary frequencies."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary rotates (the first int(fraction x head dim)); the rest pass
+    through unrotated."""
+    add_position_embedding: bool = True
+    """The learned absolute position table (never with --use-rotary-position-embeddings)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centered norm weights: the stored weight w starts at 0 and the norm multiplies by (1 + w)."""
     add_bias_linear: bool = True
     """Biases on QKV, the attention output and both MLP linears."""
     untie_embeddings_and_output_weights: bool = False
@@ -62,6 +69,22 @@ class ModelConfig:
     recompute_num_layers: int = 1
     """Layers per recomputed chunk (uniform) or layers recomputed per stage (block); alias
     --checkpoint-num-layers."""
+    deepspeed_activation_checkpointing: bool = False
+    """Full recomputation checkpoints its layer chunks through deepspeed.checkpointing (configured with Trident's
+    mpu and RNG tracker) instead of Trident's own checkpoint; needs --checkpoint-activations or
+    --recompute-granularity full."""
+    partition_activations: bool = False
+    """DeepSpeed activation checkpointing: each TP rank keeps 1/TP of every checkpointed input, all-gathered in
+    backward (TP = 1: kept whole)."""
+    contiguous_checkpointing: bool = False
+    """DeepSpeed activation checkpointing: partitioned checkpoints go into preallocated contiguous buffers (needs
+    --partition-activations); alias --contigious-checkpointing."""
+    checkpoint_in_cpu: bool = False
+    """DeepSpeed activation checkpointing: keep the checkpointed inputs in CPU memory."""
+    synchronize_each_layer: bool = False
+    """DeepSpeed activation checkpointing: synchronize the device before and after each checkpointed chunk."""
+    profile_backward: bool = False
+    """DeepSpeed activation checkpointing: log the forward and backward time of each checkpointed chunk."""
     use_flash_attn: bool = True
     """Attention through torch SDPA (flash kernels on GPU) instead of the plain reference path."""
     layout_invariant_init: bool = True

@@ -16,6 +16,8 @@ class ParallelConfig:
     """Pipeline-parallel degree (DeepSpeed PipelineModule stages)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations sharded on the sequence between TP regions (TP > 1)."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """Overlap the TP all-reduce of a column-parallel linear's input gradient with its weight-gradient matmul."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3 (2 and 3 only without pipeline parallelism)."""
     no_pipeline_parallel: bool = False

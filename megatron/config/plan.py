@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron.config.arguments import TridentConfig
+from megatron.config.batch_rampup import BatchRampup
 from megatron.config.rules import padded_vocab_size
 from megatron.config.training import TrainingConfig
 
@@ -57,6 +58,10 @@ def train_samples_and_iters(t: TrainingConfig, global_batch: int) -> tuple[int, 
                 f"--train-samples ({t.train_samples}) is less than one global batch ({global_batch}); "
                 "train at least one batch."
             )
+        if t.rampup_batch_size:
+            # Megatron's count: the ramp's iterations, then whole global batches.
+            ramp = BatchRampup.parse(t.rampup_batch_size, global_batch)
+            return t.train_samples, ramp.train_iters(t.train_samples)
         return t.train_samples, t.train_samples // global_batch
     raise ValueError("give --train-iters or --train-samples (how long to train).")
 

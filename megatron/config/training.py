@@ -14,6 +14,9 @@ class TrainingConfig:
     """Samples per rank per forward/backward."""
     global_batch_size: int | None = None
     """Samples per optimizer step (default: micro batch x data-parallel size)."""
+    rampup_batch_size: tuple[str, ...] = ()
+    """START INCR SAMPLES: the global batch starts at START and grows by INCR over SAMPLES samples to
+    --global-batch-size (Megatron's ramp-up; needs --train-samples)."""
     seed: int = 1234
     """The one seed: initialization and data order derive from it, never from the rank."""
     train_iters: int | None = None
@@ -59,6 +62,11 @@ class TrainingConfig:
     """Adam's epsilon (added to the denominator)."""
     sgd_momentum: float = 0.9
     """Momentum of --optimizer sgd."""
+    cpu_optimizer: bool = False
+    """Adam runs on the CPU: DeepSpeed's CPU Adam (AdamW mode; a C++ op built with ninja at first use) with ZeRO
+    optimizer offload to CPU (needs --zero-stage >= 1)."""
+    cpu_torch_adam: bool = False
+    """With --cpu-optimizer: torch's AdamW instead of DeepSpeed's CPU Adam (nothing to compile)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     bf16: bool = False

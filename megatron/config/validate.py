@@ -7,6 +7,8 @@ fix. It depends only on the flags, the world size and the device type, so every 
 from __future__ import annotations
 
 from megatron.config.arguments import TridentConfig
+from megatron.config.batch_rampup import check_rampup
+from megatron.config.logging_config import check_logging
 from megatron.config.plan import global_batch_size
 from megatron.config.rules import check_head_layout, check_tensor_parallel_split
 
@@ -41,7 +43,8 @@ def _check_model(cfg: TridentConfig) -> None:
     m = cfg.model
     check_head_layout(m)
     check_tensor_parallel_split(m, cfg.parallel.tensor_model_parallel_size)
-    if not m.use_rotary_position_embeddings and m.seq_length > m.max_positions:
+    learned_positions = m.add_position_embedding and not m.use_rotary_position_embeddings
+    if learned_positions and m.seq_length > m.max_positions:
         raise ValueError(
             f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_positions}); "
             "raise --max-position-embeddings or use --use-rotary-position-embeddings."
@@ -61,6 +64,49 @@ def _check_recompute(cfg: TridentConfig) -> None:
         raise ValueError(
             "--recompute-method block needs --pipeline-model-parallel-size 1: DeepSpeed's pipeline engine "
             "recomputes uniform chunks of --recompute-num-layers layers only; use --recompute-method uniform."
+        )
+
+
+_DS_CHECKPOINTING_OPTIONS = (
+    ("partition_activations", "--partition-activations"),
+    ("contiguous_checkpointing", "--contiguous-checkpointing"),
+    ("checkpoint_in_cpu", "--checkpoint-in-cpu"),
+    ("synchronize_each_layer", "--synchronize-each-layer"),
+    ("profile_backward", "--profile-backward"),
+)
+
+
+def _check_deepspeed_checkpointing(cfg: TridentConfig, device_type: str) -> None:
+    """--deepspeed-activation-checkpointing and its options (see megatron/training/activation_checkpointing.py)."""
+    m = cfg.model
+    given = [flag for field, flag in _DS_CHECKPOINTING_OPTIONS if getattr(m, field)]
+    if given and not m.deepspeed_activation_checkpointing:
+        raise ValueError(
+            f"{', '.join(given)} configure DeepSpeed activation checkpointing; add "
+            "--deepspeed-activation-checkpointing (with --checkpoint-activations), or drop them."
+        )
+    if not m.deepspeed_activation_checkpointing:
+        return
+    if m.recompute_granularity != "full":
+        raise ValueError(
+            f"--deepspeed-activation-checkpointing checkpoints whole layer chunks, but --recompute-granularity is "
+            f"{m.recompute_granularity}; add --checkpoint-activations (or --recompute-granularity full)."
+        )
+    if m.contiguous_checkpointing and not m.partition_activations:
+        raise ValueError(
+            "--contiguous-checkpointing stores partitioned checkpoints only; add --partition-activations."
+        )
+    if m.partition_activations and cfg.parallel.sequence_parallel_enabled:
+        raise ValueError(
+            "--partition-activations splits layer inputs that are identical on every TP rank, but under "
+            "--sequence-parallel each rank holds other tokens; drop one of the two."
+        )
+    if m.checkpoint_in_cpu and not m.partition_activations and device_type == "cpu":
+        # DeepSpeed's unpartitioned CPU path moves the inputs to the CPU and then empties them in place: on a
+        # CPU device that is the same tensor, and the recomputation reads an empty one.
+        raise ValueError(
+            "--checkpoint-in-cpu without --partition-activations needs a GPU (on CPU the activations are in CPU "
+            "memory already); drop it, or add --partition-activations."
         )
 
 
@@ -197,6 +243,48 @@ def _check_tokens(cfg: TridentConfig) -> None:
         )
 
 
+def _check_cpu_optimizer(cfg: TridentConfig) -> None:
+    """--cpu-optimizer is Adam with ZeRO optimizer offload; --cpu_torch_adam only picks its implementation."""
+    t, stage = cfg.training, cfg.parallel.zero_stage
+    if t.cpu_torch_adam and not t.cpu_optimizer:
+        raise ValueError(
+            "--cpu_torch_adam chooses torch's AdamW as the optimizer --cpu-optimizer runs on the CPU; add "
+            "--cpu-optimizer, or drop --cpu_torch_adam."
+        )
+    if not t.cpu_optimizer:
+        return
+    if t.optimizer != "adam":
+        raise ValueError(
+            f"--cpu-optimizer runs Adam on the CPU, but --optimizer is {t.optimizer}; use --optimizer adam or drop "
+            "--cpu-optimizer."
+        )
+    if stage < 1:
+        raise ValueError(
+            f"--cpu-optimizer offloads the optimizer to the CPU through ZeRO, which --zero-stage {stage} does not "
+            "have; pass --zero-stage 1 (or 2, 3)."
+        )
+
+
+def _check_position_flags(cfg: TridentConfig) -> None:
+    """--rotary-percent needs rotary embeddings and an even, non-zero number of rotated channels per head."""
+    m = cfg.model
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent ({m.rotary_percent}) must be in (0, 1].")
+    if m.rotary_percent == 1.0:
+        return
+    if not m.use_rotary_position_embeddings:
+        raise ValueError(
+            f"--rotary-percent ({m.rotary_percent}) sets how much of each head rotary embeddings rotate; add "
+            "--use-rotary-position-embeddings, or drop --rotary-percent."
+        )
+    rotary_dim = int(m.head_dim * m.rotary_percent)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(
+            f"--rotary-percent ({m.rotary_percent}) x head dim ({m.head_dim}) rotates {rotary_dim} channels; "
+            "rotary needs an even number >= 2: choose a fraction that gives one."
+        )
+
+
 def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -> None:
     """Raise ``ValueError`` for the first inconsistency in ``cfg`` for ``world_size`` ranks on ``device_type``."""
     if world_size < 1:
@@ -204,7 +292,12 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_positive(cfg)
     _check_model(cfg)
     _check_recompute(cfg)
+    _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
     _check_batch(cfg, world_size)
+    check_rampup(cfg, world_size)
     _check_precision(cfg, device_type)
     _check_tokens(cfg)
+    check_logging(cfg.logging, optimizer=cfg.training.optimizer)
+    _check_cpu_optimizer(cfg)
+    _check_position_flags(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -25,6 +26,19 @@ def require(cfg: Mapping[str, Any], key: str, model: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"the {model} config.json has no '{key}'; is this a {model} checkpoint?")
     return cfg[key]
+
+
+def fold_layernorm_1p(
+    full_state_dict: Mapping[str, torch.Tensor], model_config: Any
+) -> tuple[Mapping[str, torch.Tensor], Any]:
+    """A ``--apply-layernorm-1p`` model as the plain one it equals: every norm weight ``w`` becomes ``1 + w``
+    (the scale the norm applies) and the config loses the flag; other models are returned unchanged."""
+    if not getattr(model_config, "apply_layernorm_1p", False):
+        return full_state_dict, model_config
+    folded = {
+        k: (v + 1.0 if k.endswith("layernorm.weight") else v) for k, v in full_state_dict.items()
+    }
+    return folded, dataclasses.replace(model_config, apply_layernorm_1p=False)
 
 
 class _TrackedKeys:

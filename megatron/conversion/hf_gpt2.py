@@ -21,7 +21,13 @@ import torch
 
 from megatron.config.model import ModelConfig
 from megatron.config.rules import padded_vocab_size
-from megatron.conversion.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
+from megatron.conversion.hf_common import (
+    MegatronKeys,
+    StrictKeys,
+    config_to_dict,
+    fold_layernorm_1p,
+    require,
+)
 from megatron.layout.names import (
     FINAL_NORM,
     OUTPUT_LAYER,
@@ -182,6 +188,8 @@ def _check_exportable(m: ModelConfig) -> None:
         problems.append(
             "--use-rotary-position-embeddings must be off (GPT-2 has learned positions)"
         )
+    if not m.add_position_embedding:
+        problems.append("--no-position-embedding must be off (GPT-2 has learned positions)")
     if not m.add_bias_linear:
         problems.append("--disable-bias-linear must be off")
     if m.num_query_groups != m.num_attention_heads:
@@ -218,6 +226,7 @@ def megatron_to_gpt2_hf(
         untied; HF re-ties it on load) and a ``config.json`` dict for ``GPT2LMHeadModel``.
     """
     _check_exportable(model_config)
+    full_state_dict, model_config = fold_layernorm_1p(full_state_dict, model_config)
     m = model_config
     h, n, hn = m.hidden_size, m.num_attention_heads, m.head_dim
     take = MegatronKeys(full_state_dict)

@@ -15,7 +15,13 @@ import torch
 
 from megatron.config.model import ModelConfig
 from megatron.config.rules import padded_vocab_size
-from megatron.conversion.hf_common import MegatronKeys, StrictKeys, config_to_dict, require
+from megatron.conversion.hf_common import (
+    MegatronKeys,
+    StrictKeys,
+    config_to_dict,
+    fold_layernorm_1p,
+    require,
+)
 from megatron.layout.names import FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, layer_prefix
 from megatron.layout.qkv import fuse_qkv, split_qkv
 from megatron.layout.vocab import repad_vocab
@@ -157,6 +163,10 @@ def _check_exportable(m: ModelConfig) -> None:
         problems.append("--swiglu must be on")
     if not m.use_rotary_position_embeddings:
         problems.append("--use-rotary-position-embeddings must be on")
+    if m.rotary_percent != 1.0:
+        problems.append(
+            f"--rotary-percent must be 1 (HF LLaMA rotates every channel; got {m.rotary_percent})"
+        )
     if m.add_bias_linear:
         problems.append("--disable-bias-linear must be on")
     if problems:
@@ -189,6 +199,7 @@ def megatron_to_llama_hf(
         and a ``config.json`` dict readable by transformers 4 and 5.
     """
     _check_exportable(model_config)
+    full_state_dict, model_config = fold_layernorm_1p(full_state_dict, model_config)
     m = model_config
     n, g, hn, ffn = m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_size
     take = MegatronKeys(full_state_dict)

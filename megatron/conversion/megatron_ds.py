@@ -21,8 +21,9 @@ What is read (see ``../shared/reference/megatron-compat.md`` §9.2 for the layou
 
 The model shape comes from ``args`` (num_layers, hidden_size, num_attention_heads, num_key_value_heads,
 ffn_hidden_size, normalization, swiglu, use_rotary_position_embeddings, rope_theta, add_bias_linear,
-untie_embeddings_and_output_weights, ...); variants Trident does not implement (MoE, partial rotary, LayerNorm-1p,
-post-LN residual, squared ReLU, erf GeLU) are refused by name. The true vocabulary is
+untie_embeddings_and_output_weights, rotary_percent, add_position_embedding, apply_layernorm_1p (which
+Megatron-DeepSpeed applies to LayerNorm only), ...); variants Trident does not implement (MoE, post-LN residual,
+squared ReLU, erf GeLU) are refused by name. The true vocabulary is
 ``universal_checkpoint_info.original_vocab_size`` when saved, else the recorded tokenizer's size, else the padded
 size (a warning: the padding rows then count as tokens). Fused QKV rows are Megatron-DeepSpeed's per-KV-group
 layout (before its FPDT change); checkpoints of the FPDT-era ``[q | k | v]`` split per TP rank convert with
@@ -169,10 +170,7 @@ def _refuse_variants(a: dict[str, Any], source: Path, version: float) -> None:
     problems = []
     if max(int(e) for e in experts) > 1:
         problems.append(f"mixture of experts (num_experts {experts})")
-    if a.get("use_rotary_position_embeddings") and float(a.get("rotary_percent", 1.0)) != 1.0:
-        problems.append(f"partial rotary (rotary_percent {a.get('rotary_percent')})")
     for flag, what in (
-        ("apply_layernorm_1p", "LayerNorm-1p"),
         ("apply_residual_connection_post_layernorm", "post-LayerNorm residual"),
         ("squared_relu", "squared ReLU"),
         ("standalone_embedding_stage", "a standalone embedding pipeline stage"),
@@ -242,6 +240,8 @@ def mds_model_config(
         ValueError: a model variant Trident does not implement, or a missing field.
     """
     _refuse_variants(a, source, version)
+    rotary = bool(a.get("use_rotary_position_embeddings", False))
+    norm = str(a.get("normalization", "layernorm")).lower()
     try:
         heads = int(a["num_attention_heads"])
         kv = a.get("num_key_value_heads")
@@ -254,11 +254,15 @@ def mds_model_config(
             ffn_hidden_size=a.get("ffn_hidden_size"),
             seq_length=int(a["seq_length"]),
             max_position_embeddings=a.get("max_position_embeddings"),
-            normalization=str(a.get("normalization", "layernorm")).lower(),  # type: ignore[arg-type]
+            normalization=norm,  # type: ignore[arg-type]
             layernorm_epsilon=float(a.get("layernorm_epsilon", 1e-5)),
             swiglu=bool(a.get("swiglu", False)),
-            use_rotary_position_embeddings=bool(a.get("use_rotary_position_embeddings", False)),
+            use_rotary_position_embeddings=rotary,
             rotary_position_embeddings_theta=float(a.get("rope_theta", 10000)),
+            rotary_percent=float(a.get("rotary_percent", 1.0)) if rotary else 1.0,
+            add_position_embedding=bool(a.get("add_position_embedding", True)) and not rotary,
+            # Megatron-DeepSpeed's RMSNorm ignores --apply-layernorm-1p: its weights are the plain scale.
+            apply_layernorm_1p=bool(a.get("apply_layernorm_1p", False)) and norm == "layernorm",
             add_bias_linear=bool(a.get("add_bias_linear", True)),
             untie_embeddings_and_output_weights=bool(
                 a.get("untie_embeddings_and_output_weights", False)

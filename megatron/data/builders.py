@@ -101,6 +101,45 @@ def parse_data_path(
     return prefixes, normalized
 
 
+def _dataset_options(data_cfg: DataConfig, name: str) -> dict[str, Any]:
+    """GPTDataset keywords from the Megatron-DeepSpeed data flags; the index flags apply to the train split."""
+    options: dict[str, Any] = {"return_index": data_cfg.return_data_index}
+    if name == "train":
+        options["exact_num_epochs"] = data_cfg.train_data_exact_num_epochs
+        options["index_files"] = index_files(data_cfg)
+    return options
+
+
+def index_files(data_cfg: DataConfig) -> dict[str, str]:
+    """``{"doc_idx": path, ...}`` of the --train-*-idx-path flags given."""
+    given = {
+        "doc_idx": data_cfg.train_doc_idx_path,
+        "sample_idx": data_cfg.train_sample_idx_path,
+        "shuffle_idx": data_cfg.train_shuffle_idx_path,
+    }
+    return {name: path for name, path in given.items() if path is not None}
+
+
+def check_index_flags(data_cfg: DataConfig, num_train_prefixes: int) -> None:
+    """The forced-index and exact-epoch flags need one real training dataset (not mock data, not a blend)."""
+    flags = [f"--train-{name.replace('_', '-')}-path" for name in index_files(data_cfg)]
+    if data_cfg.train_data_exact_num_epochs is not None:
+        flags.append("--train-data-exact-num-epochs")
+    if not flags:
+        return
+    if data_cfg.mock_data:
+        raise ValueError(
+            f"{', '.join(flags)}: only for a .bin/.idx training dataset, and --mock-data has no documents; "
+            "use --data-path or --train-data-path, or drop the flag."
+        )
+    if index_files(data_cfg) and num_train_prefixes > 1:
+        raise ValueError(
+            f"{' and '.join(f for f in flags if f.endswith('idx-path'))} give(s) the indices of ONE training "
+            f"dataset, but the training data blends {num_train_prefixes} datasets; use a single --data-path or "
+            "--train-data-path prefix, or drop the flag(s)."
+        )
+
+
 def _open_indexed(prefix: str, flag: str) -> MMapIndexedDataset:
     if not MMapIndexedDataset.exists(prefix):
         missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
@@ -140,6 +179,7 @@ def _split_datasets(
                 seed,
                 data_cfg.data_cache_path,
                 use_cpp=use_cpp,
+                **_dataset_options(data_cfg, name),
             )
         )
     return out
@@ -177,6 +217,7 @@ def _whole_file_dataset(
             seed,
             data_cfg.data_cache_path,
             use_cpp=use_cpp,
+            **_dataset_options(data_cfg, name),
         )
         for p, ds, n in zip(prefixes, indexed, counts)
     ]
@@ -261,6 +302,11 @@ def build_train_valid_test_datasets(
             "give exactly one data source: --mock-data, --data-path, or --train-data-path/--valid-data-path/"
             f"--test-data-path (got {sources})."
         )
+    train_flag = "--data-path" if data_cfg.data_path else "--train-data-path"
+    train_values = data_cfg.data_path or data_cfg.train_data_path
+    check_index_flags(
+        data_cfg, len(parse_data_path(train_values, train_flag)[0]) if train_values else 0
+    )
     if data_cfg.mock_data:
         vocab = vocab_size if vocab_size is not None else data_cfg.vocab_size
         if vocab is None:

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,12 @@ import torch
 
 from megatron.data import helpers
 from megatron.data.index_cache import cache_file_paths, load_or_build
+from megatron.data.index_files import (
+    INDEX_FLAGS,
+    check_gpt_index_arrays,
+    load_index_file,
+    resolve_index_file,
+)
 from megatron.log import log_rank_0
 
 logger = logging.getLogger(__name__)
@@ -146,14 +153,22 @@ def compute_gpt_indices(
     seed: int,
     *,
     use_cpp: bool | None = None,
+    num_epochs: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Build ``doc_idx``, ``sample_idx`` and ``shuffle_idx`` in memory (no cache), Megatron's order of RNG use."""
+    """Build ``doc_idx``, ``sample_idx`` and ``shuffle_idx`` in memory (no cache), Megatron's order of RNG use.
+
+    ``num_epochs`` (``--train-data-exact-num-epochs``) replaces the smallest sufficient count; epochs beyond the
+    ones ``num_samples`` needs are shuffled as one (Megatron's separate-last-epoch rule needs a last epoch that
+    is only partly used; with more epochs than needed Megatron stops on an assertion instead).
+    """
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
-    num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
+    needed_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
+    if num_epochs is None:
+        num_epochs = needed_epochs
     np_rng = np.random.RandomState(seed=seed)
     separate_last_epoch = False
     samples_first_epochs = 0
-    if num_epochs > 1:
+    if 1 < num_epochs == needed_epochs:
         samples_first_epochs = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         last_epoch_samples = num_samples - samples_first_epochs
         samples_per_epoch = (tokens_per_epoch - 1) // seq_length
@@ -218,6 +233,8 @@ def build_index_mappings(
     data_cache_path: str | None = None,
     use_cpp: bool | None = None,
     data_identity: str | None = None,
+    exact_num_epochs: int | None = None,
+    index_files: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], str, str | None]:
     """Cached ``doc_idx``/``sample_idx``/``shuffle_idx`` for one dataset split, its description and cache dir.
 
@@ -226,9 +243,16 @@ def build_index_mappings(
     None when none was writable (arrays then live in memory). ``data_identity`` names the dataset's contents
     (default: a hash of ``sizes``); a cached set built from other contents is rebuilt.
 
+    ``exact_num_epochs`` (``--train-data-exact-num-epochs``): the dataset holds exactly that many epochs of its
+    documents (part of the description, as in Megatron). ``index_files`` (``--train-*-idx-path``): arrays read
+    from the given ``.npy`` files (see :mod:`megatron.data.index_files`); the others come from the cache as
+    usual; the returned cache directory is None when all three are given.
+
     Raises:
-        ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``, or a request
-            needing an absurd number of epochs.
+        ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``, a request
+            needing an absurd number of epochs, ``exact_num_epochs`` too small for ``num_samples``, or a forced
+            index file that does not fit the dataset.
+        FileNotFoundError: a forced index file that does not exist.
     """
     if seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -243,6 +267,9 @@ def build_index_mappings(
             "a sample needs at least 2. Give this split more data (--split) or use a larger dataset."
         )
     num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
+    if exact_num_epochs is not None:
+        _check_exact_epochs(exact_num_epochs, num_epochs, tokens_per_epoch, seq_length, num_samples)
+        num_epochs = exact_num_epochs
     if num_epochs * len(documents) >= _MAX_DOC_IDX_ENTRIES:
         raise ValueError(
             f"dataset {name!r} of {data_prefix}: {num_samples} samples of {seq_length} tokens need {num_epochs} "
@@ -256,11 +283,15 @@ def build_index_mappings(
     directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
     if data_cache_path is not None:
         directories.append(data_cache_path)
+    forced = {
+        name: resolve_index_file(path, directories, name)
+        for name, path in (index_files or {}).items()
+    }
 
     def build() -> dict[str, np.ndarray]:
         start = time.time()
         arrays = compute_gpt_indices(
-            documents, sizes, num_samples, seq_length, seed, use_cpp=use_cpp
+            documents, sizes, num_samples, seq_length, seed, use_cpp=use_cpp, num_epochs=num_epochs
         )
         log_rank_0(
             logger,
@@ -278,10 +309,40 @@ def build_index_mappings(
             "sizes-sha256 " + hashlib.sha256(np.ascontiguousarray(sizes).data).hexdigest()[:32]
         )
     check = _index_checker(len(documents), num_epochs, len(sizes), total)
-    arrays, cache_dir = load_or_build(
-        directories, desc, GPT_INDEX_NAMES, build, check, identity=data_identity
-    )
+    arrays: dict[str, np.ndarray] = {}
+    cache_dir = None
+    if len(forced) < len(GPT_INDEX_NAMES):
+        arrays, cache_dir = load_or_build(
+            directories, desc, GPT_INDEX_NAMES, build, check, identity=data_identity
+        )
+    if forced:
+        arrays = {**arrays, **{name: load_index_file(p, name) for name, p in forced.items()}}
+        sources = {name: f"{INDEX_FLAGS[name]} {p}" for name, p in forced.items()}
+        check_gpt_index_arrays(
+            arrays,
+            {n: sources.get(n, f"the index cache in {cache_dir}") for n in GPT_INDEX_NAMES},
+            sizes=sizes,
+            seq_length=seq_length,
+            num_samples=num_samples,
+        )
+        log_rank_0(
+            logger, "%s indices of %s read from %s", name, data_prefix, ", ".join(sources.values())
+        )
     return arrays, desc, cache_dir
+
+
+def _check_exact_epochs(
+    exact: int, needed: int, tokens_per_epoch: int, seq_length: int, num_samples: int
+) -> None:
+    if exact < 1:
+        raise ValueError(f"--train-data-exact-num-epochs must be >= 1, got {exact}.")
+    if exact < needed:
+        have = (exact * tokens_per_epoch - 1) // seq_length
+        raise ValueError(
+            f"--train-data-exact-num-epochs {exact}: {exact} epoch(s) of the training data ({tokens_per_epoch} "
+            f"tokens each) make {have} samples of --seq-length {seq_length}, but the run draws {num_samples}; "
+            f"use at least {needed} epochs, train for fewer iterations, or drop the flag."
+        )
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -297,6 +358,10 @@ class GPTDataset(torch.utils.data.Dataset):
         seq_length: tokens per training sequence; items have ``seq_length + 1`` tokens.
         seed: ``--seed``.
         data_cache_path: ``--data-cache-path`` (default ``index-cache/`` beside the data).
+        exact_num_epochs: ``--train-data-exact-num-epochs`` (the caller passes it for the train split only).
+        index_files: ``{"doc_idx": path, ...}`` from ``--train-*-idx-path`` (train split only).
+        return_index: ``--return-data-index``: items also hold ``"index"``, int64 ``[1]``, the position asked
+            for (before shuffling), as Megatron-DeepSpeed's items do; GPT training does not read it.
 
     Raises:
         ValueError: document ids outside the indexed dataset, or see :func:`build_index_mappings`.
@@ -315,6 +380,9 @@ class GPTDataset(torch.utils.data.Dataset):
         data_cache_path: str | None = None,
         *,
         use_cpp: bool | None = None,
+        exact_num_epochs: int | None = None,
+        index_files: Mapping[str, str] | None = None,
+        return_index: bool = False,
     ) -> None:
         documents = np.asarray(documents)
         num_seqs = len(indexed_dataset.sizes)
@@ -341,25 +409,38 @@ class GPTDataset(torch.utils.data.Dataset):
             data_cache_path=data_cache_path,
             use_cpp=use_cpp,
             data_identity=getattr(indexed_dataset, "content_id", None),
+            exact_num_epochs=exact_num_epochs,
+            index_files=index_files,
         )
+        self.return_index = bool(return_index)
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
+        # Arrays backed by files, re-mapped (not copied) in DataLoader workers started with "spawn".
+        self.index_paths: dict[str, str] = {}
+        if self.cache_dir is not None:
+            self.index_paths = cache_file_paths(self.cache_dir, self.desc, GPT_INDEX_NAMES)
+            del self.index_paths["desc"]
+        for name in index_files or {}:
+            filename = getattr(
+                arrays[name], "filename", None
+            )  # None: an empty array, held in memory
+            if filename is not None:
+                self.index_paths[name] = str(filename)
+            else:
+                self.index_paths.pop(name, None)
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers started with "spawn" re-map the cached index files instead of receiving copies.
         state = self.__dict__.copy()
-        if self.cache_dir is not None:
-            for name in GPT_INDEX_NAMES:
-                state[name] = None
+        for name in self.index_paths:
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("index_paths", {})
         self.__dict__.update(state)
-        if self.cache_dir is not None:
-            paths = cache_file_paths(self.cache_dir, self.desc, GPT_INDEX_NAMES)
-            for name in GPT_INDEX_NAMES:
-                setattr(self, name, np.load(paths[name], mmap_mode="r", allow_pickle=False))
+        for name, path in self.index_paths.items():
+            setattr(self, name, np.load(path, mmap_mode="r", allow_pickle=False))
 
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1
@@ -383,4 +464,7 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts).astype(np.int64, copy=False)
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
-        return {"text": self.get_tokens(int(idx))}
+        item = {"text": self.get_tokens(int(idx))}
+        if self.return_index:
+            item["index"] = np.array([int(idx)], dtype=np.int64)
+        return item

@@ -143,6 +143,7 @@ class ParallelAttention(nn.Module):
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
             init_seed=seed_of("query_key_value.weight"),
+            async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
             **tp_linear_kwargs(parallel),
         )
         self.dense = RowParallelLinear(

@@ -28,7 +28,7 @@ from megatron.model.language_model import (
     mask_padded_vocab,
     parallel_lm_logits,
 )
-from megatron.model.rotary import rotary_cos_sin
+from megatron.model.rotary import rotary_cos_sin, rotary_dim
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import check_tensor_parallel_shapes
 from megatron.mpu.context import ParallelContext
@@ -101,10 +101,10 @@ class TransformerLanguageModel(nn.Module):
         if self.config.use_rotary_position_embeddings:
             rotary = rotary_cos_sin(
                 position_ids,
-                self.config.head_dim,
+                rotary_dim(self.config.head_dim, self.config.rotary_percent),
                 self.config.rotary_position_embeddings_theta,
                 hidden.dtype,
-            )  # 2 x [s, b, 1, hn]
+            )  # 2 x [s, b, 1, d]
         hidden = self.encoder(hidden, rotary, attention_mask, inference_params)  # [s(/p), b, h]
         logits = parallel_lm_logits(
             hidden, self.output_weight(), self.parallel

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,12 @@ from megatron.model.language_model import (
     parallel_lm_logits,
 )
 from megatron.model.norms import LayerNorm, RMSNorm
-from megatron.model.rotary import rotary_cos_sin
-from megatron.model.transformer import ParallelTransformerLayer, norm_kwargs
+from megatron.model.rotary import rotary_cos_sin, rotary_dim
+from megatron.model.transformer import ParallelTransformerLayer, checkpoint_chunk, norm_kwargs
 from megatron.model.utils import check_tensor_parallel_shapes, loss_func
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.parallel_state import ProcessGroup
-from megatron.mpu.random import checkpoint
 
 PipeActivation = tuple[torch.Tensor, torch.Tensor]
 
@@ -102,7 +101,7 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     ) -> None:
         super().__init__(config, parallel, layer_number=layer_number)
         self.rope = config.use_rotary_position_embeddings
-        self.head_dim = config.head_dim
+        self.head_dim = rotary_dim(config.head_dim, config.rotary_percent)  # rotated channels d
         self.theta = config.rotary_position_embeddings_theta
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
@@ -193,15 +192,19 @@ def _checkpoint_chunk(
     hidden: torch.Tensor,
     *rest: torch.Tensor,
     group: ProcessGroup | None = None,
+    use_deepspeed: bool = False,
 ) -> PipeActivation:
     """Activation checkpointing of a chunk of transformer layers on ``(hidden, position_ids)``.
 
     Only ``hidden`` is saved and differentiated; ``position_ids`` (no gradient) is passed through. Uses
-    ``mpu.random.checkpoint`` (on the model's TP ``group``), which restores the CPU/CUDA and tracker RNG states for
-    the recomputation.
+    :func:`~megatron.model.transformer.checkpoint_chunk` (``mpu.random.checkpoint`` on the model's TP ``group``,
+    or DeepSpeed's with ``use_deepspeed``), which restores the CPU/CUDA and tracker RNG states for the
+    recomputation.
     """
-    out = checkpoint(lambda h: function(h, *rest)[0], False, hidden, group=group)
-    return (out, *rest)
+    out = checkpoint_chunk(
+        lambda h: function(h, *rest)[0], hidden, group=group, use_deepspeed=use_deepspeed
+    )
+    return cast(PipeActivation, (out, *rest))
 
 
 def _check_topology(topology: ProcessTopology, parallel: ParallelContext) -> None:
@@ -229,7 +232,7 @@ class GPTModelPipe(PipelineModule):
             ``grad_partitioned`` to false (they assume TP-replicated activations).
         topology: ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``, over the same TP groups.
         activation_checkpoint_interval: layers per checkpointed chunk (0 = off); only chunks made entirely of
-            ``ParallelTransformerLayerPipe`` are checkpointed, through ``mpu.random.checkpoint``.
+            ``ParallelTransformerLayerPipe`` are checkpointed, through ``_checkpoint_chunk``.
 
     Raises:
         ValueError: bad shapes for the TP size; RuntimeError: topology and ``parallel`` disagree.
@@ -285,7 +288,9 @@ class GPTModelPipe(PipelineModule):
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=functools.partial(
-                _checkpoint_chunk, group=parallel.tp_group
+                _checkpoint_chunk,
+                group=parallel.tp_group,
+                use_deepspeed=config.deepspeed_activation_checkpointing,
             ),
             checkpointable_layers=["ParallelTransformerLayerPipe"],
         )

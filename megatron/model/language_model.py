@@ -25,6 +25,7 @@ from megatron.mpu.layers import (
     InitMethod,
     VocabParallelEmbedding,
     init_method_normal,
+    linear_with_async_allreduce,
 )
 from megatron.mpu.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -32,6 +33,12 @@ from megatron.mpu.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.mpu.random import get_cuda_rng_tracker
+
+
+def has_learned_positions(config: ModelConfig) -> bool:
+    """The learned absolute position table exists: not with rotary embeddings, not with --no-position-embedding
+    (then the model has no position signal but the causal mask, as Megatron's)."""
+    return config.add_position_embedding and not config.use_rotary_position_embeddings
 
 
 def _position_table(config: ModelConfig, parallel: ParallelContext) -> nn.Embedding:
@@ -45,7 +52,8 @@ def _position_table(config: ModelConfig, parallel: ParallelContext) -> nn.Embedd
 
 
 class Embedding(nn.Module):
-    """``word_embeddings`` (vocab-parallel) + ``position_embeddings`` (learned, unless RoPE) -> ``[s, b, h]``.
+    """``word_embeddings`` (vocab-parallel) + ``position_embeddings`` (learned, unless RoPE or
+    --no-position-embedding) -> ``[s, b, h]``.
 
     Args:
         config: model config (``vocab_size`` = true vocab, must be set).
@@ -78,7 +86,7 @@ class Embedding(nn.Module):
             group=parallel.tp_group,
         )
         self.position_embeddings: nn.Embedding | None = None
-        if with_position_embeddings and not config.use_rotary_position_embeddings:
+        if with_position_embeddings and has_learned_positions(config):
             self.position_embeddings = _position_table(config, parallel)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -154,7 +162,8 @@ def parallel_lm_logits(
     """Vocab-parallel logits ``[s(/p), b, h] x [vp, h] -> [s, b, vp]``.
 
     Under sequence parallelism the input is first all-gathered on ``s`` (backward: reduce-scatter); otherwise it
-    goes through ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of the input gradient over TP).
+    goes through ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of the input gradient over TP),
+    overlapped with the weight-grad matmul unless --no-async-tensor-model-parallel-allreduce.
     """
     group = parallel.tp_group
     if parallel.sequence_parallel:
@@ -162,6 +171,8 @@ def parallel_lm_logits(
             hidden_states, tensor_parallel_output_grad=True, group=group
         )  # [s/p, b, h] -> [s, b, h]
     elif parallel.tp_size > 1:
+        if parallel.async_tensor_model_parallel_allreduce:
+            return linear_with_async_allreduce(hidden_states, weight, None, group)  # -> [s, b, vp]
         hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group)
     return F.linear(hidden_states, weight)  # [s, b, h] -> [s, b, vp]
 

@@ -58,6 +58,7 @@ class ParallelMLP(nn.Module):
             init_method=init_method_normal(config.init_method_std),
             stride=2 if self.swiglu else 1,
             init_seed=seed_of("dense_h_to_4h.weight"),
+            async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
             **tp_linear_kwargs(parallel),
         )
         self.dense_4h_to_h = RowParallelLinear(

@@ -7,6 +7,11 @@ The weights (and LayerNorm's bias) are replicated over TP. Without sequence para
 ``[s/p, b, h]`` slice, so each rank's gradient is a partial sum: the weight is used through
 ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), which sums the partial gradients
 over TP. Initialization: weight ones, bias zeros (layout-invariant by construction).
+
+``--apply-layernorm-1p`` (Megatron's zero-centered gamma): the stored weight is ``w = gamma - 1``, initialized to
+zero, and the norm multiplies by ``1 + w``. The function is the same as a plain norm with ``gamma = 1 + w``; the
+stored values (and what a weight decay would pull them towards) differ. Megatron-DeepSpeed applies it to LayerNorm
+only and silently ignores it with RMSNorm; Trident applies it to both (no flag is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ def _tp_shared(
     return copy_to_tensor_model_parallel_region(param, group) if sequence_parallel else param
 
 
+def _gamma(norm: LayerNorm | RMSNorm) -> torch.Tensor:
+    """The scale the norm multiplies by: ``weight``, or ``1 + weight`` with ``apply_layernorm_1p``."""
+    w = _tp_shared(norm.weight, norm.sequence_parallel, norm.group)
+    return w + 1.0 if norm.apply_layernorm_1p else w
+
+
 class LayerNorm(nn.Module):
     """``torch.nn.functional.layer_norm`` over the last dim with weight and bias (GPT-2).
 
     Args:
         hidden_size: normalized (last) dim ``h``.
         eps: ``--layernorm-epsilon``.
+        apply_layernorm_1p: store ``gamma - 1`` (initialized to 0) and multiply by ``1 + weight``.
         sequence_parallel: inputs are ``[s/p, b, h]`` slices; grads of weight/bias are summed over TP.
         group: the TP group those grads are summed over (None = the default one).
         params_dtype, device: of the parameters.
@@ -41,6 +53,7 @@ class LayerNorm(nn.Module):
         hidden_size: int,
         *,
         eps: float = 1e-5,
+        apply_layernorm_1p: bool = False,
         sequence_parallel: bool = False,
         group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
@@ -48,18 +61,19 @@ class LayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.apply_layernorm_1p = apply_layernorm_1p
         self.sequence_parallel = sequence_parallel
         self.group = group
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        init = torch.zeros if apply_layernorm_1p else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device))
         for p in (self.weight, self.bias):
             p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
-        w = _tp_shared(self.weight, self.sequence_parallel, self.group)
         b = _tp_shared(self.bias, self.sequence_parallel, self.group)
-        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), _gamma(self), b, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -73,6 +87,7 @@ class RMSNorm(nn.Module):
         hidden_size: int,
         *,
         eps: float = 1e-5,
+        apply_layernorm_1p: bool = False,
         sequence_parallel: bool = False,
         group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
@@ -80,16 +95,18 @@ class RMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.apply_layernorm_1p = apply_layernorm_1p
         self.sequence_parallel = sequence_parallel
         self.group = group
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        init = torch.zeros if apply_layernorm_1p else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=params_dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
         xf = x.to(torch.float32)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _tp_shared(self.weight, self.sequence_parallel, self.group) * normed.to(x.dtype)
+        return _gamma(self) * normed.to(x.dtype)
 
 
 def build_norm(
@@ -97,6 +114,7 @@ def build_norm(
     hidden_size: int,
     *,
     eps: float,
+    apply_layernorm_1p: bool = False,
     sequence_parallel: bool,
     group: ProcessGroup | None,
     params_dtype: torch.dtype,
@@ -113,6 +131,7 @@ def build_norm(
     return kinds[normalization](
         hidden_size,
         eps=eps,
+        apply_layernorm_1p=apply_layernorm_1p,
         sequence_parallel=sequence_parallel,
         group=group,
         params_dtype=params_dtype,

@@ -1,10 +1,16 @@
 """Rotary position embeddings (RoPE), half-split convention of GPT-NeoX / Hugging Face LLaMA.
 
-Legend: ``s`` sequence, ``b`` micro-batch, ``np`` local heads, ``hn`` head dim, ``d`` rotated dims (= hn).
+Legend: ``s`` sequence, ``b`` micro-batch, ``np`` local heads, ``hn`` head dim, ``d`` rotated dims
+(``int(hn * --rotary-percent)``, = hn by default).
 
     inv_freq[i] = theta ** (-2i / d)                 i = 0 .. d/2-1
     angle[b, s, :] = cat(pos[b, s] * inv_freq, pos[b, s] * inv_freq)        (fp32)
     rope(x) = x * cos(angle) + rotate_half(x) * sin(angle),   rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
+
+Partial rotary (``--rotary-percent`` < 1, Megatron's and GPT-NeoX's): only the first ``d`` channels of every head are
+rotated (with frequencies of a ``d``-dim rotary), the last ``hn - d`` pass through unchanged::
+
+    x [.., hn] = [ x[.., :d] | x[.., d:] ]  ->  [ rope(x[.., :d]) | x[.., d:] ]
 
 The tables are computed from ``position_ids`` inside the model (never sent between pipeline stages).
 """
@@ -12,6 +18,12 @@ The tables are computed from ``position_ids`` inside the model (never sent betwe
 from __future__ import annotations
 
 import torch
+
+
+def rotary_dim(head_dim: int, rotary_percent: float) -> int:
+    """Channels rotated per head: ``int(head_dim * rotary_percent)`` (Megatron's rounding; validate() keeps it
+    even and >= 2)."""
+    return head_dim if rotary_percent >= 1.0 else int(head_dim * rotary_percent)
 
 
 def rotary_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -48,5 +60,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[s, b, np, hn]`` by the tables ``[s, b, 1, hn]`` (half-split convention)."""
-    return x * cos + rotate_half(x) * sin
+    """Rotate ``x`` ``[s, b, np, hn]`` by the tables ``[s, b, 1, d]`` (half-split convention).
+
+    With ``d < hn`` (partial rotary) only ``x[..., :d]`` is rotated; ``x[..., d:]`` is returned unchanged.
+    """
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :d], x[..., d:]  # [s, b, np, hn] -> [s, b, np, d], [s, b, np, hn - d]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)  # -> [s, b, np, hn]

@@ -29,6 +29,7 @@ from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import build_norm
 from megatron.mpu.context import ParallelContext
+from megatron.mpu.parallel_state import ProcessGroup
 from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +61,7 @@ def norm_kwargs(config: ModelConfig, parallel: ParallelContext) -> dict[str, Any
     """The keyword arguments of the model's norms (``LayerNorm`` / ``RMSNorm`` after ``hidden_size``)."""
     return {
         "eps": config.layernorm_epsilon,
+        "apply_layernorm_1p": config.apply_layernorm_1p,
         "sequence_parallel": parallel.sequence_parallel,
         "group": parallel.tp_group,
         "params_dtype": parallel.params_dtype,
@@ -70,6 +72,36 @@ def norm_kwargs(config: ModelConfig, parallel: ParallelContext) -> dict[str, Any
 def config_norm(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
     """The model's norm (``--normalization``, ``--layernorm-epsilon``) over ``[*, h]``."""
     return build_norm(config.normalization, config.hidden_size, **norm_kwargs(config, parallel))
+
+
+def checkpoint_chunk(
+    function: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+    use_deepspeed: bool,
+) -> torch.Tensor:
+    """``function(hidden_states)`` (a chunk of layers, ``[s(/p), b, h] -> [s(/p), b, h]``) with full recomputation.
+
+    ``use_deepspeed`` (--deepspeed-activation-checkpointing): ``deepspeed.checkpointing.checkpoint``, with the
+    options the trainer configured once (partitioned over DeepSpeed's mpu TP group, contiguous buffers, CPU
+    copies); otherwise ``mpu.random.checkpoint`` on ``group``. Both restore the CPU/CUDA default RNG states and
+    the same tracker (DeepSpeed's is Trident's, see ``megatron/training/activation_checkpointing.py``), so the
+    recomputed dropout masks, and hence losses and gradients, are the same either way.
+
+    Raises:
+        RuntimeError: ``use_deepspeed`` but DeepSpeed's checkpointing was never configured.
+    """
+    if not use_deepspeed:
+        return checkpoint(function, False, hidden_states, group=group)
+    import deepspeed
+
+    if not deepspeed.checkpointing.is_configured():
+        raise RuntimeError(
+            "--deepspeed-activation-checkpointing: deepspeed.checkpointing is not configured; call "
+            "megatron.training.activation_checkpointing.configure_deepspeed_checkpointing(model_config) first"
+        )
+    return deepspeed.checkpointing.checkpoint(function, hidden_states)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -129,9 +161,10 @@ class ParallelTransformer(nn.Module):
     """The encoder of ``GPTModel``: ``layers.{i}`` and ``final_layernorm``.
 
     Args:
-        config: model config (``recompute_granularity == "full"`` checkpoints, with ``mpu.random.checkpoint``
-            which restores the CPU/CUDA and tracker RNG states, every chunk of ``recompute_num_layers`` layers
-            (``recompute_method`` uniform) or each of the first ``recompute_num_layers`` layers (block)).
+        config: model config (``recompute_granularity == "full"`` checkpoints, through :func:`checkpoint_chunk`,
+            every chunk of ``recompute_num_layers`` layers (``recompute_method`` uniform) or each of the first
+            ``recompute_num_layers`` layers (block); ``deepspeed_activation_checkpointing`` picks DeepSpeed's
+            checkpoint function).
         parallel: as :class:`ParallelTransformerLayer`.
     """
 
@@ -141,6 +174,7 @@ class ParallelTransformer(nn.Module):
         self.recompute = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method or "uniform"
         self.recompute_num_layers = max(1, config.recompute_num_layers)
+        self.deepspeed_checkpointing = config.deepspeed_activation_checkpointing
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(config, parallel, layer_number=i)
             for i in range(config.num_layers)
@@ -181,7 +215,12 @@ class ParallelTransformer(nn.Module):
                 start, min(start + step, num), rotary, attention_mask, inference_params
             )
             if recompute and (not block or start < self.recompute_num_layers):
-                hidden_states = checkpoint(run, False, hidden_states, group=self.tp_group)
+                hidden_states = checkpoint_chunk(
+                    run,
+                    hidden_states,
+                    group=self.tp_group,
+                    use_deepspeed=self.deepspeed_checkpointing,
+                )
             else:
                 hidden_states = run(hidden_states)
         return self.final_layernorm(hidden_states)

@@ -95,7 +95,7 @@ def num_parameters(config: ModelConfig) -> dict[str, int]:
     embedding = config.vocab_size * h
     if config.untie_embeddings_and_output_weights:
         embedding += config.vocab_size * h
-    if not config.use_rotary_position_embeddings:
+    if config.add_position_embedding and not config.use_rotary_position_embeddings:
         embedding += config.max_positions * h
     non_embedding = config.num_layers * per_layer + _norm_params(config)
     return {

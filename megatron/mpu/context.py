@@ -49,6 +49,8 @@ class ParallelContext:
     """dtype of the parameters (initial values are drawn in fp32, then cast)."""
     device: torch.device | str | None = None
     """Where the parameters live (None = CPU)."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """Column-parallel linears overlap the input-grad all-reduce with the weight-grad matmul (``mpu/layers.py``)."""
 
     def __post_init__(self) -> None:
         if self.tp_group is None and dist.is_available() and dist.is_initialized():
@@ -78,6 +80,7 @@ class ParallelContext:
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        async_tensor_model_parallel_allreduce: bool = True,
     ) -> ParallelContext:
         """A context on the run's TP group (``initialize_model_parallel``), or TP = 1 without torch.distributed.
 
@@ -93,4 +96,5 @@ class ParallelContext:
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             device=device,
+            async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
         )

@@ -17,18 +17,31 @@ chunks ``r, r + p, ..., r + (s - 1) p`` (fused QKV / GLU layouts)::
 With ``init_seed=None`` each rank fills its shard directly under ``get_cuda_rng_tracker().fork()`` (faster,
 no full-size buffer, but the values depend on the TP layout). Biases start at zero; embedding rows
 ``>= true_vocab_size`` (vocabulary padding) are zero in both modes.
+
+Async TP all-reduce (Megatron's default; ``--no-async-tensor-model-parallel-allreduce`` turns it off). The input
+gradient of a column-parallel linear is a partial sum on each TP rank and must be all-reduced; the weight gradient
+needs no communication. So backward computes the input gradient first, starts its all-reduce, computes the weight
+and bias gradients while it runs, then waits::
+
+    sync:   dX = dY W  | all-reduce(dX) ........ | dW = dY^T X | db
+    async:  dX = dY W  | all-reduce(dX) started -> dW = dY^T X, db (overlapped) | wait
+
+The values are the same (the same matmuls, the same sum); only the order in time differs. Under sequence
+parallelism the input gradient is reduce-scattered instead (``linear_with_sequence_parallel_input``), not overlapped.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron.mpu.mappings import (
     all_gather_first_dim,
+    all_reduce_sum_async_,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     linear_with_sequence_parallel_input,
@@ -176,12 +189,63 @@ def _to_partition_order(x: torch.Tensor, world: int, stride: int) -> torch.Tenso
     return x.unflatten(-1, (stride, world, chunk)).transpose(-3, -2).flatten(-3)
 
 
+class _LinearWithAsyncAllreduce(torch.autograd.Function):
+    """``F.linear`` whose backward overlaps the TP all-reduce of the input grad with the weight-grad matmul."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)  # [s, b, h] -> [s, b, o/p]
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(
+                weight
+            )  # [s, b, o/p] @ [o/p, h] -> [s, b, h] (partial over TP)
+            handle = all_reduce_sum_async_(grad_input, ctx.group)  # summed over TP while we go on
+        grad_2d = grad.reshape(-1, grad.size(-1))  # [s*b, o/p]
+        if ctx.needs_input_grad[1]:
+            # dY^T X, the product autograd's linear backward forms, so the values match the sync path bit for bit
+            grad_weight = grad_2d.t().mm(
+                x.reshape(-1, x.size(-1))
+            )  # [o/p, s*b] @ [s*b, h] -> [o/p, h]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0)  # [o/p]
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear_with_async_allreduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)`` with the backward all-reduce of the input
+    grad overlapped with the weight/bias grads (module docstring). ``x`` ``[s, b, h]`` replicated over TP."""
+    return _LinearWithAsyncAllreduce.apply(x, weight, bias, resolve_group(group))
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output rows: ``A = [A_0; ...; A_{p-1}]``.
 
     Input ``[s, b, h]`` replicated on the TP ranks (``[s/p, b, h]`` under sequence parallelism: all-gathered
     in forward, grads reduce-scattered). Output ``[s, b, o/p]`` (this rank's columns), or ``[s, b, o]`` with
-    ``gather_output`` (in master order, also for ``stride > 1``). Backward all-reduces the input grad over TP.
+    ``gather_output`` (in master order, also for ``stride > 1``). Backward all-reduces the input grad over TP,
+    overlapped with the weight-grad matmul when ``async_tensor_model_parallel_allreduce`` (the default).
 
     Attributes:
         weight: ``[o/p, h]``; bias ``[o/p]`` (zero), both partitioned on dim 0 with ``stride``.
@@ -202,9 +266,11 @@ class ColumnParallelLinear(torch.nn.Module):
         device: torch.device | str | None = None,
         init_seed: int | None = None,
         group: ProcessGroup | None = None,
+        async_tensor_model_parallel_allreduce: bool = True,
     ) -> None:
         super().__init__()
         self.group = resolve_group(group)
+        self.async_tensor_model_parallel_allreduce = async_tensor_model_parallel_allreduce
         world, rank = group_world_size(self.group), group_rank(self.group)
         _check_partition("ColumnParallelLinear", "output_size", output_size, world, stride)
         if input_size < 1:
@@ -248,6 +314,10 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.sequence_parallel and self.world_size > 1:
             # all-gather [s/p, b, h] -> [s, b, h] inside the matmul, keeping only the local input for backward
             output = linear_with_sequence_parallel_input(input_, self.weight, bias, self.group)
+        elif self.async_tensor_model_parallel_allreduce and self.world_size > 1:
+            output = linear_with_async_allreduce(
+                input_, self.weight, bias, self.group
+            )  # -> [s, b, o/p]
         else:
             # [s, b, h] unchanged; backward all-reduces the input grad
             x = copy_to_tensor_model_parallel_region(input_, self.group)

@@ -293,6 +293,17 @@ def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
     return tensor
 
 
+def all_reduce_sum_async_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> Any | None:
+    """In place, asynchronously: start summing ``tensor`` over the group (default TP); returns the handle whose
+    ``wait()`` completes it (None on a group of one rank: nothing to wait for). ``tensor`` must not be read or
+    written until then."""
+    group = resolve_group(group)
+    if group_world_size(group) == 1:
+        return None
+    # [...] -> [...] summed over the group, once wait() returns
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
 def all_reduce_max_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """In place: element-wise max of ``tensor`` over the group (default TP); returns it."""
     group = resolve_group(group)

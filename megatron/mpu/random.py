@@ -13,6 +13,10 @@ Two random streams per process, on CPU and CUDA alike:
 A tracker state covers the CPU default generator and, when CUDA is available, the current CUDA device's
 generator, so ``fork()`` is device-agnostic (the name ``CudaRNGStatesTracker`` is kept for Megatron users).
 
+With --deepspeed-activation-checkpointing this tracker is also DeepSpeed's (``deepspeed.checkpointing.
+get_cuda_rng_tracker()`` returns this object, see ``megatron/training/activation_checkpointing.py``): one tracker,
+whichever checkpoint function saves and restores it.
+
 ``param_seed(seed, name)`` gives each parameter its own seed from its global name; the TP layers use it for the
 layout-invariant init (see :mod:`megatron.mpu.layers`).
 """

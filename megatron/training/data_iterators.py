@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from megatron import mpu
 from megatron.config import RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch
 from megatron.data.samplers import build_pretraining_data_loader
+from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 
 Batch = dict[str, torch.Tensor]
 
@@ -60,6 +61,7 @@ def check_data_flags(cfg: TridentConfig) -> None:
             "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer) or --vocab-size N (NullTokenizer)."
         )
     _check_data_files(cfg)
+    _check_index_files(cfg)
     if d.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
         raise ValueError(
             "--reset-attention-mask needs per-sample attention masks, which the pipeline engine does not "
@@ -108,6 +110,41 @@ def _check_data_files(cfg: TridentConfig) -> None:
                     + (f", split {d.split!r} gives training none" if flag == "--data-path" else "")
                     + "); preprocess more text or give training a share of --split."
                 )
+
+
+def _check_index_files(cfg: TridentConfig) -> None:
+    """--train-*-idx-path / --train-data-exact-num-epochs before any rank starts: one real training dataset, and
+    forced index files that exist, load and fit it (their sample count is checked when the datasets are built)."""
+    from megatron.data.builders import check_index_flags, index_files, parse_data_path
+    from megatron.data.index_files import (
+        check_gpt_index_arrays,
+        check_index_file_kind,
+        load_index_file,
+        resolve_index_file,
+    )
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+
+    d = cfg.data
+    flag = "--data-path" if d.data_path else "--train-data-path"
+    values = d.data_path or d.train_data_path
+    prefixes = parse_data_path(values, flag)[0] if values else []
+    check_index_flags(d, len(prefixes))
+    forced = index_files(d)
+    if not forced or len(prefixes) != 1:
+        return
+    directories = [os.path.join(os.path.dirname(prefixes[0]), "index-cache")]
+    directories += [d.data_cache_path] if d.data_cache_path is not None else []
+    paths = {n: resolve_index_file(p, directories, n) for n, p in forced.items()}
+    arrays = {n: load_index_file(p, n) for n, p in paths.items()}
+    sources = {n: f"--train-{n.replace('_', '-')}-path {p}" for n, p in paths.items()}
+    for name, array in arrays.items():
+        check_index_file_kind(array, name, sources[name])
+    if len(paths) < 3:
+        return  # the others come from the index cache, built with the datasets
+    sizes = MMapIndexedDataset(prefixes[0]).sizes
+    check_gpt_index_arrays(
+        arrays, sources, sizes=sizes, seq_length=cfg.model.seq_length, num_samples=0
+    )
 
 
 def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
@@ -185,7 +222,11 @@ def build_datasets(
 
 
 def _micro_batches(
-    loader: Any, cfg: TridentConfig, eod: int, device: torch.device
+    loader: Any,
+    cfg: TridentConfig,
+    eod: int,
+    device: torch.device,
+    seqlen: CurrentSeqlen | None = None,
 ) -> Iterator[Batch]:
     d = cfg.data
     for raw in loader:
@@ -197,7 +238,10 @@ def _micro_batches(
             eod_mask_loss=d.eod_mask_loss,
             skip_mask=not d.reset_attention_mask,
         )
-        yield {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+        batch = {k: v for k, v in batch.items() if v is not None}
+        if seqlen is not None:
+            batch = truncate_batch(batch, seqlen.value)
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _pipe_batches(micro: Iterator[Batch]) -> Iterator[Any]:
@@ -212,6 +256,8 @@ class RunIterators:
     train: Iterator[Any]
     valid: Iterator[Any] | None
     test: Iterator[Any] | None = None
+    seqlen: CurrentSeqlen = field(default_factory=CurrentSeqlen)
+    """The length training micro-batches are cut to (the DeepSpeed JSON's curriculum; evaluation is never cut)."""
 
 
 def build_iterators(
@@ -258,14 +304,17 @@ def build_iterators(
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
     eod = tokenizer.eod
 
-    def batches(loader: Any) -> Iterator[Any] | None:
+    seqlen = CurrentSeqlen()
+
+    def batches(loader: Any, cut: CurrentSeqlen | None = None) -> Iterator[Any] | None:
         if loader is None:
             return None
-        micro = _micro_batches(loader, cfg, eod, device)
+        micro = _micro_batches(loader, cfg, eod, device, cut)
         return _pipe_batches(micro) if plan.pipeline_engine else micro
 
     return RunIterators(
-        train=batches(train_loader) or iter(()),
+        train=batches(train_loader, seqlen) or iter(()),
         valid=batches(valid_loader),
         test=batches(test_loader),
+        seqlen=seqlen,
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.config import RunPlan, TridentConfig
+from megatron.training.curriculum import SeqlenCurriculum, parse_curriculum, without_curriculum
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,10 @@ def _owned_entries(cfg: TridentConfig, plan: RunPlan) -> list[tuple[str, Any, st
             ("pipeline.pipe_partitioned", False, why),
             ("pipeline.grad_partitioned", False, why),
         ]
+    if t.cpu_optimizer:
+        entries.append(
+            ("zero_optimization.offload_optimizer.device", "cpu", "--cpu-optimizer (True)")
+        )
     if t.optimizer == "sgd":
         entries.append(
             ("zero_allow_untested_optimizer", True, "--optimizer sgd (ZeRO accepts SGD only so)")
@@ -311,12 +316,19 @@ def build_ds_config(
         source = cfg.training.deepspeed_config
         user = load_user_ds_config(source)
     user = user or {}
+    parse_curriculum(
+        user, source, seq_length=cfg.model.seq_length, sequence_multiple=_sequence_multiple(cfg)
+    )  # checked here with the other JSON errors; DeepSpeed 0.19.8 refuses the legacy section: Trident runs it
+    user = without_curriculum(user)
     _check_no_client_sections(user, source)
     merged: dict[str, Any] = json.loads(json.dumps(user))  # deep copy, JSON types only
     merged.setdefault("steps_per_print", _STEPS_PER_PRINT)
     merged.setdefault("wall_clock_breakdown", False)
     for key, value, flag in _owned_entries(cfg, plan):
         present, theirs = _get(user, key)
+        # A JSON that repeats --zero-stage (Megatron-DeepSpeed's scripts do) is raised with it.
+        if key == "zero_optimization.stage" and _same(theirs, plan.requested_zero_stage):
+            theirs = value
         if present and not _same(theirs, value):
             raise ValueError(
                 f"{flag} sets {key} = {json.dumps(value)}, but {source} has {key} = "
@@ -327,6 +339,24 @@ def build_ds_config(
     if user:  # after our own checks, whose messages know more than DeepSpeed's
         check_deepspeed_keys(user, source)
     return merged
+
+
+def _sequence_multiple(cfg: TridentConfig) -> int:
+    p = cfg.parallel
+    return p.tensor_model_parallel_size if p.sequence_parallel else 1
+
+
+def curriculum_of(cfg: TridentConfig) -> SeqlenCurriculum | None:
+    """The sequence-length curriculum of --deepspeed_config (``curriculum.py``), None without one."""
+    if not cfg.training.deepspeed_config:
+        return None
+    source = cfg.training.deepspeed_config
+    return parse_curriculum(
+        load_user_ds_config(source),
+        source,
+        seq_length=cfg.model.seq_length,
+        sequence_multiple=_sequence_multiple(cfg),
+    )
 
 
 def log_zero_upgrade(cfg: TridentConfig, plan: RunPlan) -> None:

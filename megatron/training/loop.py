@@ -30,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import RunPlan, TridentConfig
+from megatron.config.batch_rampup import BatchRampup
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_reduce_max_
+from megatron.training.curriculum import SeqlenCurriculum
+from megatron.training.ds_config import curriculum_of
 from megatron.training.exit_codes import (
     EXIT_DURATION,
     EXIT_INTERRUPTED,
@@ -53,6 +56,7 @@ from megatron.training.metrics import (
 )
 from megatron.training.state import TrainState
 from megatron.training.step import StepResult
+from megatron.training.step_log import StepLogger
 from megatron.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +83,20 @@ class LoopSpec:
     """Tokens consumed per iteration (global batch x --seq-length)."""
     train_tokens: int | None = None
     """--train-tokens: the run also finishes once this many tokens are consumed (Megatron-DeepSpeed)."""
+    rampup: BatchRampup | None = None
+    """--rampup-batch-size: the global batch of each iteration follows the samples consumed before it."""
+    curriculum: SeqlenCurriculum | None = None
+    """The DeepSpeed JSON's sequence-length curriculum: iteration i trains on its first seqlen(i) tokens."""
+
+    def seqlen_at(self, iteration: int) -> int | None:
+        """The curriculum's sequence length of (1-based) ``iteration``; None without a curriculum."""
+        return None if self.curriculum is None else self.curriculum.seqlen(iteration)
+
+    def batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` samples."""
+        if self.rampup is None:
+            return self.global_batch
+        return self.rampup.global_batch_at(consumed_samples)
 
     def finished(self, state: TrainState) -> bool:
         """--train-iters reached, or --train-tokens (whichever comes first, as in Megatron-DeepSpeed)."""
@@ -103,6 +121,12 @@ class LoopSpec:
             check_for_nan=t.check_for_nan_in_loss_and_grad,
             tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,
             train_tokens=t.train_tokens,
+            rampup=(
+                BatchRampup.parse(t.rampup_batch_size, plan.global_batch_size)
+                if t.rampup_batch_size
+                else None
+            ),
+            curriculum=curriculum_of(cfg),
         )
 
 
@@ -195,6 +219,8 @@ def _log(
     lr: float,
     seconds_per_iter: float,
     writer: MetricsWriter,
+    step_log: StepLogger | None = None,
+    curriculum_seqlen: int | None = None,
 ) -> None:
     tokens_per_sec, tflops, mfu = rates.rates(seconds_per_iter)
     rec = TrainRecord(
@@ -208,6 +234,7 @@ def _log(
         tokens_per_sec=tokens_per_sec,
         tflops_per_device=tflops,
         mfu=mfu,
+        curriculum_seqlen=curriculum_seqlen,
     )
     writer.train(rec)
     if writer.enabled:
@@ -217,6 +244,8 @@ def _log(
                 train_iters=spec.train_iters,
                 elapsed_ms=1000.0 * seconds_per_iter,
                 skipped_total=state.skipped_iterations,
+                num_zeros=None if step_log is None else step_log.num_zeros,
+                params_norm=None if step_log is None else step_log.params_norm,
             )
         )
 
@@ -228,7 +257,7 @@ def run_evaluation(
     if not trainer.can_evaluate("valid"):
         return None
     loss = trainer.evaluate("valid")
-    state.consumed_valid_samples += spec.eval_samples
+    state.consumed_valid_samples += spec.eval_samples // spec.global_batch * trainer.global_batch
     state.last_valid_loss, state.last_eval_iteration = loss, state.iteration
     rec = EvalRecord(iteration=state.iteration, valid_loss=loss, valid_ppl=perplexity(loss))
     writer.evaluation(rec)
@@ -255,8 +284,11 @@ def train(
     rates: Throughput,
     state: TrainState,
     writer: MetricsWriter,
+    step_log: StepLogger | None = None,
 ) -> int:
-    """Run iterations until --train-iters (or --train-tokens) or an exit condition; returns the exit code."""
+    """Run iterations until --train-iters (or --train-tokens) or an exit condition; returns the exit code.
+
+    ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration."""
     signals = _StopSignals(spec.exit_signal_handler)
     start = time.time()
     interval_start, interval_iters = time.perf_counter(), 0
@@ -264,23 +296,33 @@ def train(
     last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
     try:
         while not spec.finished(state):
+            batch = spec.batch_at(state.consumed_train_samples)
+            trainer.set_global_batch(batch)
+            seqlen = spec.seqlen_at(state.iteration + 1)
+            trainer.set_seqlen(seqlen)
             lr = trainer.apply_lr()
             result = trainer.train_step()
             state.iteration += 1
-            state.consumed_train_samples += spec.global_batch
-            state.consumed_train_tokens += spec.tokens_per_iteration
+            state.consumed_train_samples += batch
+            # tokens per sample: --seq-length, or the curriculum's length (Megatron-DeepSpeed counts those)
+            state.consumed_train_tokens += (
+                seqlen or spec.tokens_per_iteration // spec.global_batch
+            ) * batch
             state.history.append(result.loss)
             state.grad_norms.append(result.grad_norm)
             interval_iters += 1
             if result.skipped:
                 state.skipped_iterations += 1
             else:
-                trainer.scheduler.step(spec.global_batch, tokens=state.consumed_train_tokens)
-            if state.iteration % spec.log_interval == 0:
-                now = time.perf_counter()
-                _log(
-                    rates, spec, state, result, lr, (now - interval_start) / interval_iters, writer
-                )
+                trainer.scheduler.step(batch, tokens=state.consumed_train_tokens)
+            log_now = state.iteration % spec.log_interval == 0
+            if step_log is not None:
+                step_log.after_step(state, result, lr, batch_size=batch, log_now=log_now)
+            if log_now:
+                seconds = (time.perf_counter() - interval_start) / interval_iters
+                _log(rates, spec, state, result, lr, seconds, writer, step_log, seqlen)
+                if step_log is not None:
+                    step_log.at_log_interval(state.iteration, seconds)
                 interval_iters = 0
             if spec.check_for_nan and _any_rank([_non_finite(result)], trainer.device)[0]:
                 _report_non_finite(state, result, last_saved)

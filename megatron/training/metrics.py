@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from megatron.config import LoggingConfig
+
 TRAIN_KEYS = (
     "iteration",
     "consumed_samples",
@@ -59,6 +61,8 @@ class TrainRecord:
     tokens_per_sec: float
     tflops_per_device: float
     mfu: float | None
+    curriculum_seqlen: int | None = None
+    """The sequence length of the DeepSpeed JSON's curriculum this iteration (absent without one)."""
 
 
 @dataclass(frozen=True)
@@ -95,23 +99,35 @@ def perplexity(loss: float) -> float:
 
 
 def format_train_line(
-    rec: TrainRecord, *, train_iters: int, elapsed_ms: float, skipped_total: int
+    rec: TrainRecord,
+    *,
+    train_iters: int,
+    elapsed_ms: float,
+    skipped_total: int,
+    num_zeros: float | None = None,
+    params_norm: float | None = None,
 ) -> str:
-    """The Megatron-style progress line for ``rec``."""
+    """The Megatron-style progress line for ``rec`` (``num zeros``/``params norm`` after the grad norm when given)."""
     gn = "n/a" if rec.grad_norm is None else f"{rec.grad_norm:.3f}"
     mfu = "n/a" if rec.mfu is None else f"{100.0 * rec.mfu:.1f}%"
-    return (
-        f" iteration {rec.iteration:8d}/{train_iters:8d} |"
-        f" consumed samples: {rec.consumed_samples:12d} |"
-        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-        f" learning rate: {rec.lr:.3E} |"
-        f" lm loss: {rec.lm_loss:.6E} |"
-        f" grad norm: {gn} |"
-        f" loss scale: {rec.loss_scale:.1f} |"
-        f" number of skipped iterations: {skipped_total:3d} |"
-        f" tokens per second: {rec.tokens_per_sec:.1f} |"
-        f" TFLOP/s per device: {rec.tflops_per_device:.2f} |"
-        f" MFU: {mfu} |"
+    extra = "" if num_zeros is None else f" num zeros: {num_zeros:.1f} |"
+    extra += "" if params_norm is None else f" params norm: {params_norm:.3f} |"
+    if rec.curriculum_seqlen is not None:
+        extra += f" curriculum seqlen: {rec.curriculum_seqlen:5d} |"
+    return extra.join(
+        (
+            f" iteration {rec.iteration:8d}/{train_iters:8d} |"
+            f" consumed samples: {rec.consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+            f" learning rate: {rec.lr:.3E} |"
+            f" lm loss: {rec.lm_loss:.6E} |"
+            f" grad norm: {gn} |",
+            f" loss scale: {rec.loss_scale:.1f} |"
+            f" number of skipped iterations: {skipped_total:3d} |"
+            f" tokens per second: {rec.tokens_per_sec:.1f} |"
+            f" TFLOP/s per device: {rec.tflops_per_device:.2f} |"
+            f" MFU: {mfu} |",
+        )
     )
 
 
@@ -145,7 +161,7 @@ def _truncate_after(path: Path, iteration: int) -> None:
 
 
 class MetricsWriter:
-    """JSONL + TensorBoard sink. Construct it on every rank; only ``enabled`` (rank 0) writes anything.
+    """JSONL + TensorBoard (+ Weights & Biases) sink. Construct it on every rank; only ``enabled`` (rank 0) writes.
 
     Args:
         metrics_file: --metrics-file path (parent directories are created), or None.
@@ -154,6 +170,9 @@ class MetricsWriter:
         resume_from: the iteration a resumed run starts after: the existing metrics file is kept up to that
             iteration (records a crashed run wrote past its last checkpoint are dropped) and appended to.
             None or 0: a fresh run, the file is started anew.
+        queue_size: --tensorboard-queue-size (events buffered before TensorBoard writes to disk).
+        wandb: the W&B run (``wandb_writer.WandbWriter``) or None; it gets every scalar TensorBoard gets.
+        options: the --log-*-to-tensorboard switches (default: Trident's defaults).
     """
 
     def __init__(
@@ -163,10 +182,15 @@ class MetricsWriter:
         *,
         enabled: bool,
         resume_from: int | None = None,
+        queue_size: int = 1000,
+        wandb: Any = None,
+        options: LoggingConfig | None = None,
     ) -> None:
         self.enabled = enabled
+        self.options = options if options is not None else LoggingConfig()
         self._file: IO[str] | None = None
         self._tb: Any = None
+        self._wandb: Any = wandb if enabled else None
         if not enabled:
             return
         if metrics_file:
@@ -180,7 +204,47 @@ class MetricsWriter:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
+
+    @property
+    def has_sink(self) -> bool:
+        """TensorBoard or W&B is open on this rank."""
+        return self._tb is not None or self._wandb is not None
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """``tag = value`` at iteration ``step`` to TensorBoard and W&B (no-op off the writing rank)."""
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.scalar(tag, value, step)
+
+    def scalar_vs(self, tag: str, value: float, x: int) -> None:
+        """A ``... vs samples`` / ``... vs tokens`` curve: TensorBoard only (W&B steps are iterations)."""
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, x)
+
+    def train_scalars(
+        self, rec: TrainRecord, *, consumed_tokens: int, batch_size: int, world_size: int
+    ) -> None:
+        """Megatron's per-iteration TensorBoard scalars (every --tensorboard-log-interval iterations)."""
+        if not self.enabled or not self.has_sink:
+            return
+        o, it, samples = self.options, rec.iteration, rec.consumed_samples
+        curves: list[tuple[str, float]] = [("lm-loss-training/lm loss", rec.lm_loss)]
+        if o.log_learning_rate_to_tensorboard:
+            curves.append(("learning-rate/learning-rate", rec.lr))
+        if o.log_loss_scale_to_tensorboard:
+            curves.append(("loss-scale/loss-scale", rec.loss_scale))
+        if rec.grad_norm is not None:
+            curves.append(("grad-norm/grad-norm", rec.grad_norm))
+        if o.log_batch_size_to_tensorboard:
+            curves.append(("batch-size/batch-size", float(batch_size)))
+        if o.log_world_size_to_tensorboard:
+            curves.append(("world-size/world-size", float(world_size)))
+        for tag, value in curves:
+            self.scalar(tag, value, it)
+            self.scalar_vs(f"{tag} vs samples", value, samples)
+            self.scalar_vs(f"{tag} vs tokens", value, consumed_tokens)
 
     def _write(self, obj: dict[str, Any]) -> None:
         if self._file is not None:
@@ -188,46 +252,38 @@ class MetricsWriter:
             self._file.flush()
 
     def train(self, rec: TrainRecord) -> None:
-        """Record one logged training iteration."""
+        """Record one logged training iteration (JSONL, and the throughput scalars of the progress line)."""
         if not self.enabled:
             return
-        self._write(asdict(rec))
-        if self._tb is not None:
-            step = rec.iteration
-            self._tb.add_scalar("lm-loss-training/lm loss", rec.lm_loss, step)
-            self._tb.add_scalar(
-                "lm-loss-training/lm loss vs samples", rec.lm_loss, rec.consumed_samples
-            )
-            self._tb.add_scalar("learning-rate/learning-rate", rec.lr, step)
-            self._tb.add_scalar("loss-scale/loss-scale", rec.loss_scale, step)
-            if rec.grad_norm is not None:
-                self._tb.add_scalar("grad-norm/grad-norm", rec.grad_norm, step)
-            self._tb.add_scalar("throughput/tokens_per_sec", rec.tokens_per_sec, step)
-            self._tb.add_scalar("throughput/tflops_per_device", rec.tflops_per_device, step)
-            if rec.mfu is not None:
-                self._tb.add_scalar("throughput/mfu", rec.mfu, step)
+        record = asdict(rec)
+        if rec.curriculum_seqlen is None:
+            del record["curriculum_seqlen"]
+        self._write(record)
+        step = rec.iteration
+        if rec.curriculum_seqlen is not None:
+            self.scalar("seqlen/curriculum_seqlen", rec.curriculum_seqlen, step)
+        self.scalar("throughput/tokens_per_sec", rec.tokens_per_sec, step)
+        self.scalar("throughput/tflops_per_device", rec.tflops_per_device, step)
+        if rec.mfu is not None:
+            self.scalar("throughput/mfu", rec.mfu, step)
 
     def evaluation(self, rec: EvalRecord) -> None:
-        """Record one evaluation."""
+        """Record one evaluation (the perplexity in TensorBoard with --log-validation-ppl-to-tensorboard)."""
         if not self.enabled:
             return
         self._write(asdict(rec))
-        if self._tb is not None:
-            self._tb.add_scalar(
-                "lm-loss-validation/lm loss validation", rec.valid_loss, rec.iteration
-            )
-            self._tb.add_scalar(
-                "lm-loss-validation/lm loss validation ppl", rec.valid_ppl, rec.iteration
-            )
+        self.scalar("lm-loss-validation/lm loss validation", rec.valid_loss, rec.iteration)
+        if self.options.log_validation_ppl_to_tensorboard:
+            self.scalar("lm-loss-validation/lm loss validation ppl", rec.valid_ppl, rec.iteration)
 
     def test(self, rec: TestRecord) -> None:
         """Record the test-split evaluation."""
         if not self.enabled:
             return
         self._write(asdict(rec))
-        if self._tb is not None:
-            self._tb.add_scalar("lm-loss-test/lm loss test", rec.test_loss, rec.iteration)
-            self._tb.add_scalar("lm-loss-test/lm loss test ppl", rec.test_ppl, rec.iteration)
+        self.scalar("lm-loss-test/lm loss test", rec.test_loss, rec.iteration)
+        if self.options.log_validation_ppl_to_tensorboard:
+            self.scalar("lm-loss-test/lm loss test ppl", rec.test_ppl, rec.iteration)
 
     def close(self) -> None:
         """Flush and close the file and the TensorBoard writer."""
@@ -238,6 +294,9 @@ class MetricsWriter:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

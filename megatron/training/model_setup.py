@@ -23,6 +23,7 @@ from megatron.config import RunPlan, TridentConfig
 from megatron.deepspeed_internals import keep_fp32_clip_norm
 from megatron.model import GPTModel, GPTModelPipe
 from megatron.mpu.context import ParallelContext
+from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
 from megatron.training.initialize import check_pipe_grid
 from megatron.training.optimizer import build_optimizer
 
@@ -47,6 +48,7 @@ def build_model(cfg: TridentConfig, plan: RunPlan, *, device: torch.device) -> t
         sequence_parallel=plan.sequence_parallel,
         params_dtype=torch.float32,
         device=device,
+        async_tensor_model_parallel_allreduce=cfg.parallel.async_tensor_model_parallel_allreduce,
     )
     if not plan.pipeline_engine:
         return GPTModel(model_cfg, parallel)
@@ -72,6 +74,7 @@ def build_engine(
     """Model (``model``, or :func:`build_model`) + torch optimizer (Megatron param groups) + ``deepspeed.initialize``."""
     import deepspeed
 
+    configure_deepspeed_checkpointing(cfg.model)  # before the first forward; no-op without the flag
     if model is None:
         model = build_model(cfg, plan, device=device)
     optimizer = build_optimizer(model, cfg.training)

@@ -4,15 +4,37 @@ Megatron's groups: no weight decay for biases and for every 1-D parameter (norm 
 ``--optimizer adam`` is ``torch.optim.AdamW`` (decoupled weight decay, like apex FusedAdam's default on CUDA);
 ``--optimizer sgd`` is ``torch.optim.SGD`` with ``--sgd-momentum``. A torch optimizer means no DeepSpeed op is
 compiled, on CPU or GPU. The LR in the groups is overwritten every iteration by the schedule.
+
+``--cpu-optimizer`` (Megatron-DeepSpeed's flag; Adam only, ZeRO >= 1): the fp32 master weights and Adam's moments live
+on the CPU (the DeepSpeed config gets ``zero_optimization.offload_optimizer.device = "cpu"``) and the step runs
+there, in DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW mode, the same update as ``torch.optim.AdamW``), or with
+``--cpu_torch_adam`` in ``torch.optim.AdamW`` itself. DeepSpeed's CPU Adam is a C++ op that ninja builds at first
+use into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions/py311_cpu``; ``_cuXXX`` with a CUDA
+torch), then loads from there. Race-free: every rank of a node calls the build at once; torch's JIT loader takes
+an ``O_CREAT | O_EXCL`` lock file in the op's build directory, one rank compiles while the others wait for the lock
+to go, then all load the same library. Nothing is assumed shared between nodes: each node builds into its own
+directory (or, on a shared home, waits on the same lock). A lock left by a build that was killed would make every
+later run wait forever, so a lock older than :data:`STALE_LOCK_SECONDS` is reported as an error instead. A failed
+build is one ``ConfigError`` line naming the cause and the fixes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron.config import TrainingConfig
+from megatron.training.exit_codes import ConfigError
+
+logger = logging.getLogger(__name__)
+
+STALE_LOCK_SECONDS = 30 * 60
+"""A build lock this old is left over from a killed build (the op compiles in about a minute)."""
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -39,14 +61,75 @@ def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 
 
 def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over :func:`get_param_groups` of ``model``.
+    """AdamW or SGD over :func:`get_param_groups` of ``model``; with ``--cpu-optimizer`` DeepSpeed's CPU Adam (AdamW
+    mode), or torch's AdamW with ``--cpu_torch_adam`` (DeepSpeed's ZeRO offload moves the master weights to CPU).
 
     Raises:
         ValueError: the model has no trainable parameter.
+        ConfigError: DeepSpeed's CPU Adam op cannot be built or loaded (one line: the cause and the fixes).
     """
     groups = get_param_groups(model, t.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    betas = (t.adam_beta1, t.adam_beta2)
+    if t.cpu_optimizer and not t.cpu_torch_adam:
+        load_cpu_adam_op()
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        cpu_adam: torch.optim.Optimizer = DeepSpeedCPUAdam(
+            groups, lr=t.lr, betas=betas, eps=t.adam_eps, adamw_mode=True
+        )
+        return cpu_adam
+    return torch.optim.AdamW(groups, lr=t.lr, betas=betas, eps=t.adam_eps)
+
+
+def cpu_adam_build_dir() -> Path:
+    """Where torch's JIT loader builds DeepSpeed's ``cpu_adam`` op (``$TORCH_EXTENSIONS_DIR/cpu_adam`` or under the
+    default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXXX>``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root) / "cpu_adam"
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory("cpu_adam", verbose=False))
+
+
+def load_cpu_adam_op() -> Any:
+    """Build (first use on this node) or load DeepSpeed's ``cpu_adam`` C++ op; returns the loaded module.
+
+    Every rank calls this at once; torch's lock file in :func:`cpu_adam_build_dir` lets one rank compile while the
+    others wait (module docstring).
+
+    Raises:
+        ConfigError: a stale lock file, or the build/load failed (the first line of the cause; ``ninja -C`` on the
+            build directory shows the compiler's output).
+    """
+    build_dir = cpu_adam_build_dir()
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > STALE_LOCK_SECONDS:
+        raise ConfigError(
+            f"--cpu-optimizer: the build lock {lock} is {age / 60:.0f} minutes old, left by a build of DeepSpeed's "
+            "CPU Adam that was killed; delete that file (no build is running) and start again."
+        )
+    start = time.perf_counter()
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        op = CPUAdamBuilder().load(verbose=False)
+    except Exception as err:  # noqa: BLE001 - ninja/compiler/import failures of every kind become one line
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise ConfigError(
+            f"--cpu-optimizer: DeepSpeed's CPU Adam op could not be built or loaded in {build_dir} ({cause}); "
+            f"install ninja and a C++ compiler (see the compiler's output with: ninja -C {build_dir}), or use "
+            "--cpu_torch_adam (torch's AdamW on the CPU, nothing to compile)."
+        ) from None
+    logger.debug(
+        "DeepSpeed's cpu_adam op ready in %.1f s (%s)", time.perf_counter() - start, build_dir
+    )
+    return op

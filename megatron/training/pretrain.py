@@ -40,10 +40,10 @@ from megatron.training.exit_codes import EXIT_OK, ConfigError
 from megatron.training.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
-from megatron.training.metrics import MetricsWriter
 from megatron.training.model_setup import build_engine
 from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
+from megatron.training.step_log import build_run_logging, timers_of
 from megatron.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ def _build_trainer(
         device=device,
         checkpointer=hooks,
         save_enabled=bool(cfg.checkpoint.save),
+        timers=timers_of(cfg),
     )
 
 
@@ -209,15 +210,14 @@ def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainRes
         world_size=plan.world_size,
         peak_tflops=detect_peak_tflops(cfg.training.peak_tflops),
     )
-    writer = MetricsWriter(
-        cfg.logging.metrics_file,
-        cfg.logging.tensorboard_dir,
-        enabled=global_rank() == 0,
-        resume_from=state.iteration,
-    )
+    writer, step_log = build_run_logging(cfg, plan, trainer, resume_from=state.iteration)
     test_loss = None
     try:
-        code = EXIT_OK if cfg.training.skip_train else train(trainer, spec, rates, state, writer)
+        code = (
+            EXIT_OK
+            if cfg.training.skip_train
+            else train(trainer, spec, rates, state, writer, step_log)
+        )
         if code == EXIT_OK and state.last_eval_iteration != state.iteration:
             run_evaluation(trainer, spec, state, writer)
         if code == EXIT_OK:

@@ -26,6 +26,7 @@ from megatron import mpu
 from megatron.deepspeed_internals import loss_scale
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
+from megatron.training.timers import Timers
 
 Batch = dict[str, torch.Tensor]
 
@@ -67,15 +68,47 @@ def dp_mean(value: torch.Tensor) -> torch.Tensor:
     return total / mpu.get_data_parallel_world_size()
 
 
-def train_step_engine(engine: Any, micro_batches: Iterator[Batch], gas: int) -> StepResult:
-    """One step with ``DeepSpeedEngine`` (PP = 1): ``gas`` micro-batches from ``micro_batches``."""
+def train_step_engine(
+    engine: Any,
+    micro_batches: Iterator[Batch],
+    gas: int,
+    *,
+    explicit_boundary: bool = False,
+    timers: Timers | None = None,
+) -> StepResult:
+    """One step with ``DeepSpeedEngine`` (PP = 1): ``gas`` micro-batches from ``micro_batches``.
+
+    ``explicit_boundary``: mark the last micro-batch as the accumulation boundary instead of DeepSpeed's
+    ``micro_steps % gas`` count, which is off once the batch size changed (--rampup-batch-size).
+    ``timers`` (``timers.py``): forward-backward and optimizer (level 1; the update is the last ``engine.step()``),
+    batch-generator, forward-compute, backward-compute (level 2, per micro-batch).
+    """
+    timers = timers if timers is not None else Timers()
+    fwd_bwd, opt = timers("forward-backward", 1), timers("optimizer", 1)
+    batch_gen, fwd, bwd = (
+        timers(n, 2) for n in ("batch-generator", "forward-compute", "backward-compute")
+    )
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for _ in range(gas):
-        loss = _forward_loss(engine, next(micro_batches))
+    fwd_bwd.start()
+    for i in range(gas):
+        if explicit_boundary:
+            engine.set_gradient_accumulation_boundary(i == gas - 1)
+        batch_gen.start()
+        batch = next(micro_batches)
+        batch_gen.stop()
+        fwd.start()
+        loss = _forward_loss(engine, batch)
+        fwd.stop()
+        bwd.start()
         engine.backward(loss)
+        bwd.stop()
+        if i == gas - 1:
+            fwd_bwd.stop()
+            opt.start()
         engine.step()
         total += loss.detach().float()
+    opt.stop()
     loss_mean = dp_mean(total / gas)
     return StepResult(
         loss=float(loss_mean.item()),
@@ -85,8 +118,15 @@ def train_step_engine(engine: Any, micro_batches: Iterator[Batch], gas: int) -> 
     )
 
 
-def train_step_pipe(engine: Any, pipe_batches: Iterator[Any]) -> StepResult:
-    """One step with DeepSpeed's ``PipelineEngine``; ``pipe_batches`` yields its micro-batch tuples."""
+def train_step_pipe(
+    engine: Any, pipe_batches: Iterator[Any], timers: Timers | None = None
+) -> StepResult:
+    """One step with DeepSpeed's ``PipelineEngine``; ``pipe_batches`` yields its micro-batch tuples.
+
+    forward-backward starts here and stops at the engine's OptimizerStep instruction (``install_pipe_timers``).
+    """
+    if timers is not None:
+        timers("forward-backward", 1).start()
     loss = engine.train_batch(data_iter=pipe_batches)
     return StepResult(
         loss=float(loss.float().item()),

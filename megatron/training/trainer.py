@@ -25,6 +25,7 @@ from megatron.training.step import (
     train_step_engine,
     train_step_pipe,
 )
+from megatron.training.timers import Timers, install_pipe_timers
 
 Split = Literal["valid", "test"]
 
@@ -41,6 +42,7 @@ class Trainer:
         device: where the loop's flags (exit conditions) are all-reduced.
         checkpointer: save/load hooks; None without --save/--load.
         save_enabled: --save is given (the checkpointer may exist for --load alone).
+        timers: the run's timers (``timers.py``); default: none exist (--timing-log-level 0).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Trainer:
         device: torch.device,
         checkpointer: CheckpointHooks | None = None,
         save_enabled: bool = False,
+        timers: Timers | None = None,
     ) -> None:
         self.bundle = bundle
         self.engine = bundle.engine
@@ -65,6 +68,39 @@ class Trainer:
         self.checkpointer = checkpointer
         self.save_enabled = save_enabled and checkpointer is not None
         self.optimizers = optimizers_for_lr(bundle)
+        self.timers = timers if timers is not None else Timers()
+        if bundle.is_pipe:
+            install_pipe_timers(self.engine, self.timers)
+        self.seqlen = iterators.seqlen
+        """The curriculum length the training iterator cuts samples to (``curriculum.py``)."""
+        self._pipe_seqlen: int | None = None
+        """The sequence length the pipeline engine's p2p buffers were last shaped for (None: whole samples)."""
+        self.global_batch = gradient_accumulation_steps * self._samples_per_micro_step()
+        self.ramped = False
+        """True once --rampup-batch-size changed the batch: micro-step boundaries are then set explicitly."""
+
+    def _samples_per_micro_step(self) -> int:
+        return int(self.engine.train_micro_batch_size_per_gpu()) * int(self.engine.dp_world_size)
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Train (and evaluate) the next steps with ``global_batch`` samples (--rampup-batch-size): the
+        DeepSpeed engine's batch (gradient-accumulation steps; the pipeline engine's micro-batches) follows."""
+        if global_batch == self.global_batch:
+            return
+        self.engine.set_train_batch_size(global_batch)
+        self.gas = global_batch // self._samples_per_micro_step()
+        self.global_batch, self.ramped = global_batch, True
+
+    def set_seqlen(self, seqlen: int | None) -> None:
+        """Train the next step on the first ``seqlen`` tokens of each sample (None: whole samples)."""
+        self.seqlen.value = seqlen
+        self._reshape_pipe(seqlen)
+
+    def _reshape_pipe(self, seqlen: int | None) -> None:
+        # The pipeline engine sends activation shapes once and reuses its buffers: a new length needs a reset.
+        if self.bundle.is_pipe and seqlen != self._pipe_seqlen:
+            self.engine.reset_activation_shape()
+            self._pipe_seqlen = seqlen
 
     def apply_lr(self) -> float:
         """Write the scheduled LR into every optimizer's param groups; returns it."""
@@ -75,8 +111,14 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over the next global batch."""
         if self.bundle.is_pipe:
-            return train_step_pipe(self.engine, self.iterators.train)
-        return train_step_engine(self.engine, self.iterators.train, self.gas)
+            return train_step_pipe(self.engine, self.iterators.train, self.timers)
+        return train_step_engine(
+            self.engine,
+            self.iterators.train,
+            self.gas,
+            explicit_boundary=self.ramped,
+            timers=self.timers,
+        )
 
     def can_evaluate(self, split: Split) -> bool:
         """The split has data and --eval-iters is positive."""
@@ -87,6 +129,7 @@ class Trainer:
         batches = self._batches(split)
         if batches is None or self.eval_iters <= 0:
             raise RuntimeError(f"no {split} data to evaluate (check can_evaluate first)")
+        self._reshape_pipe(None)  # evaluation batches are whole samples
         total = 0.0
         for _ in range(self.eval_iters):
             if self.bundle.is_pipe:

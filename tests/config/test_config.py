@@ -105,18 +105,20 @@ def test_sequence_parallel_is_off_at_tp1() -> None:
 
 
 def test_every_flag_is_a_field_with_help_text() -> None:
-    """The parser is built from the dataclasses: one flag per field (plus --checkpoint-activations and the
-    compatibility no-ops), each with a sentence of help, and ``pretrain_gpt.py --help`` shows them all."""
+    """The parser is built from the dataclasses: one flag per field (plus --checkpoint-activations,
+    --recompute-activations, the compatibility no-ops and the refused flags), each with a sentence of help, and ``pretrain_gpt.py --help`` shows them all."""
     import subprocess
     import sys
     from pathlib import Path
 
     from megatron.config.arguments import SECTIONS, build_parser
     from megatron.config.flags import COMPAT_NO_OPS, NOT_FLAGS
+    from megatron.config.refused import REFUSED
 
     actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
     n_fields = sum(len(dataclasses.fields(cls)) for _, _, cls in SECTIONS) - len(NOT_FLAGS)
-    assert len(actions) == n_fields + 1 + len(COMPAT_NO_OPS) == 114
+    # + --checkpoint-activations and --recompute-activations, the no-ops and the refused flags
+    assert len(actions) == n_fields + 2 + len(COMPAT_NO_OPS) + len(REFUSED) == 245
     assert not [a.option_strings for a in actions if len((a.help or "").split()) < 3]
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
@@ -140,7 +142,8 @@ def test_compatibility_flags_change_nothing_and_are_documented() -> None:
     given = []
     for flag in COMPAT_NO_OPS:
         for spelling in flag.flags:
-            given += [spelling, *(flag.choices[:1] if flag.choices else ())]
+            value = flag.choices[:1] if flag.choices else ("1",) if flag.takes_value else ()
+            given += [spelling, *value]
     assert cfg(*given) == cfg()
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert not [f for flag in COMPAT_NO_OPS for f in flag.flags if f"`{f}`" not in readme]

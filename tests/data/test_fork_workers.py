@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from megatron.data.fork_workers import WorkerDied, ordered_map
+from megatron.data.fork_workers import WORKER_NAME, WorkerDied, ordered_map
 
 
 def _children() -> list[int]:
-    """Live (not zombie) child processes of this process."""
+    """Live (not zombie) worker processes of this process (by name: the suite runs other children meanwhile)."""
     me, alive = os.getpid(), []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            comm, rest = stat.read_text().split(" (", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
+        fields = rest.split()
+        if comm == WORKER_NAME and int(fields[1]) == me and fields[0] != "Z":
             alive.append(int(stat.parent.name))
     return alive
 

@@ -37,6 +37,9 @@ def test_examples_exist() -> None:
         "pretrain_gpt2_125m_8gpu.sh",
         "pretrain_gpt_1.3b_3d_multinode.sh",
         "pretrain_llama2_7b_multinode.sh",
+        # Megatron-DeepSpeed-style: token schedule + DeepSpeed activation checkpointing; their LLaMA-2 script.
+        "ds_pretrain_gpt_1.3B_token_schedule.sh",
+        "ds_pretrain_llama2_distributed.sh",
     } <= names
 
 

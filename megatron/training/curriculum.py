@@ -1,0 +1,180 @@
+"""Megatron-DeepSpeed's sequence-length curriculum: the ``curriculum_learning`` section of the DeepSpeed JSON.
+
+Their ``examples_deepspeed/curriculum_learning`` scripts (and the MoE templates, with ``"enabled": false``) put a
+legacy top-level section in the DeepSpeed config::
+
+    "curriculum_learning": {"enabled": true, "curriculum_type": "seqlen", "min_difficulty": 64,
+                            "max_difficulty": 2048, "schedule_type": "fixed_linear",
+                            "schedule_config": {"total_curriculum_step": 15000, "difficulty_step": 8}}
+
+DeepSpeed 0.19.8 refuses that key ("Legacy top-level 'curriculum_learning' has been removed"), so Trident takes it
+out of the JSON it hands DeepSpeed and runs the curriculum itself, as Megatron-DeepSpeed's
+``curriculum_learning_legacy`` path does:
+
+- iteration ``i`` (1-based: the optimizer step about to run) trains on the first ``seqlen(i)`` positions of every
+  sample: tokens, labels, loss mask, position ids (and the attention mask) are cut to that length, the rest of the
+  sample is not used (as theirs);
+- ``seqlen(i)`` is DeepSpeed's own ``CurriculumScheduler.get_difficulty(i)`` (``fixed_linear``, ``fixed_root``,
+  ``fixed_discrete``), capped at ``max_difficulty``: a function of the iteration alone, so a resumed run continues
+  the same schedule and every layout sees the same truncated samples;
+- evaluation uses whole sequences (their ``evaluate`` resets the length too);
+- consumed tokens (``--train-tokens``, the token LR schedule) count the truncated length;
+- the length is in the progress line (``curriculum seqlen``), the metrics record (``curriculum_seqlen``) and
+  TensorBoard (``seqlen/curriculum_seqlen``).
+
+Only ``curriculum_type: seqlen`` exists here (the only type their GPT scripts use); DeepSpeed's newer
+``data_efficiency`` curriculum (``--data-efficiency-curriculum-learning``) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, cast
+
+SECTION = "curriculum_learning"
+SCHEDULES = ("fixed_linear", "fixed_root", "fixed_discrete")
+_REQUIRED = {
+    "fixed_linear": ("total_curriculum_step", "difficulty_step"),
+    "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+    "fixed_discrete": ("difficulty", "max_step"),
+}
+
+
+@dataclass(frozen=True)
+class SeqlenCurriculum:
+    """A validated sequence-length schedule (the JSON section, as DeepSpeed's scheduler reads it)."""
+
+    config: str
+    """The section as canonical JSON (a frozen value; :meth:`seqlen` builds DeepSpeed's scheduler from it)."""
+    max_difficulty: int
+
+    def seqlen(self, iteration: int) -> int:
+        """The sequence length of (1-based) ``iteration``."""
+        return min(self.max_difficulty, int(_scheduler(self.config).get_difficulty(iteration)))
+
+
+_SCHEDULERS: dict[str, Any] = {}
+
+
+def _scheduler(config: str) -> Any:
+    if config not in _SCHEDULERS:
+        from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+
+        _SCHEDULERS[config] = CurriculumScheduler(json.loads(config))
+    return _SCHEDULERS[config]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_schedule(section: dict[str, Any], where: str, multiple: int) -> list[int]:
+    """The difficulties the schedule can produce that must divide by ``multiple`` (raises on a bad key)."""
+    kind = section.get("schedule_type")
+    if kind not in SCHEDULES:
+        raise ValueError(
+            f"{where}.schedule_type is {json.dumps(kind)}; use one of {', '.join(SCHEDULES)}."
+        )
+    sched = section.get("schedule_config")
+    missing = [k for k in _REQUIRED[kind] if not isinstance(sched, dict) or k not in sched]
+    if missing:
+        raise ValueError(
+            f"{where}.schedule_config lacks {', '.join(missing)} (needed by schedule_type {kind})."
+        )
+    sched = cast(dict[str, Any], sched)  # an object with the keys: checked just above
+    if kind == "fixed_discrete":
+        diffs, steps = sched["difficulty"], sched["max_step"]
+        if not (
+            isinstance(diffs, list)
+            and isinstance(steps, list)
+            and diffs
+            and all(_positive_int(d) for d in diffs)
+            and all(_positive_int(s) for s in steps)
+            and len(diffs) == len(steps) + 1
+        ):
+            raise ValueError(
+                f"{where}.schedule_config needs 'difficulty': a list of positive lengths and 'max_step': a "
+                "list of positive iterations with one element fewer (the last length holds after the last step)."
+            )
+        return list(diffs)
+    for key in _REQUIRED[kind]:
+        if not _positive_int(sched[key]):
+            raise ValueError(
+                f"{where}.schedule_config.{key} is {json.dumps(sched[key])}; give a positive integer."
+            )
+    if sched["difficulty_step"] % multiple:
+        raise ValueError(
+            f"{where}.schedule_config.difficulty_step ({sched['difficulty_step']}) must be a multiple of "
+            f"{multiple} (--tensor-model-parallel-size with --sequence-parallel splits the sequence)."
+        )
+    return []
+
+
+def parse_curriculum(
+    user: dict[str, Any], source: str, *, seq_length: int, sequence_multiple: int = 1
+) -> SeqlenCurriculum | None:
+    """The curriculum of the user's DeepSpeed JSON ``user`` (None when absent or ``"enabled": false``).
+
+    Args:
+        user: the parsed ``--deepspeed_config``.
+        source: its path, for messages.
+        seq_length: ``--seq-length``; ``max_difficulty`` may not exceed it.
+        sequence_multiple: every length must be a multiple of it (TP size under --sequence-parallel, else 1).
+
+    Raises:
+        ValueError: a key is missing or wrong (naming the file, the key and the fix).
+    """
+    section = user.get(SECTION)
+    if section is None:
+        return None
+    where = f"{source}: {SECTION}"
+    if not isinstance(section, dict) or not isinstance(section.get("enabled", False), bool):
+        raise ValueError(f"{where} must be an object with a boolean 'enabled'.")
+    if not section.get("enabled", False):
+        return None
+    if section.get("curriculum_type") != "seqlen":
+        raise ValueError(
+            f'{where}.curriculum_type is {json.dumps(section.get("curriculum_type"))}; only "seqlen" (the '
+            "sequence-length curriculum) is supported."
+        )
+    lo, hi = section.get("min_difficulty"), section.get("max_difficulty")
+    if not (_positive_int(lo) and _positive_int(hi) and lo <= hi <= seq_length):
+        raise ValueError(
+            f"{where}: min_difficulty ({json.dumps(lo)}) and max_difficulty ({json.dumps(hi)}) must be integers "
+            f"with 1 <= min_difficulty <= max_difficulty <= --seq-length ({seq_length})."
+        )
+    extra = _check_schedule(section, where, sequence_multiple)
+    bad = [d for d in [hi, *extra] if d % sequence_multiple or d > seq_length]
+    if bad:
+        raise ValueError(
+            f"{where}: lengths {bad} must be at most --seq-length ({seq_length}) and multiples of "
+            f"{sequence_multiple} (--tensor-model-parallel-size with --sequence-parallel splits the sequence)."
+        )
+    return SeqlenCurriculum(json.dumps(section, sort_keys=True), hi)
+
+
+class CurrentSeqlen:
+    """The length the next training micro-batches are cut to (None: whole samples); set by the trainer before each
+    step, read by the training batch iterator (evaluation batches are never cut)."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+
+
+def truncate_batch(batch: dict[str, Any], seqlen: int | None) -> dict[str, Any]:
+    """``batch`` with every sequence dimension cut to ``seqlen``: ``[b, s]`` tensors and the ``[b, 1, s, s]`` mask."""
+    if seqlen is None or batch["tokens"].shape[1] <= seqlen:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if key == "attention_mask":
+            out[key] = value[:, :, :seqlen, :seqlen].contiguous()
+        else:
+            out[key] = value[:, :seqlen].contiguous()
+    return out
+
+
+def without_curriculum(user: dict[str, Any]) -> dict[str, Any]:
+    """``user`` without the legacy section (DeepSpeed 0.19.8 refuses it; Trident runs it)."""
+    return {k: v for k, v in user.items() if k != SECTION}
