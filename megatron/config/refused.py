@@ -132,12 +132,6 @@ REFUSED: tuple[RefusedFlag, ...] = (
         f"{_DROP}; every layer sees every token",
     ),
     _r(
-        "--data-efficiency-curriculum-learning",
-        "DeepSpeed's data-efficiency curriculum learning (data sampling by difficulty) is not built yet",
-        f"{_DROP} and remove data_efficiency from the DeepSpeed JSON; the sequence-length curriculum of "
-        "a curriculum_learning section in the DeepSpeed JSON is supported",
-    ),
-    _r(
         "--enable-zbh1-pipeline",
         "the zero-bubble (ZB-H1) pipeline schedule is not built",
         "DeepSpeed's 1F1B pipeline schedule runs; drop the flag",

@@ -102,5 +102,8 @@ class TrainingConfig:
     deepspeed_config: str | None = None
     """A DeepSpeed JSON that adds keys Trident does not own (ZeRO tuning, offload); keys that contradict a flag
     are an error."""
+    data_efficiency_curriculum_learning: bool = False
+    """Run the seqlen_truncate curriculum of the DeepSpeed JSON's data_efficiency.data_sampling section
+    (Megatron-DeepSpeed's data-efficiency curriculum; metrics that need DeepSpeed's data analysis are refused)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for MFU (default: looked up for known GPUs; none on CPU)."""

@@ -111,8 +111,58 @@ def _check_schedule(section: dict[str, Any], where: str, multiple: int) -> list[
     return []
 
 
+def _enabled(section: Any, where: str) -> bool:
+    if not isinstance(section, dict) or not isinstance(section.get("enabled", False), bool):
+        raise ValueError(f"{where} must be an object with a boolean 'enabled'.")
+    return bool(section.get("enabled", False))
+
+
+def _data_efficiency_section(
+    user: dict[str, Any], source: str, flag: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """The seqlen_truncate metric of ``data_efficiency.data_sampling.curriculum_learning`` as a legacy-style
+    section (None when that curriculum is off), and where it is, for messages."""
+    where = f"{source}: data_efficiency.data_sampling.curriculum_learning"
+    de = user.get("data_efficiency")
+    sampling = de.get("data_sampling") if isinstance(de, dict) else None
+    section = sampling.get("curriculum_learning") if isinstance(sampling, dict) else None
+    on = (
+        de is not None
+        and _enabled(de, f"{source}: data_efficiency")
+        and _enabled(sampling, f"{source}: data_efficiency.data_sampling")
+        and _enabled(section, where)
+    )
+    if on != flag:
+        raise ValueError(
+            f"--data-efficiency-curriculum-learning and {where} go together: "
+            + ("add the flag" if on else f"enable that section in {source}")
+            + " (or remove the other)."
+        )
+    if not on:
+        return None, where
+    metrics = cast(dict[str, Any], section).get("curriculum_metrics")  # _enabled: an object
+    names = list(metrics) if isinstance(metrics, dict) else []
+    if names != ["seqlen_truncate"]:
+        raise ValueError(
+            f'{where}.curriculum_metrics is {json.dumps(names)}; only "seqlen_truncate" is supported (metrics '
+            "such as vocabulary rarity need DeepSpeed's data analysis index files, and seqlen_reshape changes "
+            "the batch size, which Trident does not do)."
+        )
+    metric = metrics["seqlen_truncate"]
+    if not isinstance(metric, dict):
+        raise ValueError(f"{where}.curriculum_metrics.seqlen_truncate must be an object.")
+    keys = ("min_difficulty", "max_difficulty", "schedule_type", "schedule_config")
+    legacy = {"enabled": True, "curriculum_type": "seqlen", **{k: metric.get(k) for k in keys}}
+    return legacy, f"{where}.curriculum_metrics.seqlen_truncate"
+
+
 def parse_curriculum(
-    user: dict[str, Any], source: str, *, seq_length: int, sequence_multiple: int = 1
+    user: dict[str, Any],
+    source: str,
+    *,
+    seq_length: int,
+    sequence_multiple: int = 1,
+    data_efficiency: bool = False,
 ) -> SeqlenCurriculum | None:
     """The curriculum of the user's DeepSpeed JSON ``user`` (None when absent or ``"enabled": false``).
 
@@ -121,17 +171,25 @@ def parse_curriculum(
         source: its path, for messages.
         seq_length: ``--seq-length``; ``max_difficulty`` may not exceed it.
         sequence_multiple: every length must be a multiple of it (TP size under --sequence-parallel, else 1).
+        data_efficiency: ``--data-efficiency-curriculum-learning``: the schedule is the ``seqlen_truncate``
+            metric of ``data_efficiency.data_sampling.curriculum_learning`` (same lengths, same truncation).
 
     Raises:
         ValueError: a key is missing or wrong (naming the file, the key and the fix).
     """
+    _check_no_random_ltd(user, source)
+    de_section, de_where = _data_efficiency_section(user, source, data_efficiency)
     section = user.get(SECTION)
-    if section is None:
-        return None
     where = f"{source}: {SECTION}"
-    if not isinstance(section, dict) or not isinstance(section.get("enabled", False), bool):
-        raise ValueError(f"{where} must be an object with a boolean 'enabled'.")
-    if not section.get("enabled", False):
+    if section is not None and not _enabled(section, where):
+        section = None
+    if section is not None and de_section is not None:
+        raise ValueError(
+            f"{where} and {de_where} are both enabled; keep one sequence-length curriculum."
+        )
+    if de_section is not None:
+        section, where = de_section, de_where
+    if section is None:
         return None
     if section.get("curriculum_type") != "seqlen":
         raise ValueError(
@@ -175,6 +233,26 @@ def truncate_batch(batch: dict[str, Any], seqlen: int | None) -> dict[str, Any]:
     return out
 
 
+def _check_no_random_ltd(user: dict[str, Any], source: str) -> None:
+    de = user.get("data_efficiency")
+    routing = de.get("data_routing") if isinstance(de, dict) else None
+    ltd = routing.get("random_ltd") if isinstance(routing, dict) else None
+    if (
+        isinstance(de, dict)
+        and de.get("enabled")
+        and isinstance(routing, dict)
+        and routing.get("enabled")
+        and isinstance(ltd, dict)
+        and ltd.get("enabled")
+    ):
+        raise ValueError(
+            f"{source}: data_efficiency.data_routing.random_ltd is enabled, but random layerwise token dropping "
+            "is not built; set its 'enabled' to false."
+        )
+
+
 def without_curriculum(user: dict[str, Any]) -> dict[str, Any]:
-    """``user`` without the legacy section (DeepSpeed 0.19.8 refuses it; Trident runs it)."""
-    return {k: v for k, v in user.items() if k != SECTION}
+    """``user`` without the curriculum sections Trident runs itself: the legacy ``curriculum_learning`` (DeepSpeed
+    0.19.8 refuses it) and ``data_efficiency`` (DeepSpeed would only act on it through its own data loader, which
+    Trident does not use; random-LTD is refused by :func:`parse_curriculum`)."""
+    return {k: v for k, v in user.items() if k not in (SECTION, "data_efficiency")}

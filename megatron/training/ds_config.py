@@ -317,7 +317,11 @@ def build_ds_config(
         user = load_user_ds_config(source)
     user = user or {}
     parse_curriculum(
-        user, source, seq_length=cfg.model.seq_length, sequence_multiple=_sequence_multiple(cfg)
+        user,
+        source,
+        seq_length=cfg.model.seq_length,
+        sequence_multiple=_sequence_multiple(cfg),
+        data_efficiency=cfg.training.data_efficiency_curriculum_learning,
     )  # checked here with the other JSON errors; DeepSpeed 0.19.8 refuses the legacy section: Trident runs it
     user = without_curriculum(user)
     _check_no_client_sections(user, source)
@@ -348,14 +352,13 @@ def _sequence_multiple(cfg: TridentConfig) -> int:
 
 def curriculum_of(cfg: TridentConfig) -> SeqlenCurriculum | None:
     """The sequence-length curriculum of --deepspeed_config (``curriculum.py``), None without one."""
-    if not cfg.training.deepspeed_config:
-        return None
     source = cfg.training.deepspeed_config
     return parse_curriculum(
-        load_user_ds_config(source),
-        source,
+        load_user_ds_config(source) if source else {},
+        source or "no --deepspeed_config",
         seq_length=cfg.model.seq_length,
         sequence_multiple=_sequence_multiple(cfg),
+        data_efficiency=cfg.training.data_efficiency_curriculum_learning,
     )
 
 

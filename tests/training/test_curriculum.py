@@ -41,6 +41,16 @@ def _section(**over: object) -> dict:
     return {**base, **over}
 
 
+def _data_efficiency(**over: object) -> dict:
+    """The same schedule as the seqlen_truncate metric of DeepSpeed's data-efficiency section."""
+    metric = {k: v for k, v in _section(**over).items() if k not in ("enabled", "curriculum_type")}
+    metric |= {"index_to_sample_path": "dummy", "index_to_metric_path": "dummy",
+               "difficulty_type": "value", "clustering_type": "single_cluster"}  # fmt: skip
+    sampling = {"enabled": True, "curriculum_learning": {"enabled": True, "curriculum_metrics": {
+        "seqlen_truncate": metric}}}  # fmt: skip
+    return {"data_efficiency": {"enabled": True, "data_sampling": sampling}}
+
+
 LINEAR = [8, 12, 12, 16, 16]
 """fixed_linear, min 8, max 16, 4 steps, multiples of 4: floor(8 + 8 i / 4) rounded down to 4, capped at 16."""
 
@@ -95,6 +105,29 @@ def test_schedules_and_json_checks() -> None:
     for section, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_curriculum({"curriculum_learning": section}, "ds.json", seq_length=16)
+    # Megatron-DeepSpeed's data-efficiency spelling of the same schedule (--data-efficiency-curriculum-learning).
+    c = parse_curriculum(_data_efficiency(), "ds.json", seq_length=16, data_efficiency=True)
+    assert c is not None and [c.seqlen(i) for i in range(1, 6)] == LINEAR
+    assert without_curriculum(_data_efficiency() | {"a": 1}) == {"a": 1}
+    vocab = _data_efficiency()
+    metrics = vocab["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]
+    metrics["vocabularyrarity"] = metrics.pop("seqlen_truncate")
+    ltd = {
+        "data_efficiency": {
+            "enabled": True,
+            "data_routing": {"enabled": True, "random_ltd": {"enabled": True}},
+        }
+    }
+    de_bad = [
+        (_data_efficiency(), False, "add the flag"),
+        ({}, True, "enable that section in ds.json"),
+        (vocab, True, 'only "seqlen_truncate" is supported'),
+        (ltd, False, "random_ltd is enabled, but random layerwise token dropping is not built"),
+        ({**_data_efficiency(), "curriculum_learning": _section()}, True, "keep one sequence-length curriculum"),
+    ]  # fmt: skip
+    for user, flag, message in de_bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_curriculum(user, "ds.json", seq_length=16, data_efficiency=flag)
     with pytest.raises(ValueError, match=r"difficulty_step \(4\) must be a multiple of 8"):
         parse_curriculum(
             {"curriculum_learning": _section()}, "ds.json", seq_length=16, sequence_multiple=8
@@ -113,11 +146,14 @@ def _scenario(tmp: str) -> dict:
     ds.write_text(
         json.dumps({"curriculum_learning": _section(), "zero_optimization": {"stage": 1}})
     )
+    de = tmp_path / "de.json"
+    de.write_text(json.dumps(_data_efficiency()))
     base = [*TINY, "--deepspeed_config", str(ds), "--zero-stage", "1"]
+    de_flags = [*TINY, "--deepspeed_config", str(de), "--data-efficiency-curriculum-learning"]
     out = {}
     for name, argv in (
         ("dp2", base),
-        ("pp2", [*base, "--pipeline-model-parallel-size", "2"]),
+        ("pp2", [*de_flags, "--zero-stage", "1", "--pipeline-model-parallel-size", "2"]),
         ("plain", [*TINY, "--zero-stage", "1"]),  # no curriculum: whole samples
     ):
         r = pretrain(parse_args([*argv, "--metrics-file", str(tmp_path / f"{name}.jsonl")]))
@@ -139,7 +175,8 @@ def test_curriculum_run_logs_seqlen_is_layout_independent_and_resumes(tmp_path: 
     assert [row["curriculum_seqlen"] for row in rows] == LINEAR
     losses = [row["lm_loss"] for row in rows]
     pp = [row["lm_loss"] for row in _rows(tmp_path / "pp2.jsonl")]
-    assert pp == pytest.approx(losses, rel=2e-5, abs=1e-6)
+    assert pp == pytest.approx(losses, rel=2e-5, abs=1e-6)  # PP=2 ran the data-efficiency spelling
+    assert [row["curriculum_seqlen"] for row in _rows(tmp_path / "pp2.jsonl")] == LINEAR
     plain = _rows(tmp_path / "plain.jsonl")
     assert "curriculum_seqlen" not in plain[0]
     # Same initial weights, same samples: the first loss differs only because the samples were cut to 8 tokens.
