@@ -180,13 +180,14 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     else:
         device = torch.device("cpu")
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=_backend(cfg, dev),
-            auto_mpi_discovery=False,
-            verbose=False,
-            timeout=timeout,
-        )
+    # Also when the caller already created the default group (a library user, the test spawner): DeepSpeed then
+    # wraps that group; without it DeepSpeed's own comm layer is unset and PipelineModule fails on get_rank().
+    deepspeed.init_distributed(
+        dist_backend=_backend(cfg, dev),
+        auto_mpi_discovery=False,
+        verbose=False,
+        timeout=timeout,
+    )
     set_default_group_timeout(timeout)  # the groups DeepSpeed creates itself (pipeline grid, ...)
     mpu.initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,

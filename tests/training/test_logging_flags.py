@@ -245,3 +245,31 @@ def test_timers_levels_and_options() -> None:
 def test_validate_logging_flags(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(parse_args([*TINY, *flags]), world_size=1)
+
+
+def _pipe_scenario(tmp: str) -> int:
+    from megatron.training import pretrain
+
+    argv = [*TINY, "--train-iters", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+    argv += [
+        "--timing-log-level",
+        "2",
+        "--log-timers-to-tensorboard",
+        "--tensorboard-dir",
+        f"{tmp}/tb",
+    ]
+    return pretrain(parse_args(argv)).exit_code
+
+
+def test_pipeline_timers_reach_tensorboard(tmp_path: Path) -> None:
+    """PP=2: DeepSpeed's 1F1B instructions are timed under Megatron's names, send/recv included (logged by the
+    TensorBoard rank as the max over ranks: stage 0 sends activations, stage 1 sends gradients)."""
+    assert run_distributed(_pipe_scenario, 2, str(tmp_path), timeout=300) == [0, 0]
+    tags = _scalars(tmp_path / "tb")
+    for name in (
+        "forward-backward", "optimizer", "batch-generator", "forward-compute", "backward-compute",
+        "forward-send", "forward-recv", "backward-send", "backward-recv",
+    ):  # fmt: skip
+        values = tags[f"{name}-time"]
+        assert [step for step, _ in values] == [1, 2], name
+        assert all(v > 0 for _, v in values), name
