@@ -35,6 +35,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
 class WorkerDied(RuntimeError):
     """A worker process ended without answering (killed, e.g. by the out-of-memory killer)."""
 
@@ -43,6 +46,9 @@ def _ignore_interrupts() -> None:
     """Workers leave Ctrl-C to the caller (one message, not one traceback per worker); SIGTERM ends them at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(
+        signal.SIG_UNBLOCK, _INTERRUPTS
+    )  # blocked by the caller while it forked us
 
 
 WORKER_NAME = "trident-worker"
@@ -113,7 +119,13 @@ class _Worker:
             name=f"trident-worker-{index}",
             daemon=True,
         )
-        self.proc.start()
+        held = signal.pthread_sigmask(
+            signal.SIG_BLOCK, _INTERRUPTS
+        )  # no Ctrl-C between fork and the handlers
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         task_r.close()  # the child's ends: later workers must not inherit them
         result_w.close()
 

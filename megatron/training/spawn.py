@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import tempfile
 import time
@@ -28,6 +29,12 @@ import torch.multiprocessing as mp
 
 class LocalRanksError(RuntimeError):
     """A rank raised, died or timed out inside :func:`spawn_local_ranks` (the message holds its traceback)."""
+
+
+INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+"""Held back while children start: a Ctrl-C or SIGTERM in the middle of handing a spawned child its start-up data
+left that child printing multiprocessing's "EOFError: Ran out of input" traceback; the children unblock them first
+thing, the parent right after the last start (a pending signal is then handled, and the children are killed)."""
 
 
 def find_free_port() -> int:
@@ -59,6 +66,9 @@ def _worker(
         }
     )
     os.environ.update(env)
+    signal.pthread_sigmask(
+        signal.SIG_UNBLOCK, INTERRUPTS
+    )  # blocked by the parent while it started us
     torch.set_num_threads(1)
     try:
         # The function and its arguments travel through a file, not the spawn pipe: a child that cannot unpickle
@@ -146,11 +156,15 @@ def spawn_local_ranks(
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         while len(values) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -177,6 +191,8 @@ def spawn_local_ranks(
             values[rank] = value
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=5 if len(values) == world_size else 0.1)
             if p.is_alive():
                 p.kill()
