@@ -33,6 +33,10 @@ INDEX_FLAGS = {
 }
 
 
+class IndexFileError(ValueError):
+    """A forced index file does not fit the dataset (names the flag, the file, what is wrong and the fix)."""
+
+
 def resolve_index_file(path: str, directories: Sequence[str], name: str) -> str:
     """The file ``path`` names: as given, else joined to each cache directory in Megatron's order.
 
@@ -55,12 +59,12 @@ def load_index_file(path: str, name: str) -> np.ndarray:
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
-        raise ValueError(
+        raise IndexFileError(
             f"{INDEX_FLAGS[name]} {path}: not a readable .npy array ({err}). Point the flag at the {name}.npy "
             "from an index-cache directory, or drop it to build the indices."
         ) from None
     if not isinstance(array, np.ndarray):
-        raise ValueError(f"{INDEX_FLAGS[name]} {path}: holds an .npz archive, not one array.")
+        raise IndexFileError(f"{INDEX_FLAGS[name]} {path}: holds an .npz archive, not one array.")
     return array
 
 
@@ -105,7 +109,7 @@ def check_index_file_kind(array: np.ndarray, name: str, source: str) -> None:
         array, 2 if name == "sample_idx" else 1, expected.get(name, "(num_samples,)")
     )
     if reason is not None:
-        raise ValueError(
+        raise IndexFileError(
             f"{source}: {name} {reason}. Rebuild it for this dataset and flags, or drop the flag to build the "
             "indices."
         )
@@ -137,12 +141,12 @@ def check_gpt_index_arrays(
     if reason is None and len(doc_idx) and (doc_idx.min() < 0 or doc_idx.max() >= len(sizes)):
         reason = f"holds document ids outside [0, {len(sizes)}) of this dataset"
     if reason is not None:
-        raise ValueError(f"{sources['doc_idx']}: doc_idx {reason}. {fix}")
+        raise IndexFileError(f"{sources['doc_idx']}: doc_idx {reason}. {fix}")
     reason = _integer_array(sample_idx, 2, "(num_samples + 1, 2)")
     if reason is None:
         reason = _check_sample_idx(doc_idx, sample_idx, sizes, seq_length)
     if reason is not None:
-        raise ValueError(
+        raise IndexFileError(
             f"{sources['sample_idx']}: sample_idx {reason} (doc_idx from {sources['doc_idx']}). {fix}"
         )
     total = len(sample_idx) - 1
@@ -152,9 +156,9 @@ def check_gpt_index_arrays(
     if reason is None and total and (shuffle_idx.min() < 0 or shuffle_idx.max() >= total):
         reason = f"holds sample ids outside [0, {total})"
     if reason is not None:
-        raise ValueError(f"{sources['shuffle_idx']}: shuffle_idx {reason}. {fix}")
+        raise IndexFileError(f"{sources['shuffle_idx']}: shuffle_idx {reason}. {fix}")
     if total < num_samples:
-        raise ValueError(
+        raise IndexFileError(
             f"{sources['sample_idx']}: the index files describe {total} training samples but the run draws "
             f"{num_samples} (--train-iters/--train-samples x --global-batch-size); build them for at least that "
             "many samples, or train for fewer."

@@ -23,6 +23,7 @@ from megatron.config import RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
+from megatron.training.exit_codes import ConfigError
 
 Batch = dict[str, torch.Tensor]
 
@@ -198,11 +199,17 @@ def build_run_tokenizer(cfg: TridentConfig) -> Any:
 def build_datasets(
     cfg: TridentConfig, tokenizer: Any, *, train_iters: int, global_batch: int
 ) -> tuple[Any, Any, Any]:
-    """(train, valid, test) datasets with Megatron's sample counts (None where there is none)."""
+    """(train, valid, test) datasets with Megatron's sample counts (None where there is none).
+
+    Raises:
+        ConfigError: a forced --train-*-idx-path file does not fit the dataset (checked here, on every rank alike,
+            when the other arrays come from the index cache: one line and exit 2, not a traceback).
+    """
     from megatron.data.builders import (
         build_train_valid_test_datasets,
         get_train_valid_test_num_samples,
     )
+    from megatron.data.index_files import IndexFileError
 
     t = cfg.training
     counts = get_train_valid_test_num_samples(
@@ -212,13 +219,16 @@ def build_datasets(
         eval_interval=t.eval_interval,
         eval_iters=t.eval_iters,
     )
-    return build_train_valid_test_datasets(
-        cfg.data,
-        seq_length=cfg.model.seq_length,
-        seed=t.seed,
-        train_valid_test_num_samples=counts,
-        vocab_size=tokenizer.vocab_size,
-    )
+    try:
+        return build_train_valid_test_datasets(
+            cfg.data,
+            seq_length=cfg.model.seq_length,
+            seed=t.seed,
+            train_valid_test_num_samples=counts,
+            vocab_size=tokenizer.vocab_size,
+        )
+    except IndexFileError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _micro_batches(

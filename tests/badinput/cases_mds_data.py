@@ -26,6 +26,10 @@ def _float_shuffle(tmp: Path, ws: Path) -> None:
     np.save(tmp / "shuffle_idx.npy", np.arange(3.0))
 
 
+def _short_shuffle(tmp: Path, ws: Path) -> None:
+    np.save(tmp / "shuffle_idx.npy", np.arange(5, dtype=np.int64))
+
+
 CASES: list[Case] = [
     Case(
         "mds-idx-path-missing",
@@ -42,6 +46,15 @@ CASES: list[Case] = [
         unchanged=("{tmp}/shuffle_idx.npy",),
         needs=("data",),
         setup=_float_shuffle,
+    ),
+    Case(  # one file forced, the others from the index cache: checked by the ranks when they build the data
+        "mds-idx-path-short-shuffle-in-ranks",
+        (*TRAIN, "--train-shuffle-idx-path", "{tmp}/shuffle_idx.npy"),
+        2,
+        "shuffle_idx has 5 entries but sample_idx",
+        unchanged=("{tmp}/shuffle_idx.npy",),
+        needs=("data",),
+        setup=_short_shuffle,
     ),
     Case(
         "mds-idx-path-with-mock-data",
