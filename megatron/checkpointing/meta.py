@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.config import ModelConfig
+from megatron.model.language_model import has_learned_positions
 
 META_FILE = "trident_meta.json"
 META_VERSION = 1
@@ -81,15 +82,14 @@ def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
 def model_mismatches(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """``"field: checkpoint X, flags Y"`` for every :data:`SHAPE_FIELDS` value that differs."""
     theirs_cfg = model_config_from_dict(saved)
-    rotary = all(  # neither has a learned position table
-        c.use_rotary_position_embeddings or not c.add_position_embedding
-        for c in (current, theirs_cfg)
-    )
+    learned_mine, learned_theirs = has_learned_positions(current), has_learned_positions(theirs_cfg)
     out = []
     for name in SHAPE_FIELDS:
-        if name == "max_positions" and rotary:
+        if name == "max_positions" and not (learned_mine or learned_theirs):
             continue
         mine, theirs = getattr(current, name), getattr(theirs_cfg, name)
+        if name == "add_position_embedding":  # with rotary there is no table whatever the flag says
+            mine, theirs = learned_mine, learned_theirs
         if theirs != mine:
             out.append(f"{name}: checkpoint {theirs!r}, flags {mine!r}")
     return out

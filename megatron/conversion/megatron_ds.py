@@ -63,6 +63,7 @@ from megatron.conversion.verify import (
     fixed_prompts,
     megatron_logits_fn,
 )
+from megatron.layout.names import FINAL_NORM
 from megatron.layout.pipeline import pipe_layers_to_megatron
 from megatron.layout.qkv import fuse_qkv
 from megatron.layout.tensor_parallel import merge_tp_shards
@@ -328,9 +329,14 @@ def _ds_format_shard(
         layers = {
             int(f.name.split("-")[0].removeprefix("layer_")): load_mds_file(f) for f in layer_files
         }
-        return pipe_layers_to_megatron(
+        shard = pipe_layers_to_megatron(
             _canonical_pipe_indices(layers, cfg, tag_dir), cfg.num_layers
         )
+        if cfg.apply_layernorm_1p and f"{FINAL_NORM}.weight" in shard:
+            # Their GPTModelPipe builds the final LayerNorm without apply_layernorm_1p (the layers' norms have it):
+            # its stored weight is the plain scale; ours stores scale - 1 for every norm.
+            shard[f"{FINAL_NORM}.weight"] = shard[f"{FINAL_NORM}.weight"] - 1
+        return shard
     if is_zero3_checkpoint(tag_dir):
         return read_zero3_tp_shard(tag_dir, r)
     path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"

@@ -8,6 +8,7 @@ all-reduce gives exactly the losses and gradients of the synchronous one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -343,3 +344,47 @@ def test_megatron_deepspeed_import_maps_the_flags(tmp_path: Path) -> None:
         {**base, "add_position_embedding": False, "apply_layernorm_1p": True}, 50, tmp_path
     )
     assert (m.rotary_percent, m.add_position_embedding, m.apply_layernorm_1p) == (1.0, False, True)
+
+
+def test_checkpoint_position_table_compared_not_the_raw_flag() -> None:
+    """With rotary there is no position table whatever --no-position-embedding says: an imported LLaMA-style
+    checkpoint (saved with add_position_embedding False) resumes with the plain rotary flags; without rotary the
+    flag is a real shape difference."""
+    from megatron.checkpointing.meta import model_mismatches
+    from megatron.config import ModelConfig
+
+    base = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    rope = dataclasses.replace(base, use_rotary_position_embeddings=True)
+    saved = dataclasses.asdict(dataclasses.replace(rope, add_position_embedding=False))
+    assert model_mismatches(saved, rope) == []
+    saved = dataclasses.asdict(dataclasses.replace(base, add_position_embedding=False))
+    assert model_mismatches(saved, base) == ["add_position_embedding: checkpoint False, flags True"]
+
+
+def test_megatron_deepspeed_pipeline_final_norm_is_not_1p(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's GPTModelPipe builds its final LayerNorm without apply_layernorm_1p (its layers' norms
+    have it), so a pipeline-format checkpoint stores that scale plainly; the import stores it as scale - 1 like
+    every other norm of a 1p model, and leaves the layers' norms as they are."""
+    from megatron.conversion.megatron_ds import _ds_format_shard
+    from megatron.layout.names import FINAL_NORM
+
+    one_p = ModelConfig(
+        num_layers=1, hidden_size=4, num_attention_heads=1, seq_length=8, apply_layernorm_1p=True
+    )
+    files = {
+        1: {"word_embeddings.weight": torch.zeros(8, 4)},
+        2: {"input_layernorm.weight": torch.full((4,), 0.25)},
+        3: {"weight": torch.full((4,), 1.5), "bias": torch.zeros(4)},
+    }
+    for idx, sd in files.items():
+        torch.save(sd, tmp_path / f"layer_{idx:02d}-model_00-model_states.pt")
+    shard = _ds_format_shard(tmp_path, 0, one_p, 1, 1)
+    assert torch.equal(shard[f"{FINAL_NORM}.weight"], torch.full((4,), 0.5))
+    assert torch.equal(
+        shard["language_model.encoder.layers.0.input_layernorm.weight"],
+        files[2]["input_layernorm.weight"],
+    )
+    plain = _ds_format_shard(
+        tmp_path, 0, dataclasses.replace(one_p, apply_layernorm_1p=False), 1, 1
+    )
+    assert torch.equal(plain[f"{FINAL_NORM}.weight"], torch.full((4,), 1.5))
