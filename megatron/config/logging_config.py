@@ -68,8 +68,18 @@ _NEEDS_A_SINK = (
 )
 
 
-def check_logging(o: LoggingConfig, *, optimizer: str) -> None:
+def check_logging(o: LoggingConfig, *, optimizer: str, zero_stage: int = 0) -> None:
     """The logging flags' cross-checks (``validate()`` calls it): ``ValueError`` naming the flag and the fix."""
+    for flag, on in (
+        ("--log-params-norm", o.log_params_norm),
+        ("--log-num-zeros-in-grad", o.log_num_zeros_in_grad),
+    ):
+        if on and zero_stage == 3:
+            raise ValueError(
+                f"{flag} is not supported with --zero-stage 3 (each rank holds only a partition of every "
+                f"parameter and gradient, which the statistic does not gather yet); drop {flag} or use "
+                "--zero-stage 0, 1 or 2."
+            )
     for flag, value in (
         ("--tensorboard-log-interval", o.tensorboard_log_interval),
         ("--tensorboard-queue-size", o.tensorboard_queue_size),

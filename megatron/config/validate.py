@@ -298,6 +298,6 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     check_rampup(cfg, world_size)
     _check_precision(cfg, device_type)
     _check_tokens(cfg)
-    check_logging(cfg.logging, optimizer=cfg.training.optimizer)
+    check_logging(cfg.logging, optimizer=cfg.training.optimizer, zero_stage=cfg.parallel.zero_stage)
     _check_cpu_optimizer(cfg)
     _check_position_flags(cfg)

@@ -121,13 +121,20 @@ class _Worker:
         )
         held = signal.pthread_sigmask(
             signal.SIG_BLOCK, _INTERRUPTS
-        )  # no Ctrl-C between fork and the handlers
+        )  # no Ctrl-C between fork and handlers
         try:
             self.proc.start()
-        finally:
+            task_r.close()  # the child's ends: later workers must not inherit them
+            result_w.close()
+            signal.pthread_sigmask(
+                signal.SIG_SETMASK, held
+            )  # a Ctrl-C held back meanwhile is raised here
+        except BaseException:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        task_r.close()  # the child's ends: later workers must not inherit them
-        result_w.close()
+            if self.proc.pid is not None:  # not yet in the caller's pool: reap it here
+                self.proc.kill()
+                self.proc.join()
+            raise
 
     def receive(self) -> Any:
         ready = wait([self.results, self.proc.sentinel])

@@ -112,6 +112,8 @@ def _check_schedule(section: dict[str, Any], where: str, multiple: int) -> list[
 
 
 def _enabled(section: Any, where: str) -> bool:
+    if section is None:  # absent: off, as DeepSpeed reads it
+        return False
     if not isinstance(section, dict) or not isinstance(section.get("enabled", False), bool):
         raise ValueError(f"{where} must be an object with a boolean 'enabled'.")
     return bool(section.get("enabled", False))

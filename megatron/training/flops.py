@@ -118,10 +118,15 @@ class Throughput:
     world_size: int
     peak_tflops: float | None
 
-    def rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
-        """(tokens/s, TFLOP/s per device, MFU or None) at ``seconds_per_iteration``."""
+    def rates(
+        self, seconds_per_iteration: float, tokens_per_iteration: float | None = None
+    ) -> tuple[float, float, float | None]:
+        """(tokens/s, TFLOP/s per device, MFU or None) at ``seconds_per_iteration``; ``tokens_per_iteration``
+        overrides the run's constant (a --rampup-batch-size batch, a curriculum length)."""
         return throughput(
-            tokens_per_iteration=self.tokens_per_iteration,
+            tokens_per_iteration=(
+                self.tokens_per_iteration if tokens_per_iteration is None else tokens_per_iteration
+            ),
             seconds_per_iteration=seconds_per_iteration,
             flops_per_tok=self.flops_per_token,
             world_size=self.world_size,

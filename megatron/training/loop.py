@@ -221,8 +221,9 @@ def _log(
     writer: MetricsWriter,
     step_log: StepLogger | None = None,
     curriculum_seqlen: int | None = None,
+    tokens_per_iter: float | None = None,
 ) -> None:
-    tokens_per_sec, tflops, mfu = rates.rates(seconds_per_iter)
+    tokens_per_sec, tflops, mfu = rates.rates(seconds_per_iter, tokens_per_iter)
     rec = TrainRecord(
         iteration=state.iteration,
         consumed_samples=state.consumed_train_samples,
@@ -291,7 +292,7 @@ def train(
     ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration."""
     signals = _StopSignals(spec.exit_signal_handler)
     start = time.time()
-    interval_start, interval_iters = time.perf_counter(), 0
+    interval_start, interval_iters, interval_tokens = time.perf_counter(), 0, 0
     saved, first_iteration = False, state.iteration
     last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
     try:
@@ -305,9 +306,9 @@ def train(
             state.iteration += 1
             state.consumed_train_samples += batch
             # tokens per sample: --seq-length, or the curriculum's length (Megatron-DeepSpeed counts those)
-            state.consumed_train_tokens += (
-                seqlen or spec.tokens_per_iteration // spec.global_batch
-            ) * batch
+            tokens = (seqlen or spec.tokens_per_iteration // spec.global_batch) * batch
+            state.consumed_train_tokens += tokens
+            interval_tokens += tokens
             state.history.append(result.loss)
             state.grad_norms.append(result.grad_norm)
             interval_iters += 1
@@ -320,10 +321,13 @@ def train(
                 step_log.after_step(state, result, lr, batch_size=batch, log_now=log_now)
             if log_now:
                 seconds = (time.perf_counter() - interval_start) / interval_iters
-                _log(rates, spec, state, result, lr, seconds, writer, step_log, seqlen)
+                per_iter = (
+                    interval_tokens / interval_iters
+                )  # the real batch and length (ramp-up, curriculum)
+                _log(rates, spec, state, result, lr, seconds, writer, step_log, seqlen, per_iter)
                 if step_log is not None:
                     step_log.at_log_interval(state.iteration, seconds)
-                interval_iters = 0
+                interval_iters, interval_tokens = 0, 0
             if spec.check_for_nan and _any_rank([_non_finite(result)], trainer.device)[0]:
                 _report_non_finite(state, result, last_saved)
                 return EXIT_NON_FINITE

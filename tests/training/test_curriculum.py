@@ -109,6 +109,8 @@ def test_schedules_and_json_checks() -> None:
     c = parse_curriculum(_data_efficiency(), "ds.json", seq_length=16, data_efficiency=True)
     assert c is not None and [c.seqlen(i) for i in range(1, 6)] == LINEAR
     assert without_curriculum(_data_efficiency() | {"a": 1}) == {"a": 1}
+    routing_only = {"data_efficiency": {"enabled": True, "data_routing": {"enabled": False}}}
+    assert parse_curriculum(routing_only, "ds.json", seq_length=16) is None  # no data_sampling: off
     vocab = _data_efficiency()
     metrics = vocab["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]
     metrics["vocabularyrarity"] = metrics.pop("seqlen_truncate")

@@ -240,6 +240,14 @@ def test_timers_levels_and_options() -> None:
             ],
             "--optimizer is sgd",
         ),
+        (
+            ["--log-params-norm", "--zero-stage", "3"],
+            "--log-params-norm is not supported with --zero-stage 3",
+        ),
+        (
+            ["--log-num-zeros-in-grad", "--zero-stage", "3"],
+            "--log-num-zeros-in-grad is not supported",
+        ),
     ],
 )
 def test_validate_logging_flags(flags: list[str], message: str) -> None:
