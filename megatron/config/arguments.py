@@ -121,8 +121,9 @@ def _field_argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[st
         kwargs["choices"] = list(typing.get_args(base))
         kwargs["type"] = type(kwargs["choices"][0])
     elif typing.get_origin(base) is tuple:
-        default = f.default if isinstance(f.default, tuple) else ()
-        kwargs.update(nargs="*", type=str, default=list(default), metavar="VALUE")
+        # A None default stays None, so "given with no values" ([] -> ()) differs from "not given".
+        default = list(f.default) if isinstance(f.default, tuple) else None
+        kwargs.update(nargs="*", type=str, default=default, metavar="VALUE")
     elif base in _METAVARS:
         kwargs.update(type=finite_float if base is float else base, metavar=_METAVARS[base])
     else:

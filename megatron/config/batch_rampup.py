@@ -103,7 +103,7 @@ def check_rampup(cfg: TridentConfig, world_size: int) -> None:
             run (Megatron's rule: the ramp is counted in samples), or the cyclic data loader.
     """
     t = cfg.training
-    if not t.rampup_batch_size:
+    if t.rampup_batch_size is None:
         return
     dp = cfg.parallel.data_parallel_size(world_size)
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp

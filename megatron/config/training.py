@@ -14,7 +14,7 @@ class TrainingConfig:
     """Samples per rank per forward/backward."""
     global_batch_size: int | None = None
     """Samples per optimizer step (default: micro batch x data-parallel size)."""
-    rampup_batch_size: tuple[str, ...] = ()
+    rampup_batch_size: tuple[str, ...] | None = None
     """START INCR SAMPLES: the global batch starts at START and grows by INCR over SAMPLES samples to
     --global-batch-size (Megatron's ramp-up; needs --train-samples)."""
     seed: int = 1234

@@ -47,6 +47,7 @@ def test_schedule_is_megatrons() -> None:
     ("flags", "message"),
     [
         (["--rampup-batch-size", "2", "2"], "give three integers START INCR SAMPLES"),
+        (["--rampup-batch-size"], "give three integers START INCR SAMPLES"),  # given, no values
         (["--rampup-batch-size", "2", "3", "8"], "minus START (2) = 4 must be a non-negative multiple of INCR (3)"),
         (["--rampup-batch-size", "1", "1", "8"], "START (1) and INCR (1) must be multiples of --micro-batch-size (1) x data-parallel size (2) = 2"),
         (["--train-iters", "5"], "needs a sample-based run: give --train-samples"),
