@@ -1,7 +1,13 @@
 """Build script for Trident (distribution name ``trident-llm``; import package ``megatron``).
 
 C++ extensions are optional: each one that fails to build is skipped with a warning, and the code falls back to its
-NumPy/PyTorch reference at run time. Nothing is compiled at run time.
+NumPy/PyTorch reference at run time (the fused kernels first try a JIT build, see megatron/fused_kernels/loader.py).
+
+- ``megatron.data._helpers``: the dataset-index helpers (pybind11), always.
+- ``megatron.fused_kernels._cpu``: the CPU kernels of ``csrc/cpu`` (a torch C++ extension), always; AVX2 code where
+  the building CPU has AVX2 + FMA (the loader refuses it on a CPU without them).
+- ``megatron.fused_kernels._cuda``: the CUDA kernels of ``csrc/cuda`` when torch has CUDA and ``nvcc`` is found;
+  architectures from ``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0``).
 
     pip install --no-build-isolation -e .      # torch and pybind11 must already be installed
 """
@@ -16,9 +22,17 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))  # the kernel flags and source lists come from the package itself
+
+try:  # torch is installed first (pip install --no-build-isolation); without it only the data helpers build
+    from torch.utils import cpp_extension
+except ImportError:
+    cpp_extension = None
+
+_BASE = cpp_extension.BuildExtension if cpp_extension is not None else build_ext
 
 
-class OptionalBuildExt(build_ext):
+class OptionalBuildExt(_BASE):  # type: ignore[misc, valid-type]
     """build_ext that turns a failed extension build into a warning instead of an error."""
 
     def run(self) -> None:
@@ -55,6 +69,45 @@ def _extensions() -> list:
                 [str(helpers.relative_to(ROOT))],
                 cxx_std=17,
                 extra_compile_args=["-O3"],
+            )
+        )
+    return exts + _kernel_extensions()
+
+
+def _kernel_extensions() -> list:
+    if cpp_extension is None:
+        sys.stderr.write(
+            "WARNING: torch not importable at build time; fused kernels are JIT-built on use.\n"
+        )
+        return []
+    import shutil
+
+    import torch
+
+    from megatron.fused_kernels.loader import CPU_LDFLAGS, cpu_cflags, sources
+
+    exts = []
+    cpu = sources("cpu", ROOT / "csrc")
+    if cpu:
+        exts.append(
+            cpp_extension.CppExtension(
+                "megatron.fused_kernels._cpu",
+                [str(p.relative_to(ROOT)) for p in cpu],
+                extra_compile_args={"cxx": cpu_cflags()},
+                extra_link_args=CPU_LDFLAGS,
+            )
+        )
+    cuda = sources("cuda", ROOT / "csrc")
+    nvcc = cpp_extension.CUDA_HOME and shutil.which(
+        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+    )
+    if cuda and torch.version.cuda and nvcc:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "megatron.fused_kernels._cuda",
+                [str(p.relative_to(ROOT)) for p in cuda],
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
             )
         )
     return exts

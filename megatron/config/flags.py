@@ -32,6 +32,12 @@ INVERTED: dict[str, str] = {
     "log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
     "async_tensor_model_parallel_allreduce": "--no-async-tensor-model-parallel-allreduce",
     "add_position_embedding": "--no-position-embedding",
+    "masked_softmax_fusion": "--no-masked-softmax-fusion",
+    "bias_gelu_fusion": "--no-bias-gelu-fusion",
+    "bias_swiglu_fusion": "--no-bias-swiglu-fusion",
+    "apply_rope_fusion": "--no-rope-fusion",
+    "persist_layer_norm": "--no-persist-layer-norm",
+    "cross_entropy_loss_fusion": "--no-cross-entropy-loss-fusion",
 }
 """Field -> the switch that sets it False (the field defaults to True)."""
 
@@ -112,17 +118,14 @@ COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
         "scaling has nothing to rescale; the result is the same.",
     ),
     CompatFlag(
-        ("--no-masked-softmax-fusion",),
-        "there is no fused masked-softmax kernel to turn off: attention is SDPA or the reference path.",
-    ),
-    CompatFlag(
         ("--openai-gelu",),
         "the GeLU is always the tanh approximation (OpenAI's, and Megatron's fused bias-GeLU), so the flag selects "
         "what already runs.",
     ),
     CompatFlag(
-        ("--no-bias-gelu-fusion",),
-        "there is no fused bias-GeLU kernel yet; the unfused bias + GeLU (the same math) always runs.",
+        ("--cross-entropy-loss-fusion",),
+        "the fused cross-entropy is already the default wherever the kernels are built; "
+        "--no-cross-entropy-loss-fusion turns it off.",
     ),
     CompatFlag(
         ("--no-bias-dropout-fusion",),
@@ -139,10 +142,10 @@ COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
             ),
             (("--attention-softmax-in-fp32",), False, "attention softmax always runs in fp32."),
             (
-                ("--no-persist-layer-norm", "--disable-mem-efficient-ln"),
+                ("--disable-mem-efficient-ln",),
                 False,
-                "there is no persistent or "
-                "memory-efficient fused LayerNorm kernel to turn off; torch's LayerNorm (the same math) runs.",
+                "the fused LayerNorm kernel keeps only the input and per-row statistics already; "
+                "--no-persist-layer-norm turns the norm kernels off.",
             ),
             (
                 ("--no-gradient-accumulation-fusion",),

@@ -87,6 +87,20 @@ class ModelConfig:
     """DeepSpeed activation checkpointing: log the forward and backward time of each checkpointed chunk."""
     use_flash_attn: bool = True
     """Attention through torch SDPA (flash kernels on GPU) instead of the plain reference path."""
+    masked_softmax_fusion: bool = True
+    """The reference attention path (--no-flash-attn) runs its scaled, masked softmax as one fused kernel (csrc/)
+    where one is built."""
+    bias_gelu_fusion: bool = True
+    """The MLP's bias add and tanh-GeLU run as one fused kernel where one is built."""
+    bias_swiglu_fusion: bool = True
+    """The MLP's bias add and SwiGLU run as one fused kernel where one is built."""
+    apply_rope_fusion: bool = True
+    """The rotary embedding of q and k runs as one fused kernel each where one is built."""
+    persist_layer_norm: bool = True
+    """LayerNorm and RMSNorm run as fused kernels where built (Megatron's name; off: --no-persist-layer-norm)."""
+    cross_entropy_loss_fusion: bool = True
+    """The vocabulary-parallel cross-entropy runs as two fused kernel passes that write the gradient over the logits
+    (no softmax-sized tensor kept) where built."""
     layout_invariant_init: bool = True
     """Layout-invariant initialization: each parameter's full value depends only on (seed, name), whatever the
     TP size (off: each TP shard is drawn on its own, faster)."""

@@ -14,7 +14,8 @@ rank's local output ``[s, b, gp*(r+2)*hn]`` is viewed as ``[s, b, gp, r+2, hn]``
 ``i // r`` (``repeat_interleave`` semantics, as HF ``repeat_kv`` and SDPA's ``enable_gqa``).
 
 Attention is causal. Default path: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU);
-``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V reference (fp32 softmax). Attention dropout
+``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V path (fp32 scores and softmax), whose scaled,
+masked softmax is one fused kernel (``--masked-softmax-fusion``, the default where built). Attention dropout
 runs under ``get_cuda_rng_tracker().fork()`` (it acts on TP-sharded heads).
 """
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
@@ -53,6 +55,7 @@ def reference_attention(
     *,
     attention_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    fused_softmax: bool = False,
 ) -> torch.Tensor:
     """Plain causal attention, the math spelled out (``use_flash_attn=False``).
 
@@ -61,6 +64,8 @@ def reference_attention(
             cache, where the mask must be given).
         attention_mask: None for causal, else bool ``[b or 1, 1, s, S]``, True = masked (Megatron convention).
         dropout_p: dropout on the probabilities (the caller picks the RNG state).
+        fused_softmax: the scaled, masked softmax as one kernel where built (same math; a fully masked row gives
+            zeros either way).
 
     Returns:
         context ``[s, b, np*hn]``.
@@ -70,10 +75,17 @@ def reference_attention(
     qh = q.permute(1, 2, 0, 3)  # [s, b, np, hn] -> [b, np, s, hn]
     kh = _expand_kv(k, repeats).permute(1, 2, 3, 0)  # [S, b, gp, hn] -> [b, np, hn, S]
     vh = _expand_kv(v, repeats).permute(1, 2, 0, 3)  # [S, b, gp, hn] -> [b, np, S, hn]
-    scores = torch.matmul(qh.float(), kh.float()) * (1.0 / math.sqrt(hn))  # [b, np, s, S]
+    scores = torch.matmul(qh.float(), kh.float())  # [b, np, s, S], scaled inside the softmax
+    scale = 1.0 / math.sqrt(hn)
     if attention_mask is None:
-        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1).to(q.dtype)
+        probs = fused_kernels.scaled_upper_triang_masked_softmax(
+            scores.view(b * heads, s, s), scale, fused=fused_softmax
+        ).view(b, heads, s, s)  # [b, np, s, s] -> [b*np, s, s] -> [b, np, s, s]
+    else:
+        probs = fused_kernels.scaled_masked_softmax(
+            scores, attention_mask, scale, fused=fused_softmax
+        )
+    probs = probs.to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     ctx = torch.matmul(probs, vh)  # [b, np, s, S] x [b, np, S, hn] -> [b, np, s, hn]
@@ -129,6 +141,8 @@ class ParallelAttention(nn.Module):
         self.group_size = n // g
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
+        self.masked_softmax_fusion = config.masked_softmax_fusion
+        self.rope_fusion = config.apply_rope_fusion
         self.selective_recompute = config.recompute_granularity == "selective"
 
         def seed_of(suffix: str) -> int | None:
@@ -174,12 +188,13 @@ class ParallelAttention(nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        fn = sdpa_attention if self.use_flash_attn else reference_attention
         p = self.attention_dropout if self.training else 0.0
+        kwargs = {} if self.use_flash_attn else {"fused_softmax": self.masked_softmax_fusion}
+        fn = sdpa_attention if self.use_flash_attn else reference_attention
         if p == 0.0:
-            return fn(q, k, v, attention_mask=attention_mask)
+            return fn(q, k, v, attention_mask=attention_mask, **kwargs)
         with get_cuda_rng_tracker().fork():
-            return fn(q, k, v, attention_mask=attention_mask, dropout_p=p)
+            return fn(q, k, v, attention_mask=attention_mask, dropout_p=p, **kwargs)
 
     def forward(
         self,
@@ -204,8 +219,8 @@ class ParallelAttention(nn.Module):
         q, k, v = self.split_qkv(mixed)
         if rotary is not None:
             cos, sin = rotary
-            q = apply_rotary_pos_emb(q, cos, sin)
-            k = apply_rotary_pos_emb(k, cos, sin)
+            q = apply_rotary_pos_emb(q, cos, sin, fused=self.rope_fusion)
+            k = apply_rotary_pos_emb(k, cos, sin, fused=self.rope_fusion)
         if inference_params is not None:
             attention_mask = inference_params.attention_mask(q.shape[0], q.device)
             k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.config.rules import padded_vocab_size
 from megatron.model.inference import InferenceParams
@@ -170,7 +171,13 @@ class GPTModel(nn.Module):
         logits = lm(input_ids, position_ids, attention_mask, inference_params)  # [s, b, vp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, vp] -> [b, s, vp]
+        logits = logits.float()
+        kernels = (
+            fused_kernels.cross_entropy_kernels(logits)
+            if self.config.cross_entropy_loss_fusion
+            else None
+        )
         loss = vocab_parallel_cross_entropy(
-            logits.float(), labels.transpose(0, 1), group=parallel.tp_group
-        )  # [s, b]
+            logits, labels.transpose(0, 1), group=parallel.tp_group, local_kernels=kernels
+        )  # [s, b]; the fused path writes its gradient over the logits
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

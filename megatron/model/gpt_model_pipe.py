@@ -32,6 +32,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.config.rules import padded_vocab_size
 from megatron.model.language_model import (
@@ -172,6 +173,7 @@ def pipe_loss_fn(
     labels_and_mask: tuple[torch.Tensor, torch.Tensor],
     *,
     group: ProcessGroup | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy.
 
@@ -179,10 +181,13 @@ def pipe_loss_fn(
         logits: ``[s, b, vp]`` fp32 (padded columns ``-inf``).
         labels_and_mask: ``(labels [b, s] int64, loss_mask [b, s])``.
         group: the TP group the vocabulary is split over (``GPTModelPipe`` binds its context's).
+        fused: the fused cross-entropy kernels where built (``--cross-entropy-loss-fusion``); they write the
+            gradient over ``logits``.
     """
     labels, loss_mask = labels_and_mask
+    kernels = fused_kernels.cross_entropy_kernels(logits) if fused else None
     per_token = vocab_parallel_cross_entropy(
-        logits, labels.transpose(0, 1).contiguous(), group=group
+        logits, labels.transpose(0, 1).contiguous(), group=group, local_kernels=kernels
     )  # [s, b]
     return loss_func(per_token.transpose(0, 1), loss_mask)  # [s, b] -> [b, s] -> scalar
 
@@ -284,7 +289,9 @@ class GPTModelPipe(PipelineModule):
         super().__init__(
             layers=specs,
             topology=topology,
-            loss_fn=functools.partial(pipe_loss_fn, group=parallel.tp_group),
+            loss_fn=functools.partial(
+                pipe_loss_fn, group=parallel.tp_group, fused=config.cross_entropy_loss_fusion
+            ),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,
             activation_checkpoint_func=functools.partial(

@@ -8,14 +8,18 @@ half the up-projection: ``silu(gate) * up``. The weight is initialized with ``st
 ``[gate rows t*fp..(t+1)*fp-1 ; up rows t*fp..(t+1)*fp-1]`` and the TP=1 full weight is ``[gate_full; up_full]``.
 
 GeLU is the tanh approximation (Megatron's fused ``bias_gelu`` default, Hugging Face GPT-2's ``gelu_new``).
+
+``dense_h_to_4h`` returns its bias unadded (``skip_bias_add``): the bias add and the activation run as one op,
+``fused_kernels.bias_gelu`` / ``bias_swiglu`` (one kernel with ``--bias-gelu-fusion`` / ``--bias-swiglu-fusion``,
+the defaults where built; the reference ``act(x + bias)`` otherwise: the same math either way).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.utils import init_seed, tp_linear_kwargs
@@ -45,6 +49,7 @@ class ParallelMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.fused = config.bias_swiglu_fusion if config.swiglu else config.bias_gelu_fusion
 
         def seed_of(suffix: str) -> int | None:
             return init_seed(config, parallel, layer_param_name(layer_number, f"mlp.{suffix}"))
@@ -57,6 +62,7 @@ class ParallelMLP(nn.Module):
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
             stride=2 if self.swiglu else 1,
+            skip_bias_add=True,
             init_seed=seed_of("dense_h_to_4h.weight"),
             async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
             **tp_linear_kwargs(parallel),
@@ -74,10 +80,10 @@ class ParallelMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s(/p), b, h] -> (output [s(/p), b, h], bias [h] or None)``."""
-        inter, _ = self.dense_h_to_4h(hidden_states)  # [s(/p), b, h] -> [s, b, fp] (or [s, b, 2fp])
+        # [s(/p), b, h] -> [s, b, fp] (or [s, b, 2fp]: gate | up), bias [fp] (or [2fp]) not yet added
+        inter, bias = self.dense_h_to_4h(hidden_states)
         if self.swiglu:
-            gate, up = torch.chunk(inter, 2, dim=-1)  # [s, b, 2fp] -> 2 x [s, b, fp]
-            inter = F.silu(gate) * up
+            inter = fused_kernels.bias_swiglu(inter, bias, fused=self.fused)  # -> [s, b, fp]
         else:
-            inter = F.gelu(inter, approximate="tanh")
+            inter = fused_kernels.bias_gelu(inter, bias, fused=self.fused)
         return self.dense_4h_to_h(inter)  # [s, b, fp] -> [s(/p), b, h]

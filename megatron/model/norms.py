@@ -17,9 +17,9 @@ only and silently ignores it with RMSNorm; Trident applies it to both (no flag i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.mpu.mappings import copy_to_tensor_model_parallel_region
 from megatron.mpu.parallel_state import ProcessGroup
 
@@ -46,6 +46,7 @@ class LayerNorm(nn.Module):
         sequence_parallel: inputs are ``[s/p, b, h]`` slices; grads of weight/bias are summed over TP.
         group: the TP group those grads are summed over (None = the default one).
         params_dtype, device: of the parameters.
+        fused: run the fused kernel where one is built (``--no-persist-layer-norm`` turns it off).
     """
 
     def __init__(
@@ -58,9 +59,11 @@ class LayerNorm(nn.Module):
         group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.apply_layernorm_1p = apply_layernorm_1p
         self.sequence_parallel = sequence_parallel
         self.group = group
@@ -73,7 +76,7 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
         b = _tp_shared(self.bias, self.sequence_parallel, self.group)
-        return F.layer_norm(x, (x.shape[-1],), _gamma(self), b, self.eps)
+        return fused_kernels.layer_norm(x, _gamma(self), b, self.eps, fused=self.fused)
 
 
 class RMSNorm(nn.Module):
@@ -92,9 +95,11 @@ class RMSNorm(nn.Module):
         group: ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.apply_layernorm_1p = apply_layernorm_1p
         self.sequence_parallel = sequence_parallel
         self.group = group
@@ -104,9 +109,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` (or ``[s/p, b, h]`` under sequence parallelism)."""
-        xf = x.to(torch.float32)
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _gamma(self) * normed.to(x.dtype)
+        return fused_kernels.rms_norm(x, _gamma(self), self.eps, fused=self.fused)
 
 
 def build_norm(
@@ -119,6 +122,7 @@ def build_norm(
     group: ProcessGroup | None,
     params_dtype: torch.dtype,
     device: torch.device | str | None,
+    fused: bool = True,
 ) -> LayerNorm | RMSNorm:
     """The norm selected by ``--normalization`` (``layernorm`` or ``rmsnorm``).
 
@@ -136,4 +140,5 @@ def build_norm(
         group=group,
         params_dtype=params_dtype,
         device=device,
+        fused=fused,
     )

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron import fused_kernels
+
 
 def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     """Channels rotated per head: ``int(head_dim * rotary_percent)`` (Megatron's rounding; validate() keeps it
@@ -53,19 +55,13 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``cat(-x2, x1)`` on the last dim, where ``x1, x2`` are its halves."""
-    x1, x2 = x.chunk(2, dim=-1)  # [..., d] -> 2 x [..., d/2]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_pos_emb(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused: bool = True
+) -> torch.Tensor:
     """Rotate ``x`` ``[s, b, np, hn]`` by the tables ``[s, b, 1, d]`` (half-split convention).
 
-    With ``d < hn`` (partial rotary) only ``x[..., :d]`` is rotated; ``x[..., d:]`` is returned unchanged.
+    With ``d < hn`` (partial rotary) only ``x[..., :d]`` is rotated; ``x[..., d:]`` is returned unchanged. One
+    fused kernel where built and ``fused`` (``--no-rope-fusion`` turns it off), else the reference
+    (``fused_kernels.reference.rope``).
     """
-    d = cos.shape[-1]
-    if d == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :d], x[..., d:]  # [s, b, np, hn] -> [s, b, np, d], [s, b, np, hn - d]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)  # -> [s, b, np, hn]
+    return fused_kernels.rope(x, cos, sin, fused=fused)

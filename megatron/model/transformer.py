@@ -66,6 +66,7 @@ def norm_kwargs(config: ModelConfig, parallel: ParallelContext) -> dict[str, Any
         "group": parallel.tp_group,
         "params_dtype": parallel.params_dtype,
         "device": parallel.device,
+        "fused": config.persist_layer_norm,
     }
 
 

@@ -19,6 +19,14 @@ its smoothed loss change with the TP degree (a known upstream bug, not reproduce
 column passed in, padded-vocabulary columns included.
 
 Backward: ``d loss / d z = softmax(z) - q`` (q the smoothed target distribution), times the incoming grad.
+
+Fused path (``local_kernels`` given, ``--cross-entropy-loss-fusion``, the default where the kernels are built):
+one kernel pass per row of the shard gives the local ``m_r``, ``se_r = sum_j exp(z_j - m_r)``, ``z_t - m_r`` and
+``sum_j (z_j - m_r)``; one all-reduce MAX gives ``m``, one all-reduce SUM of the rescaled
+``[se_r e^(m_r - m), z_t - m_r + m_r - m, sum_j (z_j - m_r) + vp (m_r - m)]`` gives the three global sums. A second
+kernel pass writes ``softmax(z) - q`` into the logits buffer itself (no softmax-sized tensor is kept); backward
+only scales it by the incoming grad. The logits passed in are overwritten: callers hand over a buffer nobody else
+reads (the model's last-layer output).
 """
 
 from __future__ import annotations
@@ -90,11 +98,75 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float,
+        group: ProcessGroup | None,
+        kernels: Any,
+        needs_grad: bool,
+    ) -> torch.Tensor:
+        buffer = vocab_parallel_logits.contiguous()  # the caller's tensor itself when contiguous
+        shape, vp = buffer.shape[:-1], buffer.size(-1)
+        logits = buffer.view(-1, vp)  # [s, b, vp] -> [N, vp], the same memory
+        world = group_world_size(group)
+        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            vp, group_rank(group), world
+        )
+        vocab_size = vp * world
+        flat_target = target.reshape(-1)
+        not_mine = (flat_target < first) | (flat_target >= last)  # [N]
+        local_target = (flat_target - first).masked_fill(not_mine, -1)
+
+        stats = kernels.ce_local_stats(
+            logits, local_target
+        )  # [N, 4]: m_r, se_r, z_t - m_r, sum(z - m_r)
+        local_max = stats[:, 0]
+        global_max = all_reduce_max_(local_max.clone(), group)  # [N]
+        shift = local_max - global_max  # m_r - m <= 0
+        sums = torch.stack(
+            (
+                # a shard whose columns are all padding (-inf) adds nothing (its own sum is exp(nan))
+                torch.where(torch.isneginf(local_max), 0.0, stats[:, 1] * shift.exp()),
+                torch.where(not_mine, torch.zeros_like(shift), stats[:, 2] + shift),
+                stats[:, 3] + vp * shift,
+            ),
+            dim=-1,
+        )  # [N, 3]
+        sums = all_reduce_sum_(sums, group)
+        log_sum_exp = sums[:, 0].log()
+        loss = log_sum_exp - sums[:, 1]  # [N]
+        smoothing = 0.0
+        if label_smoothing > 0:
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            sum_log_probs = sums[:, 2] - vocab_size * log_sum_exp
+            loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab_size
+        if needs_grad:  # (forward runs with grad mode off: the caller decides)
+            kernels.ce_grad_inplace(
+                logits, local_target, global_max, log_sum_exp, smoothing, vocab_size
+            )
+            ctx.save_for_backward(buffer)
+        return loss.view(shape)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None, None]:
+        (grad,) = ctx.saved_tensors  # softmax - q, written over the logits in forward
+        grad.mul_(grad_output.unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
     label_smoothing: float = 0.0,
     group: ProcessGroup | None = None,
+    *,
+    local_kernels: Any = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy loss from vocabulary-parallel logits.
 
@@ -104,6 +176,9 @@ def vocab_parallel_cross_entropy(
         target: ``[s, b]`` integer ids in ``[0, v)``, identical on every TP rank.
         label_smoothing: ``alpha`` in ``[0, 1)``; see the module docstring for the exact semantics.
         group: the TP group (default: the one from parallel_state).
+        local_kernels: None for the unfused path; else the module with the fused local passes
+            (``ce_local_stats``, ``ce_grad_inplace``; ``megatron.fused_kernels.cross_entropy_kernels``). The fused
+            path overwrites ``vocab_parallel_logits`` with their gradient.
 
     Returns:
         ``[s, b]`` fp32 loss; the caller reduces it (e.g. masked mean). Backward gives the logits' grad in
@@ -132,5 +207,10 @@ def vocab_parallel_cross_entropy(
         raise ValueError(
             f"vocab_parallel_cross_entropy: target id {int(bad)} is outside the vocabulary [0, {vocab_size}); "
             "check the labels and the padded vocab size"
+        )
+    if local_kernels is not None:
+        needs_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
+        return _FusedVocabParallelCrossEntropy.apply(
+            vocab_parallel_logits, target, label_smoothing, group, local_kernels, needs_grad
         )
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)

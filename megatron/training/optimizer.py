@@ -82,7 +82,13 @@ def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Op
             groups, lr=t.lr, betas=betas, eps=t.adam_eps, adamw_mode=True
         )
         return cpu_adam
-    return torch.optim.AdamW(groups, lr=t.lr, betas=betas, eps=t.adam_eps)
+    # torch's fused AdamW kernel (CUDA: one launch per step; CPU: one vectorized pass, ~5 % of a small model's
+    # step here), the same update as the default; DeepSpeed's ZeRO wrappers step it on their flat fp32
+    # partitions like any torch optimizer. It needs every parameter on one device type.
+    one_device = len({p.device.type for g in groups for p in g["params"]}) == 1
+    return torch.optim.AdamW(
+        groups, lr=t.lr, betas=betas, eps=t.adam_eps, fused=True if one_device else None
+    )
 
 
 def cpu_adam_build_dir() -> Path:

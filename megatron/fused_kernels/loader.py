@@ -1,0 +1,262 @@
+"""Finding the compiled kernels: the extension ``setup.py`` built, else a JIT build into a per-user cache.
+
+Order, once per process and device type (``cpu`` / ``cuda``):
+
+1. ``TRIDENT_NO_KERNELS=1``: no kernels, the PyTorch references run (``reference.py``).
+2. The extension built at install (``megatron.fused_kernels._cpu`` / ``_cuda``; ``TRIDENT_PREBUILT_KERNELS=0``
+   skips it).
+3. A JIT build of ``csrc/cpu/*.cpp`` (or ``csrc/cuda/*.cu`` + binding) with ninja
+   (``torch.utils.cpp_extension.load``) into ``$TRIDENT_KERNEL_CACHE`` (default
+   ``$XDG_CACHE_HOME/trident/kernels``, i.e. ``~/.cache/trident/kernels``), in a folder named by a hash of the
+   sources, flags, torch and Python versions.
+
+Many processes may start at once (8 ranks per node, several nodes, with or without a shared filesystem). No rank
+waits for another rank's build: each process takes an ``flock`` on ``<folder>.lock`` in the cache (so one process
+per node compiles and the others then find the result), builds in a private staging folder and renames it into
+place; a rename that loses to another node's identical build is dropped. Any failure (no compiler, no ninja, a
+compile error, a CPU without the instructions the prebuilt extension was compiled for) is one warning and the
+reference path, never a crash. One log line says which path each device type uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from megatron.log import log_rank_0
+
+logger = logging.getLogger(__name__)
+
+NO_KERNELS_ENV = "TRIDENT_NO_KERNELS"
+PREBUILT_ENV = "TRIDENT_PREBUILT_KERNELS"
+"""``0``: ignore the extensions built at install and go straight to the JIT build (to test that path)."""
+CACHE_ENV = "TRIDENT_KERNEL_CACHE"
+PREBUILT = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernels._cuda"}
+JIT_NAMES = {"cpu": "trident_cpu_kernels", "cuda": "trident_cuda_kernels"}
+
+_status: dict[str, str] = {}
+compiled_in_this_process: list[str] = []
+"""Names of the extensions this process compiled itself (not loaded from the cache): one entry per real build."""
+
+
+def csrc_dir() -> Path:
+    """``csrc/`` of the checkout this package was installed from (editable installs and source trees)."""
+    return Path(__file__).resolve().parents[2] / "csrc"
+
+
+def host_has_avx2() -> bool:
+    """True on an x86-64 CPU with AVX2 and FMA (what ``cpu_cflags`` compiles for)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
+    return {"avx2", "fma", "f16c"} <= set(line.split())
+
+
+def cpu_cflags(avx2: bool | None = None) -> list[str]:
+    """Compiler flags of the CPU extension: AVX2 vectors where the building host has them, portable otherwise."""
+    # -fopenmp: at::parallel_for runs in parallel only where _OPENMP is defined (the runtime is torch's libgomp);
+    # the C++ standard is the one torch.utils.cpp_extension picks for its headers
+    flags = ["-O3", "-fopenmp"]
+    if host_has_avx2() if avx2 is None else avx2:
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return flags
+
+
+CPU_LDFLAGS = ["-fopenmp"]
+
+
+def sources(kind: str, root: Path | None = None) -> list[Path]:
+    """The source files of the ``cpu`` or ``cuda`` extension (empty when ``csrc/`` is not there)."""
+    base = (root or csrc_dir()) / kind
+    if kind == "cpu":
+        return sorted(base.glob("*.cpp"))
+    return sorted(base.glob("*.cu")) + sorted(base.glob("*.cpp"))
+
+
+def default_cache_root() -> Path:
+    """``$TRIDENT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/trident/kernels`` (``~/.cache`` by default)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trident" / "kernels"
+
+
+def build_key(name: str, srcs: list[Path], flags: list[str]) -> str:
+    """A folder name that changes with the sources, the flags, torch and Python."""
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, " ".join(flags)):
+        digest.update(part.encode() + b"\0")
+    for src in srcs:
+        digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    headers = sorted({h for src in srcs for h in src.parent.glob("*.h")})
+    for header in headers:
+        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
+    return f"{name}-{digest.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _import_from(folder: Path, name: str) -> ModuleType:
+    built = sorted(folder.glob(f"{name}*.so"))
+    if not built:
+        raise ImportError(f"no {name}*.so in {folder}")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, built[0])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {built[0]}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def jit_build(
+    name: str,
+    srcs: list[Path],
+    *,
+    cflags: list[str],
+    cuda_cflags: list[str] | None = None,
+    ldflags: list[str] | None = None,
+    cache_root: Path | None = None,
+) -> ModuleType:
+    """Build (once per cache folder) and import the extension ``name`` from ``srcs``.
+
+    Safe for concurrent callers: an ``flock`` serializes the builders of one host, the staging folder plus
+    ``os.rename`` makes the result appear whole (also across hosts sharing the cache). Raises on a failed build.
+    """
+    from torch.utils import cpp_extension
+
+    root = cache_root or default_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / build_key(name, srcs, cflags + (cuda_cflags or []) + (ldflags or []))
+    if final.is_dir():
+        with contextlib.suppress(ImportError):
+            return _import_from(final, name)
+    with _flock(root / f"{final.name}.lock"):
+        if final.is_dir():
+            return _import_from(final, name)
+        staging = root / f".{final.name}.{socket.gethostname()}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            compiled_in_this_process.append(name)
+            module = cpp_extension.load(
+                name,
+                [str(s) for s in srcs],
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(staging),
+                verbose=False,
+            )
+            try:
+                os.rename(staging, final)
+            except OSError:  # another host's identical build won the rename
+                shutil.rmtree(staging, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return module
+
+
+def _usable(module: ModuleType, kind: str) -> str | None:
+    """Why the extension cannot run here (None when it can)."""
+    if kind != "cpu" or module.build_info() != "avx2":
+        return None
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX2") or capability.startswith("AVX512"):
+        return None
+    return f"it was compiled for AVX2 and this CPU reports {capability}"
+
+
+def _jit(kind: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    srcs = sources(kind)
+    if not srcs:
+        raise RuntimeError(f"no sources under {csrc_dir() / kind}")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
+    if kind == "cuda":
+        return jit_build(JIT_NAMES[kind], srcs, cflags=["-O3"], cuda_cflags=["-O3"])
+    return jit_build(JIT_NAMES[kind], srcs, cflags=cpu_cflags(), ldflags=CPU_LDFLAGS)
+
+
+def _find(kind: str) -> tuple[ModuleType | None, str]:
+    if os.environ.get(NO_KERNELS_ENV) == "1":
+        return None, f"PyTorch references ({NO_KERNELS_ENV}=1)"
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "PyTorch references (no CUDA device)"
+    with contextlib.suppress(ImportError):
+        if os.environ.get(PREBUILT_ENV) == "0":
+            raise ImportError(f"{PREBUILT_ENV}=0")
+        module = importlib.import_module(PREBUILT[kind])
+        why_not = _usable(module, kind)
+        if why_not is None:
+            return module, f"kernels built at install ({PREBUILT[kind]}, {module.build_info()})"
+        logger.warning("fused kernels (%s): not using %s: %s", kind, PREBUILT[kind], why_not)
+    try:
+        module = _jit(kind)
+    except Exception as exc:  # noqa: BLE001 - any build failure means the reference path
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log_rank_0(
+            logger,
+            "fused kernels (%s): no kernels (JIT build failed: %s); using the PyTorch references. Set "
+            "%s=1 to skip the build.",
+            kind,
+            first[:300],
+            NO_KERNELS_ENV,
+            level=logging.WARNING,
+        )
+        return None, f"PyTorch references (build failed: {first[:200]})"
+    return module, f"kernels JIT-built into {default_cache_root()} ({module.build_info()})"
+
+
+@functools.cache
+def extension(kind: str) -> ModuleType | None:
+    """The compiled kernels for device type ``kind`` (``cpu`` / ``cuda``), or None: use the references."""
+    if kind not in PREBUILT:
+        _status[kind] = "PyTorch references (no kernels for this device type)"
+        return None
+    module, status = _find(kind)
+    _status[kind] = status
+    log_rank_0(logger, "fused kernels (%s): %s", kind, status)
+    return module
+
+
+def status() -> dict[str, str]:
+    """What each device type looked up so far uses (``{"cpu": "kernels built at install (...)"}``)."""
+    return dict(_status)

@@ -1,0 +1,216 @@
+"""The fused ops as autograd functions: the compiled kernel when one is built for the device, else the reference.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``n`` heads, ``hn`` head dim, ``d`` rotated dims,
+``f`` MLP width, ``N`` tokens, ``vp`` vocabulary columns of this TP rank.
+
+Every public function takes ``fused``: False runs the PyTorch reference (``reference.py``, what the
+``--no-*-fusion`` flags select); True runs the kernel when the device type has one built (``loader.extension``)
+and the inputs are ones it handles (float32 / bfloat16 / float16, matching dtypes), else the reference as well.
+The kernels see contiguous 2-D ``[rows, h]`` views; these wrappers make the views and restore the shapes.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from megatron.fused_kernels import reference
+from megatron.fused_kernels.loader import extension
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernels_for(*tensors: torch.Tensor | None) -> ModuleType | None:
+    """The extension that can run on ``tensors`` (same device type, kernel dtypes, one dtype), or None."""
+    present = [t for t in tensors if t is not None]
+    first = present[0]
+    if first.dtype not in KERNEL_DTYPES or any(t.dtype != first.dtype for t in present):
+        return None
+    if any(t.device != first.device for t in present):
+        return None
+    return extension(first.device.type)
+
+
+def _empty_bias(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float, ext: Any
+    ):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [*, h] -> [rows, h]
+        y, mean, rstd = ext.layer_norm_fwd(x2, gamma.contiguous(), beta.contiguous(), eps)
+        ctx.ext = ext
+        ctx.save_for_backward(x2, mean, rstd, gamma)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x2, mean, rstd, gamma = ctx.saved_tensors
+        dx, dgamma, dbeta = ctx.ext.layer_norm_bwd(
+            dy.reshape(x2.shape).contiguous(), x2, mean, rstd, gamma.contiguous()
+        )
+        return dx.view(dy.shape), dgamma, dbeta, None, None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gamma: torch.Tensor, eps: float, ext: Any):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [*, h] -> [rows, h]
+        y, rstd = ext.rms_norm_fwd(x2, gamma.contiguous(), eps)
+        ctx.ext = ext
+        ctx.save_for_backward(x2, rstd, gamma)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x2, rstd, gamma = ctx.saved_tensors
+        dx, dgamma = ctx.ext.rms_norm_bwd(
+            dy.reshape(x2.shape).contiguous(), x2, rstd, gamma.contiguous()
+        )
+        return dx.view(dy.shape), dgamma, None, None
+
+
+def layer_norm(
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float, *, fused: bool = True
+) -> torch.Tensor:
+    """LayerNorm over the last dim: ``[*, h] -> [*, h]`` (see ``reference.layer_norm``)."""
+    ext = kernels_for(x, gamma, beta) if fused else None
+    if ext is None:
+        return reference.layer_norm(x, gamma, beta, eps)
+    return _LayerNorm.apply(x, gamma, beta, eps, ext)
+
+
+def rms_norm(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, *, fused: bool = True
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``[*, h] -> [*, h]`` (see ``reference.rms_norm``)."""
+    ext = kernels_for(x, gamma) if fused else None
+    if ext is None:
+        return reference.rms_norm(x, gamma, eps)
+    return _RMSNorm.apply(x, gamma, eps, ext)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor | None, scale: float, ext: Any):
+        if mask is None:
+            y = ext.scaled_upper_triang_masked_softmax_fwd(x.contiguous(), scale)
+        else:
+            y = ext.scaled_masked_softmax_fwd(x.contiguous(), mask.contiguous(), scale)
+        ctx.ext, ctx.scale = ext, scale
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        dx = ctx.ext.scaled_masked_softmax_bwd(dy.contiguous(), y, ctx.scale)
+        return dx, None, None, None
+
+
+def scaled_upper_triang_masked_softmax(
+    x: torch.Tensor, scale: float, *, fused: bool = True
+) -> torch.Tensor:
+    """Causal softmax of ``scale * x`` over ``[B, s, s]`` scores (column ``j > i`` gets 0)."""
+    square = x.dim() == 3 and x.shape[1] == x.shape[2]
+    ext = kernels_for(x) if fused and square else None
+    if ext is None:
+        return reference.scaled_upper_triang_masked_softmax(x, scale)
+    return _Softmax.apply(x, None, scale, ext)
+
+
+def scaled_masked_softmax(
+    x: torch.Tensor, mask: torch.Tensor, scale: float, *, fused: bool = True
+) -> torch.Tensor:
+    """Softmax of ``scale * x`` ``[b, n, sq, sk]`` where bool ``mask`` ``[b or 1, 1, sq, sk]`` is False.
+
+    Fully masked rows give zeros.
+    """
+    shape_ok = (
+        x.dim() == 4
+        and mask.dim() == 4
+        and mask.shape[0] in (1, x.shape[0])
+        and mask.shape[1] == 1
+        and mask.shape[2:] == x.shape[2:]
+    )
+    ext = kernels_for(x) if fused and shape_ok and mask.dtype == torch.bool else None
+    if ext is None:
+        return reference.scaled_masked_softmax(x, mask, scale)
+    return _Softmax.apply(x, mask, scale, ext)
+
+
+class _BiasAct(torch.autograd.Function):
+    """``bias_gelu`` / ``bias_swiglu``: the kernel computes ``dx`` and the bias grad (``dx`` summed over rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, kind: str, ext: Any):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [*, f] -> [rows, f]
+        b = _empty_bias(x) if bias is None else bias.contiguous()
+        y = getattr(ext, f"bias_{kind}_fwd")(x2, b)
+        ctx.ext, ctx.kind, ctx.has_bias = ext, kind, bias is not None
+        ctx.save_for_backward(x2, b)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x2, b = ctx.saved_tensors
+        dy2 = dy.reshape(x2.shape[0], -1).contiguous()  # [*, f'] -> [rows, f']
+        dx, dbias = getattr(ctx.ext, f"bias_{ctx.kind}_bwd")(
+            dy2, x2, b
+        )  # dbias: empty without bias
+        dbias = dbias if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return dx.view(*dy.shape[:-1], x2.shape[-1]), dbias, None, None
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
+    """tanh-GeLU of ``x + bias``: ``[*, f] -> [*, f]``."""
+    ext = kernels_for(x, bias) if fused else None
+    if ext is None:
+        return reference.bias_gelu(x, bias)
+    return _BiasAct.apply(x, bias, "gelu", ext)
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
+    """``silu(a) * c`` for ``[a | c] = x + bias``: ``[*, 2f] -> [*, f]``."""
+    ext = kernels_for(x, bias) if fused else None
+    if ext is None:
+        return reference.bias_swiglu(x, bias)
+    return _BiasAct.apply(x, bias, "swiglu", ext)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ext: Any):
+        s, b = x.shape[0], x.shape[1]
+        # [s, b or 1, 1, d] -> [s, b, d]
+        cos3 = cos.expand(s, b, 1, cos.shape[-1]).reshape(s, b, -1).contiguous()
+        sin3 = sin.expand(s, b, 1, sin.shape[-1]).reshape(s, b, -1).contiguous()
+        ctx.ext = ext
+        ctx.save_for_backward(cos3, sin3)
+        return ext.rope_fwd(x.contiguous(), cos3, sin3)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        cos3, sin3 = ctx.saved_tensors
+        return ctx.ext.rope_bwd(dy.contiguous(), cos3, sin3), None, None, None
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused: bool = True
+) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[s, b, n, hn]`` with tables ``[s, b or 1, 1, d]`` (``d <= hn``)."""
+    ext = kernels_for(x, cos, sin) if fused and x.dim() == 4 else None
+    if ext is None or cos.requires_grad or sin.requires_grad:
+        return reference.rope(x, cos, sin)
+    return _Rope.apply(x, cos, sin, ext)
+
+
+def cross_entropy_kernels(logits: torch.Tensor) -> ModuleType | None:
+    """The extension with ``ce_local_stats`` / ``ce_grad_inplace`` for these logits, or None (use the unfused
+    ``mpu.cross_entropy``)."""
+    return kernels_for(logits)

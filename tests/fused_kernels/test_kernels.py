@@ -1,0 +1,199 @@
+"""Every fused op, kernel vs its PyTorch reference: forward and every gradient, fp32 / bf16 / fp16, on shapes that
+break naive kernels. CPU always (the extension must be built: a test that compared the reference with itself could
+not fail); the same checks on CUDA under the ``gpu`` marker.
+
+Error measure: ``max|kernel - reference| / max|reference|`` per tensor. fp32 bound 1e-6 (the kernels sum in
+another order than ATen: a few fp32 roundings of the largest term, ~1e-7), bf16/fp16 bound 1e-2 (8 / 11 mantissa
+bits: one rounding is 4e-3 / 5e-4, and a kernel rounds once where the reference rounds after each op).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from megatron import fused_kernels as fk
+from megatron.fused_kernels import reference
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_present(request: pytest.FixtureRequest) -> None:
+    device = (
+        request.node.callspec.params.get("device", "cpu")
+        if hasattr(request.node, "callspec")
+        else "cpu"
+    )
+    if os.environ.get("TRIDENT_NO_KERNELS") == "1":
+        pytest.skip("TRIDENT_NO_KERNELS=1: nothing to compare")
+    assert fk.extension(device) is not None, f"no fused kernels for {device}: {fk.status()}"
+
+
+def _check(  # type: ignore[no-untyped-def]
+    fn, inputs: list[torch.Tensor], dtype: torch.dtype, *, floor: dict[int, float] | None = None
+) -> None:
+    """``fn(*inputs, fused=...)``: output and the grads of every floating input, the kernel (``fused=True``, in
+    ``dtype``) against the reference evaluated in float64 (the exact math; PyTorch's own fp32 composite is itself
+    up to ~2e-6 from it in places). ``floor[i]``: a scale below which tensor ``i``'s error is measured absolutely
+    (a gradient that is a difference of nearly equal terms)."""
+    outs = {}
+    for fused in (True, False):
+        leaves = [
+            (t.detach().clone() if fused else t.detach().double()).requires_grad_(
+                t.is_floating_point()
+            )
+            if t.is_floating_point()
+            else t
+            for t in inputs
+        ]
+        y = fn(*leaves, fused=fused)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(0)).to(y.device, y.dtype)
+        y.backward(g)
+        outs[fused] = [y.detach()] + [t.grad for t in leaves if t.is_floating_point()]
+    for i, (got, want) in enumerate(zip(outs[True], outs[False], strict=True)):
+        assert got is not None and want is not None, i
+        assert got.shape == want.shape and got.dtype == dtype, (i, got.shape, want.shape, got.dtype)
+        assert torch.isfinite(got).all(), f"tensor {i}: non-finite values"
+        scale = max(want.abs().max().item(), (floor or {}).get(i, 0.0), 1e-30)
+        err = (got.double() - want).abs().max().item() / scale
+        assert err <= TOL[dtype], f"tensor {i} (0 = output, then input grads): rel. error {err:.2e}"
+
+
+def _randn(
+    *shape: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0
+) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [1, 7, 96, 5120])
+def test_norms(device: str, dtype: torch.dtype, h: int) -> None:
+    rows = 1 if h == 5120 else 33
+    x = _randn(rows, 3, h, dtype=dtype, device=device, seed=h, scale=2.0) + 0.5
+    gamma = _randn(h, dtype=dtype, device=device, seed=h + 1) + 1.0
+    beta = _randn(h, dtype=dtype, device=device, seed=h + 2)
+    # h = 1: LayerNorm's dx is exactly 0 (x - mean = 0); the float64 reference leaves ~1e-17 of rounding
+    # and so is dgamma = sum(dy * xhat): measure both against their terms' natural scales
+    ln_floor = (
+        {1: (gamma.double().abs().max() * 4 / math.sqrt(1e-5)).item(), 2: 4.0 * x.numel()}
+        if h == 1
+        else None
+    )
+    _check(
+        lambda x, g, b, fused: fk.layer_norm(x, g, b, 1e-5, fused=fused),
+        [x, gamma, beta],
+        dtype,
+        floor=ln_floor,
+    )
+    # h = 1: dx = rstd * g * (1 - xhat^2) cancels to ~eps/|x|^3; measure it against rstd * |dy * gamma|
+    floor = (
+        {1: (gamma.double().abs().max() * 4 / x.double().abs().min()).item()} if h == 1 else None
+    )
+    _check(lambda x, g, fused: fk.rms_norm(x, g, 1e-5, fused=fused), [x, gamma], dtype, floor=floor)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", [1, 7, 128, 300])
+def test_causal_softmax(device: str, dtype: torch.dtype, s: int) -> None:
+    x = _randn(6, s, s, dtype=dtype, device=device, seed=s, scale=3.0)
+    scale = 1.0 / math.sqrt(64)
+    _check(
+        lambda x, fused: fk.scaled_upper_triang_masked_softmax(x, scale, fused=fused), [x], dtype
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("sq", "sk", "bm"), [(1, 1, 1), (7, 13, 2), (64, 200, 1), (5, 1025, 2)])
+def test_masked_softmax(device: str, dtype: torch.dtype, sq: int, sk: int, bm: int) -> None:
+    b, n = 2, 3
+    x = _randn(b, n, sq, sk, dtype=dtype, device=device, seed=sk, scale=3.0)
+    gen = torch.Generator().manual_seed(sq)
+    mask = (torch.rand(bm, 1, sq, sk, generator=gen) < 0.4).to(device)
+    mask[..., 0, :] = True  # a fully masked row: zeros, not NaN
+    _check(lambda x, fused: fk.scaled_masked_softmax(x, mask, 0.125, fused=fused), [x], dtype)
+    y = fk.scaled_masked_softmax(x, mask, 0.125)
+    assert torch.equal(y[..., 0, :], torch.zeros_like(y[..., 0, :]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("f", [1, 7, 96, 5120])
+def test_bias_activations(device: str, dtype: torch.dtype, f: int) -> None:
+    rows = 3 if f == 5120 else 41
+    x = _randn(rows, 2, f, dtype=dtype, device=device, seed=f, scale=2.0)
+    bias = _randn(f, dtype=dtype, device=device, seed=f + 1)
+    _check(lambda x, b, fused: fk.bias_gelu(x, b, fused=fused), [x, bias], dtype)
+    _check(lambda x, fused: fk.bias_gelu(x, None, fused=fused), [x], dtype)
+    x2 = _randn(rows, 2, 2 * f, dtype=dtype, device=device, seed=f + 2, scale=2.0)
+    bias2 = _randn(2 * f, dtype=dtype, device=device, seed=f + 3)
+    _check(lambda x, b, fused: fk.bias_swiglu(x, b, fused=fused), [x2, bias2], dtype)
+    _check(lambda x, fused: fk.bias_swiglu(x, None, fused=fused), [x2], dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("s", "b", "hn", "d"), [(1, 1, 2, 2), (5, 3, 8, 8), (17, 2, 64, 32), (9, 2, 128, 128)]
+)
+def test_rope(device: str, dtype: torch.dtype, s: int, b: int, hn: int, d: int) -> None:
+    from megatron.model.rotary import rotary_cos_sin
+
+    x = _randn(s, b, 4, hn, dtype=dtype, device=device, seed=hn)
+    positions = torch.arange(s, device=device).repeat(b, 1) + 3  # [b, s]
+    cos, sin = rotary_cos_sin(positions, d, 10000.0, dtype)  # [s, b, 1, d]
+    _check(lambda x, fused: fk.rope(x, cos, sin, fused=fused), [x], dtype)
+    # tables broadcast over the batch ([s, 1, 1, d]) and a strided q view as the model passes them
+    qkv = _randn(s, b, 3, 4, hn, dtype=dtype, device=device, seed=hn + 1)
+    _check(lambda x, fused: fk.rope(x[:, :, 0], cos[:, :1], sin[:, :1], fused=fused), [qkv], dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "vp"), [(1, 50304), (37, 25152), (64, 12576), (5, 7)])
+def test_cross_entropy_local_passes(device: str, dtype: torch.dtype, n: int, vp: int) -> None:
+    """The two local passes against their references (the composed loss is tested on gloo ranks)."""
+    ext = fk.cross_entropy_kernels(torch.empty(0, device=device, dtype=dtype))
+    assert ext is not None
+    z = _randn(n, vp, dtype=dtype, device=device, seed=vp, scale=4.0)
+    gen = torch.Generator().manual_seed(n)
+    target = torch.randint(-1, vp, (n,), generator=gen).to(
+        device
+    )  # -1: another rank owns the target
+    got, want = ext.ce_local_stats(z, target), reference.ce_local_stats(z, target)
+    # se and sz are sums of vp terms (accumulated in double by both): fp32 rounding of the result only
+    assert _rel(got, want) <= 1e-6, _rel(got, want)
+    m = want[:, 0] + 0.25
+    lse = want[:, 1].log() - 0.25
+    for smoothing in (0.0, 0.1):
+        a, b = z.clone(), z.clone()
+        ext.ce_grad_inplace(a, target, m, lse, smoothing, 4 * vp)
+        reference.ce_grad_inplace(b, target, m, lse, smoothing, 4 * vp)
+        assert _rel(a, b) <= TOL[dtype], (smoothing, _rel(a, b))
+
+
+def test_fused_flag_off_is_the_reference() -> None:
+    """``fused=False`` runs the reference exactly (what every --no-*-fusion flag selects)."""
+    x = _randn(4, 2, 96, dtype=torch.float32, device="cpu", seed=1)
+    g = torch.ones(96)
+    assert torch.equal(fk.rms_norm(x, g, 1e-5, fused=False), reference.rms_norm(x, g, 1e-5))
+    assert torch.equal(fk.bias_gelu(x, None, fused=False), reference.bias_gelu(x, None))
+    # and fused=True really runs the kernel (its autograd node), not the reference
+    xg = x.clone().requires_grad_()
+    assert type(fk.rms_norm(xg, g, 1e-5).grad_fn).__name__ == "_RMSNormBackward"
+    assert type(fk.bias_gelu(xg, None).grad_fn).__name__ == "_BiasActBackward"
+    assert type(fk.rms_norm(xg, g, 1e-5, fused=False).grad_fn).__name__ != "_RMSNormBackward"

@@ -1,0 +1,96 @@
+"""The kernel loader: concurrent JIT builds compile once and never load a half-written build; a machine that cannot
+build (no compiler) still trains, on the references, with one warning.
+
+The concurrency test builds a tiny Python extension (no torch headers: it compiles in about a second) through the
+same ``jit_build`` the kernels use, from 4 processes started together on one cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from megatron.model.presets import GPT2_FLAGS
+from megatron.testing import run_distributed
+
+TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+
+PROBE = r"""
+#include <Python.h>
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, "42"}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef mod = {PyModuleDef_HEAD_INIT, "trident_jit_probe", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_trident_jit_probe(void) { return PyModule_Create(&mod); }
+"""
+
+
+def _build_probe(src: str, cache: str) -> tuple[int, int]:
+    from megatron.fused_kernels import loader
+
+    module = loader.jit_build(
+        "trident_jit_probe", [Path(src)], cflags=["-O1"], cache_root=Path(cache)
+    )
+    return module.answer(), len(loader.compiled_in_this_process)
+
+
+def test_concurrent_jit_builds_compile_once(tmp_path: Path) -> None:
+    src = tmp_path / "probe.cpp"
+    src.write_text(PROBE)
+    cache = tmp_path / "cache"
+    results = run_distributed(
+        _build_probe, 4, str(src), str(cache), init_process_group=False, timeout=240
+    )
+    assert [answer for answer, _ in results] == [42] * 4
+    assert sum(compiled for _, compiled in results) == 1, results  # one compile, three loads
+    folders = [p.name for p in cache.iterdir() if p.is_dir()]
+    assert len(folders) == 1 and not folders[0].startswith("."), folders  # no staging left
+    # a later process (another rank, a relaunch) only loads
+    assert run_distributed(_build_probe, 1, str(src), str(cache), init_process_group=False) == [
+        (42, 0)
+    ]
+
+
+def _train(argv: list[str]) -> dict[str, str]:
+    from megatron import fused_kernels
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+
+    pretrain(parse_args(argv))
+    return fused_kernels.status()
+
+
+def _run(tmp: Path, env: dict[str, str]) -> tuple[list[float], dict[str, str]]:
+    tmp.mkdir()
+    argv = [
+        *GPT2_FLAGS,
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
+        "--lr", "3e-3", "--seed", "1234",
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(TINY / "vocab.json"),
+        "--merge-file", str(TINY / "merges.txt"),
+        "--data-path", str(TINY / "tiny_text_document"), "--split", "98,2,0",
+        "--data-cache-path", str(tmp / "cache"), "--eval-iters", "0", "--log-interval", "1",
+        "--metrics-file", str(tmp / "metrics.jsonl"), "--log-level", "WARNING",
+    ]  # fmt: skip
+    (status,) = run_distributed(_train, 1, argv, init_process_group=False, env=env, timeout=300)
+    rows = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+    return [r["lm_loss"] for r in rows if "lm_loss" in r], status
+
+
+def test_no_compiler_trains_on_the_references(tmp_path: Path) -> None:
+    """No extension from install, no compiler: one warning, the references, the same losses as forced references."""
+    no_build = {
+        "TRIDENT_PREBUILT_KERNELS": "0",
+        "CXX": "/nonexistent/c++",
+        "TRIDENT_KERNEL_CACHE": str(tmp_path / "kcache"),
+    }
+    losses, status = _run(tmp_path / "nobuild", no_build)
+    assert "build failed" in status["cpu"] and "no C++ compiler" in status["cpu"], status
+    assert not (tmp_path / "kcache").exists() or not any((tmp_path / "kcache").iterdir())
+    forced, forced_status = _run(tmp_path / "forced", {"TRIDENT_NO_KERNELS": "1"})
+    assert "TRIDENT_NO_KERNELS=1" in forced_status["cpu"]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert losses == forced  # the same reference path, bit for bit

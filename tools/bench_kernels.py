@@ -1,0 +1,267 @@
+"""Fused kernels vs their PyTorch references: forward + backward time, achieved GB/s and peak extra memory.
+
+    python -m tools.bench_kernels                       # CPU, fp32, GPT-2 124M shapes and LLaMA-7B-like rows
+    python -m tools.bench_kernels --device cuda --dtype bf16 --json out.json
+    python -m tools.bench_kernels --ops rms_norm,cross_entropy --small
+
+Not a test: the numbers depend on the machine. Shapes (``--small`` divides the token count by 8):
+
+- GPT-2 124M: s = 1024, b = 8, h = 768, 12 heads (hn 64), MLP 3072, vocabulary 50304;
+- LLaMA-7B-like rows: h = 4096, 32 heads (hn 128), SwiGLU width 11008, s = 1024, b = 2.
+
+Each case times ``fused=True`` (the kernel) and ``fused=False`` (the reference) of the same op in
+``megatron.fused_kernels``: forward, then backward of a fixed gradient, median of ``--repeats`` runs after one
+warm-up. GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the
+fused time. Peak extra memory: on CUDA ``max_memory_allocated`` above the inputs; on CPU the peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs``) above the inputs, which sees tensors of 32 MB and more (the
+ones that matter here: glibc maps those directly and returns them on free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megatron import fused_kernels as fk
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Result:
+    """One op at one shape."""
+
+    op: str
+    shape: str
+    reference_ms: float
+    fused_ms: float
+    speedup: float
+    fused_gb_s: float
+    reference_extra_mb: float
+    fused_extra_mb: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _current_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _run(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median ms of ``step`` and its peak extra bytes above what was live before."""
+    step()  # warm-up (and first-use kernel loading)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    base = _current_bytes(device)
+    _peak_reset(device)
+    step()
+    _sync(device)
+    return statistics.median(times), max(0, _peak_bytes(device) - base) / 2**20
+
+
+def _leaf(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int
+) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+
+
+def _case(
+    op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[bool], Callable[[], None]], int]:
+    """``make(fused) -> step`` and the bytes the op must move once (fwd + bwd)."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    if op in ("layer_norm", "rms_norm"):
+        x, h = _leaf(shape, dtype, device, 1), shape[-1]
+        gamma, beta = _leaf((h,), dtype, device, 2), _leaf((h,), dtype, device, 3)
+        if op == "layer_norm":
+            call = lambda fused: fk.layer_norm(x, gamma, beta, 1e-5, fused=fused)  # noqa: E731
+        else:
+            call = lambda fused: fk.rms_norm(x, gamma, 1e-5, fused=fused)  # noqa: E731
+        moved = 5 * numel * esize  # x, y; dy, x again, dx
+        params = [x, gamma, beta]
+    elif op in ("causal_softmax", "masked_softmax"):
+        x = _leaf(shape, dtype, device, 1)
+        scale = 0.125
+        if op == "causal_softmax":
+            call = lambda fused: fk.scaled_upper_triang_masked_softmax(x, scale, fused=fused)  # noqa: E731
+        else:
+            b, n, sq, sk = shape
+            gen = torch.Generator().manual_seed(4)
+            mask = (torch.rand(b, 1, sq, sk, generator=gen) < 0.3).to(device)
+            call = lambda fused: fk.scaled_masked_softmax(x, mask, scale, fused=fused)  # noqa: E731
+        moved = 5 * numel * esize  # x, y; dy, y, dx
+        params = [x]
+    elif op in ("bias_gelu", "bias_swiglu"):
+        x = _leaf(shape, dtype, device, 1)
+        bias = _leaf((shape[-1],), dtype, device, 2)
+        kernel = fk.bias_gelu if op == "bias_gelu" else fk.bias_swiglu
+        call = lambda fused: kernel(x, bias, fused=fused)  # noqa: E731
+        out = numel if op == "bias_gelu" else numel // 2
+        moved = (2 * numel + 2 * out + numel) * esize  # x, y; dy, x, dx
+        params = [x, bias]
+    elif op == "rope":
+        s, b, n, hn = shape
+        x = _leaf(shape, dtype, device, 1)
+        pos = torch.arange(s, device=device).repeat(b, 1)
+        from megatron.model.rotary import rotary_cos_sin
+
+        cos, sin = rotary_cos_sin(pos, hn, 10000.0, dtype)
+        call = lambda fused: fk.rope(x, cos, sin, fused=fused)  # noqa: E731
+        moved = 4 * numel * esize  # x, y; dy, dx
+        params = [x]
+    elif op == "cross_entropy":
+        from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+
+        n, v = shape
+        z = _leaf((n, 1, v), dtype, device, 1)
+        gen = torch.Generator().manual_seed(5)
+        target = torch.randint(0, v, (n, 1), generator=gen).to(device)
+
+        def call(fused: bool) -> torch.Tensor:
+            logits = (
+                z.float() if dtype != torch.float32 else z * 1.0
+            )  # a fresh buffer, as the model's
+            kernels = fk.cross_entropy_kernels(logits) if fused else None
+            return vocab_parallel_cross_entropy(logits, target, local_kernels=kernels)
+
+        moved = 3 * numel * 4  # logits read twice (stats, gradient pass), gradient written once
+        params = [z]
+    else:
+        raise ValueError(f"unknown op {op!r}")
+
+    def make(fused: bool) -> Callable[[], None]:
+        def step() -> None:
+            for p in params:
+                p.grad = None
+            y = call(fused)
+            y.backward(torch.ones_like(y))
+
+        return step
+
+    return make, moved
+
+
+def cases(small: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(op, shape) of the benchmark: GPT-2 124M and LLaMA-7B-like rows."""
+    tok = 1024 * 8 // (8 if small else 1)  # s * b of GPT-2 124M
+    tok7 = 1024 * 2 // (8 if small else 1)
+    s = 1024 // (4 if small else 1)
+    return [
+        ("layer_norm", (tok, 768)),
+        ("rms_norm", (tok, 768)),
+        ("rms_norm", (tok7, 4096)),
+        ("causal_softmax", (8 * 12 // (8 if small else 1), s, s)),
+        ("masked_softmax", (8 // (8 if small else 1), 12, s, s)),
+        ("bias_gelu", (tok, 3072)),
+        ("bias_swiglu", (tok7, 2 * 11008)),
+        ("rope", (1024 // (8 if small else 1), 8, 12, 64)),
+        ("rope", (1024 // (8 if small else 1), 2, 32, 128)),
+        ("cross_entropy", (tok, 50304)),
+    ]
+
+
+def run(
+    *, device: torch.device, dtype: torch.dtype, ops: set[str] | None, repeats: int, small: bool
+) -> list[Result]:
+    """Time every case (fused and reference); ``ops`` None means all."""
+    out = []
+    for op, shape in cases(small):
+        if ops is not None and op not in ops:
+            continue
+        make, moved = _case(op, shape, dtype, device)
+        ref_ms, ref_mb = _run(make(False), device, repeats)
+        fused_ms, fused_mb = _run(make(True), device, repeats)
+        out.append(
+            Result(
+                op=op,
+                shape="x".join(map(str, shape)),
+                reference_ms=round(ref_ms, 3),
+                fused_ms=round(fused_ms, 3),
+                speedup=round(ref_ms / fused_ms, 2),
+                fused_gb_s=round(moved / (fused_ms / 1e3) / 1e9, 2),
+                reference_extra_mb=round(ref_mb, 1),
+                fused_extra_mb=round(fused_mb, 1),
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)"
+    )
+    parser.add_argument("--small", action="store_true", help="1/8 of the tokens (quick look)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if fk.extension(device.type) is None:
+        parser.error(f"no fused kernels for {device.type}: {fk.status()[device.type]}")
+    ops = set(args.ops.split(",")) if args.ops else None
+    results = run(
+        device=device, dtype=DTYPES[args.dtype], ops=ops, repeats=args.repeats, small=args.small
+    )
+    header = f"{'op':16} {'shape':20} {'ref ms':>9} {'fused ms':>9} {'speedup':>8} {'GB/s':>7}"
+    print(f"# fused kernels ({fk.status()[device.type]}), {args.dtype}, {device}")  # noqa: T201
+    print(header + f" {'ref MB':>8} {'fused MB':>9}")  # noqa: T201
+    for r in results:
+        print(  # noqa: T201
+            f"{r.op:16} {r.shape:20} {r.reference_ms:9.2f} {r.fused_ms:9.2f} {r.speedup:7.2f}x "
+            f"{r.fused_gb_s:7.1f} {r.reference_extra_mb:8.1f} {r.fused_extra_mb:9.1f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
