@@ -84,11 +84,19 @@ def _kernel_extensions() -> list:
 
     import torch
 
-    from megatron.fused_kernels.loader import CPU_LDFLAGS, cpu_cflags, sources
+    from megatron.fused_kernels.loader import (
+        CPU_LDFLAGS,
+        cpu_cflags,
+        host_has_avx2,
+        prebuilt_flavour_file,
+        sources,
+    )
 
     exts = []
     cpu = sources("cpu", ROOT / "csrc")
     if cpu:
+        # read by the loader before it imports the extension (AVX2 code must not load on other CPUs)
+        prebuilt_flavour_file().write_text("avx2\n" if host_has_avx2() else "default\n")
         exts.append(
             cpp_extension.CppExtension(
                 "megatron.fused_kernels._cpu",

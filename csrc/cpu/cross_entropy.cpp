@@ -150,6 +150,13 @@ void fold_block(const T* z, int64_t len, int64_t ahead, RowStats& st) {
     bsum_z += v;
   }
   st.sum_z += bsum_z;
+  if (std::isnan(bsum_z) || bsum_z == std::numeric_limits<double>::infinity()) {
+    // A NaN (or +inf) logit: the horizontal max may have dropped it, the sum of z did not. The
+    // row's max and sum of exp become NaN so that the loss is NaN, as in the unfused path.
+    st.max_ = std::numeric_limits<float>::quiet_NaN();
+    st.sum_exp = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
   if (bmax == -std::numeric_limits<float>::infinity()) return;  // all -inf: adds exp(-inf) = 0
   // Pass 2 (from L1): sum exp(z - bmax).
   const Vec vb(bmax);

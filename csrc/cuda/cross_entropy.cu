@@ -70,8 +70,10 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   if (!s.valid || s.lane != 0) return;
   const int64_t t = target[row];
   float* out = stats + row * 4;
-  out[0] = row_max;
-  out[1] = static_cast<float>(row_se);
+  // a NaN logit (fmaxf drops it from the max) still reaches the sum of z: make the row's stats NaN
+  const bool nan_row = isnan(row_sz);
+  out[0] = nan_row ? NAN : row_max;
+  out[1] = nan_row ? NAN : static_cast<float>(row_se);
   out[2] = (t >= 0 && t < vp) ? to_float(zr[t]) - row_max : 0.f;  // -1: another rank owns it
   out[3] = static_cast<float>(row_sz - static_cast<double>(vp) * static_cast<double>(row_max));
 }
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   const RowSlot s = row_slot(width, rows);
   if (!s.valid) return;  // no reduction in this kernel
   T* zr = logits + s.row * vp;
-  const float shift = global_max[s.row] + log_sum_exp[s.row];
+  // two subtractions, not z - (gm + lse): gm + lse would be rounded once more (~ulp(40) / 2)
+  const float gm = global_max[s.row], lse = log_sum_exp[s.row];
   const int64_t t = target[s.row];
   const int vecs = vp / kVec;
   for (int v = s.lane; v < vecs; v += width) {
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     load_vec<T, kVec>(zr + v * kVec, e);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      float p = expf(e[k] - shift);
+      float p = expf((e[k] - gm) - lse);
       if (v * kVec + k == t) p -= on_target;
       e[k] = p - off_target;
     }

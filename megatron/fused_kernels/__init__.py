@@ -8,7 +8,7 @@ cache; ``ops.py`` holds the autograd functions. The vocabulary-parallel cross-en
 
 from __future__ import annotations
 
-from megatron.fused_kernels.loader import extension, status
+from megatron.fused_kernels.loader import extension, force_references, status
 from megatron.fused_kernels.ops import (
     bias_gelu,
     bias_swiglu,
@@ -25,6 +25,7 @@ __all__ = [
     "bias_swiglu",
     "cross_entropy_kernels",
     "extension",
+    "force_references",
     "layer_norm",
     "rms_norm",
     "rope",

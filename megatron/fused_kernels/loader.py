@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -47,6 +46,7 @@ PREBUILT = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernel
 JIT_NAMES = {"cpu": "trident_cpu_kernels", "cuda": "trident_cuda_kernels"}
 
 _status: dict[str, str] = {}
+_modules: dict[str, ModuleType | None] = {}
 compiled_in_this_process: list[str] = []
 """Names of the extensions this process compiled itself (not loaded from the cache): one entry per real build."""
 
@@ -100,7 +100,9 @@ def build_key(name: str, srcs: list[Path], flags: list[str]) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for part in (name, torch.__version__, sys.version, " ".join(flags)):
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")  # unset: torch builds for the GPU it sees
+    parts = (name, torch.__version__, str(torch.version.cuda), arch, sys.version, " ".join(flags))
+    for part in parts:
         digest.update(part.encode() + b"\0")
     for src in srcs:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
@@ -159,7 +161,13 @@ def jit_build(
             return _import_from(final, name)
     with _flock(root / f"{final.name}.lock"):
         if final.is_dir():
-            return _import_from(final, name)
+            try:
+                return _import_from(final, name)
+            except ImportError as exc:  # a damaged build (a truncated .so): set it aside, rebuild
+                logger.warning("fused kernels: rebuilding %s (%s)", final, exc)
+                os.rename(
+                    final, root / f".broken-{final.name}.{socket.gethostname()}.{os.getpid()}"
+                )
         staging = root / f".{final.name}.{socket.gethostname()}.{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -184,16 +192,24 @@ def jit_build(
     return module
 
 
-def _usable(module: ModuleType, kind: str) -> str | None:
-    """Why the extension cannot run here (None when it can)."""
-    if kind != "cpu" or module.build_info() != "avx2":
-        return None
-    import torch
+def prebuilt_flavour_file() -> Path:
+    """Where ``setup.py`` records the CPU extension's instruction set (``avx2`` / ``default``) next to it."""
+    return Path(__file__).resolve().parent / "_cpu.flavour"
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX2") or capability.startswith("AVX512"):
+
+def _prebuilt_refused(kind: str) -> str | None:
+    """Why the extension built at install must not even be imported here (None: import it).
+
+    Checked before the import: importing AVX2 code on a CPU without AVX2 can kill the process (SIGILL)."""
+    if os.environ.get(PREBUILT_ENV) == "0":
+        return f"{PREBUILT_ENV}=0"
+    if kind != "cpu" or host_has_avx2():
         return None
-    return f"it was compiled for AVX2 and this CPU reports {capability}"
+    flavour = prebuilt_flavour_file()
+    recorded = flavour.read_text(encoding="utf-8").strip() if flavour.is_file() else "unknown"
+    if recorded == "default":
+        return None
+    return f"it may use AVX2 ({flavour.name}: {recorded}) and this CPU lacks AVX2/FMA/F16C"
 
 
 def _jit(kind: str) -> ModuleType:
@@ -220,14 +236,13 @@ def _find(kind: str) -> tuple[ModuleType | None, str]:
 
         if not torch.cuda.is_available():
             return None, "PyTorch references (no CUDA device)"
-    with contextlib.suppress(ImportError):
-        if os.environ.get(PREBUILT_ENV) == "0":
-            raise ImportError(f"{PREBUILT_ENV}=0")
-        module = importlib.import_module(PREBUILT[kind])
-        why_not = _usable(module, kind)
-        if why_not is None:
+    refused = _prebuilt_refused(kind)
+    if refused is None:
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(PREBUILT[kind])
             return module, f"kernels built at install ({PREBUILT[kind]}, {module.build_info()})"
-        logger.warning("fused kernels (%s): not using %s: %s", kind, PREBUILT[kind], why_not)
+    elif not refused.startswith(PREBUILT_ENV):
+        logger.warning("fused kernels (%s): not using %s: %s", kind, PREBUILT[kind], refused)
     try:
         module = _jit(kind)
     except Exception as exc:  # noqa: BLE001 - any build failure means the reference path
@@ -245,16 +260,24 @@ def _find(kind: str) -> tuple[ModuleType | None, str]:
     return module, f"kernels JIT-built into {default_cache_root()} ({module.build_info()})"
 
 
-@functools.cache
 def extension(kind: str) -> ModuleType | None:
-    """The compiled kernels for device type ``kind`` (``cpu`` / ``cuda``), or None: use the references."""
-    if kind not in PREBUILT:
-        _status[kind] = "PyTorch references (no kernels for this device type)"
-        return None
-    module, status = _find(kind)
-    _status[kind] = status
-    log_rank_0(logger, "fused kernels (%s): %s", kind, status)
-    return module
+    """The compiled kernels for device type ``kind`` (``cpu`` / ``cuda``), or None: use the references.
+
+    Looked up once per process and device type (the result is kept)."""
+    if kind not in _modules:
+        if kind not in PREBUILT:
+            module, status = None, "PyTorch references (no kernels for this device type)"
+        else:
+            module, status = _find(kind)
+            log_rank_0(logger, "fused kernels (%s): %s", kind, status)
+        _modules[kind], _status[kind] = module, status
+    return _modules[kind]
+
+
+def force_references(kind: str, reason: str) -> None:
+    """From now on this process runs the references on ``kind`` devices (e.g. because another rank must)."""
+    _modules[kind] = None
+    _status[kind] = f"PyTorch references ({reason})"
 
 
 def status() -> dict[str, str]:

@@ -75,11 +75,22 @@ class _RMSNorm(torch.autograd.Function):
         return dx.view(dy.shape), dgamma, None, None
 
 
+def _vectors(h: int, *params: torch.Tensor | None) -> bool:
+    """Every given parameter is a vector of ``h`` values (what the kernels take)."""
+    return all(p is None or (p.dim() == 1 and p.shape[0] == h) for p in params)
+
+
 def layer_norm(
-    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float, *, fused: bool = True
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor | None,
+    eps: float,
+    *,
+    fused: bool = True,
 ) -> torch.Tensor:
     """LayerNorm over the last dim: ``[*, h] -> [*, h]`` (see ``reference.layer_norm``)."""
-    ext = kernels_for(x, gamma, beta) if fused else None
+    ok = beta is not None and _vectors(x.shape[-1], gamma, beta)
+    ext = kernels_for(x, gamma, beta) if fused and ok else None
     if ext is None:
         return reference.layer_norm(x, gamma, beta, eps)
     return _LayerNorm.apply(x, gamma, beta, eps, ext)
@@ -89,7 +100,7 @@ def rms_norm(
     x: torch.Tensor, gamma: torch.Tensor, eps: float, *, fused: bool = True
 ) -> torch.Tensor:
     """RMSNorm over the last dim: ``[*, h] -> [*, h]`` (see ``reference.rms_norm``)."""
-    ext = kernels_for(x, gamma) if fused else None
+    ext = kernels_for(x, gamma) if fused and _vectors(x.shape[-1], gamma) else None
     if ext is None:
         return reference.rms_norm(x, gamma, eps)
     return _RMSNorm.apply(x, gamma, eps, ext)
@@ -138,7 +149,8 @@ def scaled_masked_softmax(
         and mask.shape[1] == 1
         and mask.shape[2:] == x.shape[2:]
     )
-    ext = kernels_for(x) if fused and shape_ok and mask.dtype == torch.bool else None
+    shape_ok = shape_ok and mask.dtype == torch.bool and mask.device == x.device
+    ext = kernels_for(x) if fused and shape_ok else None
     if ext is None:
         return reference.scaled_masked_softmax(x, mask, scale)
     return _Softmax.apply(x, mask, scale, ext)
@@ -169,7 +181,7 @@ class _BiasAct(torch.autograd.Function):
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
     """tanh-GeLU of ``x + bias``: ``[*, f] -> [*, f]``."""
-    ext = kernels_for(x, bias) if fused else None
+    ext = kernels_for(x, bias) if fused and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_gelu(x, bias)
     return _BiasAct.apply(x, bias, "gelu", ext)
@@ -177,7 +189,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True)
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
     """``silu(a) * c`` for ``[a | c] = x + bias``: ``[*, 2f] -> [*, f]``."""
-    ext = kernels_for(x, bias) if fused else None
+    even = x.shape[-1] % 2 == 0
+    ext = kernels_for(x, bias) if fused and even and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_swiglu(x, bias)
     return _BiasAct.apply(x, bias, "swiglu", ext)

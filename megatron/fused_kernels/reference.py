@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 def layer_norm(
-    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
+    x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """``[*, h] -> [*, h]``: ``(x - mean) / sqrt(var + eps) * gamma + beta`` (biased variance)."""
     return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)

@@ -25,8 +25,9 @@ one kernel pass per row of the shard gives the local ``m_r``, ``se_r = sum_j exp
 ``sum_j (z_j - m_r)``; one all-reduce MAX gives ``m``, one all-reduce SUM of the rescaled
 ``[se_r e^(m_r - m), z_t - m_r + m_r - m, sum_j (z_j - m_r) + vp (m_r - m)]`` gives the three global sums. A second
 kernel pass writes ``softmax(z) - q`` into the logits buffer itself (no softmax-sized tensor is kept); backward
-only scales it by the incoming grad. The logits passed in are overwritten: callers hand over a buffer nobody else
-reads (the model's last-layer output).
+only scales it by the incoming grad (in place: one backward per forward). The logits passed in are overwritten:
+callers hand over a buffer nobody reads afterwards (the model's last-layer output); the write bumps the buffer's
+autograd version, so a backward that saved it fails loudly instead of computing with gradients.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             kernels.ce_grad_inplace(
                 logits, local_target, global_max, log_sum_exp, smoothing, vocab_size
             )
+            # tell autograd the buffer changed: a backward that saved these logits fails loudly
+            torch.autograd.graph.increment_version(buffer)
             ctx.save_for_backward(buffer)
         return loss.view(shape)
 

@@ -21,10 +21,13 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from megatron import mpu
+from megatron import fused_kernels, mpu
 from megatron.config import TridentConfig
 from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
+from megatron.log import log_rank_0
+from megatron.mpu.mappings import all_gather_object
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +197,31 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
         cfg.parallel.pipeline_model_parallel_size,
         timeout=timeout,
     )
+    agree_on_fused_kernels(device.type)
     return device
+
+
+def agree_on_fused_kernels(device_type: str) -> None:
+    """All ranks run the fused kernels, or none does.
+
+    The fused cross-entropy reduces other tensors over TP than the unfused one, so ranks that disagree (one node's
+    build failed) would mismatch collectives; and layouts must run the same numbers. If any rank has no kernels,
+    every rank uses the references, with one warning naming the ranks.
+    """
+    have = fused_kernels.extension(device_type) is not None
+    everyone = all_gather_object(have, group=dist.group.WORLD)
+    if all(everyone) or not any(everyone):
+        return
+    missing = [rank for rank, ok in enumerate(everyone) if not ok]
+    log_rank_0(
+        logger,
+        "fused kernels: rank(s) %s have no %s kernels; every rank runs the PyTorch references (fix the build "
+        "there, or set TRIDENT_NO_KERNELS=1 to silence this)",
+        missing,
+        device_type,
+        level=logging.WARNING,
+    )
+    fused_kernels.force_references(device_type, f"ranks {missing} have no kernels")
 
 
 def destroy_distributed() -> None:

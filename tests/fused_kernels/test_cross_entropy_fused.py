@@ -65,11 +65,27 @@ def _case(
     return {"loss": _rel(loss, ref), "grad": _rel(shard.grad, ref_grad)}
 
 
+def _nan_stays_nan(group: dist.ProcessGroup) -> bool:
+    """A NaN logit in the last rank's shard (with -inf padding elsewhere in its rows) gives a NaN loss for that
+    token on every rank, as the unfused path does; other tokens stay finite."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = torch.randn(2, 1, 64)
+    full[0, 0, 64 - 64 // world :] = float("-inf")
+    full[0, 0, -1] = float("nan")
+    vp = 64 // world
+    work = full[..., rank * vp : (rank + 1) * vp].clone().requires_grad_()
+    target = torch.zeros(2, 1, dtype=torch.long)
+    kernels = fk.cross_entropy_kernels(work)
+    loss = vocab_parallel_cross_entropy(work * 1.0, target, 0.0, group, local_kernels=kernels)
+    return bool(torch.isnan(loss[0, 0])) and bool(torch.isfinite(loss[1, 0]))
+
+
 def _worker(smoothings: list[float]) -> dict[tuple[float, str], dict[str, float]]:
     out = {}
     for smoothing in smoothings:
         for dtype in (torch.float32, torch.bfloat16):
             out[(smoothing, str(dtype))] = _case(dist.group.WORLD, smoothing, dtype)
+    assert _nan_stays_nan(dist.group.WORLD)
     return out
 
 

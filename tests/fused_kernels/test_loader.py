@@ -94,3 +94,24 @@ def test_no_compiler_trains_on_the_references(tmp_path: Path) -> None:
     assert "TRIDENT_NO_KERNELS=1" in forced_status["cpu"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert losses == forced  # the same reference path, bit for bit
+
+
+def _agree(lacking_rank: int | None) -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    from megatron import fused_kernels
+    from megatron.training.initialize import agree_on_fused_kernels
+
+    if dist.get_rank() == lacking_rank:
+        fused_kernels.force_references("cpu", "this rank's build failed")
+    agree_on_fused_kernels("cpu")
+    return fused_kernels.extension("cpu") is not None, fused_kernels.status()["cpu"]
+
+
+def test_ranks_agree_on_kernels() -> None:
+    """One rank without kernels: every rank runs the references (the fused CE's collectives differ)."""
+    both = run_distributed(_agree, 2, None)
+    assert [have for have, _ in both] == [True, True], both
+    one_lacks = run_distributed(_agree, 2, 1)
+    assert [have for have, _ in one_lacks] == [False, False], one_lacks
+    assert "ranks [1] have no kernels" in one_lacks[0][1], one_lacks

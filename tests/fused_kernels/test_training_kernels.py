@@ -63,9 +63,9 @@ def _losses(tmp: Path, preset: list[str], extra: list[str], world: int = 1) -> l
     statuses = run_distributed(
         _train, world, _flags(tmp, preset, extra), init_process_group=False, timeout=300
     )
-    fused = "--no-persist-layer-norm" not in extra
-    for status in statuses:
-        assert ("kernels" in status.get("cpu", "")) == fused, status
+    if "--no-persist-layer-norm" not in extra:  # the fused runs really had the kernels
+        for status in statuses:
+            assert status.get("cpu", "").startswith("kernels"), status
     rows = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
     return [r["lm_loss"] for r in rows if "lm_loss" in r]
 
