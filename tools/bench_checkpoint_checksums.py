@@ -134,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if a.dir is not None:
+        if Path(a.dir).exists() and not Path(a.dir).is_dir():
+            p.error(f"--dir {a.dir} is a file; give a directory (it is created if missing)")
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         times = _bench(Path(tmp), a.repeats)
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -142,11 +142,14 @@ constexpr float kK1 = 0.044715f;
 
 // Returns s = sigmoid(-arg) = 1 / (1 + e) and sets one_minus_s = 1 - s = e * s, with e = exp(arg).
 // 1 - s is formed as e * s, not by subtraction, so it keeps full relative precision when s -> 1
-// (gelu'(u) overshoots 1 by ~2e-6 near u = 5; 1 - s would lose it). arg is capped at 88 so that e
-// stays finite (e * s -> 1, not inf * 0); sigmoid(-88) ~ 6e-39 is 0 for every practical purpose.
+// (gelu'(u) overshoots 1 by ~2e-6 near u = 5; 1 - s would lose it). arg is clamped to [-80, 80]:
+// e stays finite (e * s -> 1, not inf * 0) and neither e nor s is ever subnormal (exp(-80) and
+// sigmoid(-80) are 1.8e-35). Subnormals cost ~100x per operation on x86: pre-activations of size
+// ~30 (|u| where GeLU saturates) made the whole kernel 6x slower before the clamp. The clamp changes
+// results by < 1e-34 absolute.
 inline Vec sigmoid_of_neg(const Vec& arg, Vec& one_minus_s) {
   const Vec one(1.0f);
-  const Vec e = at::vec::minimum(arg, Vec(88.0f)).exp_u20();
+  const Vec e = at::vec::clamp(arg, Vec(-80.0f), Vec(80.0f)).exp_u20();
   const Vec s = one / (one + e);
   one_minus_s = e * s;
   return s;
