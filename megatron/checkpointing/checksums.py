@@ -111,6 +111,11 @@ class ChecksumRecorder:
     def torch_save(self, state_dict: Any, path: str | Path, zipfile_serialization: bool) -> None:
         """``torch.save(state_dict, path)`` as DeepSpeed's checkpoint engine does it, hashing the bytes written."""
         p = Path(path)
+        # The SHA-256 covers every byte, so torch's own CRC-32 of each zip record (a second full pass over the data
+        # on this thread, as long as the SHA-256 itself) is skipped: the records' CRC fields are 0. torch.load does
+        # not check them; a generic zip tester (``unzip -t``) reports them.
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
         with p.open("wb", buffering=0) as f:
             writer = _HashingWriter(f)
             try:
@@ -120,6 +125,8 @@ class ChecksumRecorder:
                 if err is not None:
                     raise OSError(err.errno, err.strerror, str(p)) from None
                 raise
+            finally:
+                torch.serialization.set_crc32_options(crc32)
         self._record(p, writer.size, writer.hash.hexdigest())
 
     def write_bytes(self, path: Path, data: bytes) -> None:

@@ -343,3 +343,24 @@ def test_each_resume_rule(row: int) -> None:
     fixed = dataclasses.replace(broken, **fix)
     assert not rule.broken(fixed)
     check_resume_compatibility(fixed)
+
+
+def test_hashing_save_skips_torch_crc_and_loads_back(tmp_path: Path) -> None:
+    """The checksummed save writes records without torch's CRC-32 (the SHA-256 covers them), loads back equal
+    through torch.load, records the file's real SHA-256, and leaves torch's CRC option as it was."""
+    import hashlib
+    import zipfile
+
+    from megatron.checkpointing.checksums import ALGORITHM, ChecksumRecorder
+
+    state = {"w": torch.randn(300_000), "step": 3}
+    recorder = ChecksumRecorder(tmp_path)
+    assert torch.serialization.get_crc32_options()
+    recorder.torch_save(state, tmp_path / "model.pt", True)
+    assert torch.serialization.get_crc32_options()  # restored
+    back = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+    digest = hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()
+    assert recorder.files["model.pt"][ALGORITHM] == digest
+    with zipfile.ZipFile(tmp_path / "model.pt") as z:
+        assert {i.CRC for i in z.infolist() if i.filename.endswith("/data/0")} == {0}
