@@ -35,21 +35,14 @@
 #include <vector>
 
 #include "ops.h"
-
-// float32 / bfloat16 / float16 only (the contract's dtypes; double is rejected by the checks, so
-// it is not instantiated).
-#define TRIDENT_DISPATCH_FLOATS(TYPE, NAME, ...)                                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                                 \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE( \
-                         at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#include "vec_io.h"
 
 namespace trident {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-// Elements per chunk: two fp32 vectors, i.e. one vector of a 16-bit dtype.
-constexpr int64_t kChunk = 2 * Vec::size();
+using vec_io::Io;
+using vec_io::kChunk;
+using vec_io::Vec;
 // Rows per parallel task so that a task has at least ~32K elements (small inputs: one thread).
 int64_t row_grain(int64_t width) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
@@ -59,45 +52,6 @@ int64_t num_chunks(int64_t rows, int64_t width) {
   const int64_t by_size = (rows + row_grain(width) - 1) / row_grain(width);
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_size));
 }
-
-// Loads/stores kChunk elements of T as two fp32 vectors; the `n` overloads handle a tail of
-// n < kChunk elements (missing lanes read as 0, only n elements are written).
-template <typename T>
-struct Io {
-  using VT = at::vec::Vectorized<T>;
-  static void load(const T* p, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p));
-  }
-  static void load(const T* p, int64_t n, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p, n));
-  }
-  static void store(T* p, const Vec& a, const Vec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-  static void store(T* p, int64_t n, const Vec& a, const Vec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p, n);
-  }
-};
-
-template <>
-struct Io<float> {
-  static void load(const float* p, Vec& a, Vec& b) {
-    a = Vec::loadu(p);
-    b = Vec::loadu(p + Vec::size());
-  }
-  static void load(const float* p, int64_t n, Vec& a, Vec& b) {
-    a = Vec::loadu(p, std::min<int64_t>(n, Vec::size()));
-    b = n > Vec::size() ? Vec::loadu(p + Vec::size(), n - Vec::size()) : Vec(0.0f);
-  }
-  static void store(float* p, const Vec& a, const Vec& b) {
-    a.store(p);
-    b.store(p + Vec::size());
-  }
-  static void store(float* p, int64_t n, const Vec& a, const Vec& b) {
-    a.store(p, std::min<int64_t>(n, Vec::size()));
-    if (n > Vec::size()) b.store(p + Vec::size(), n - Vec::size());
-  }
-};
 
 // Loads n (<= kChunk) elements of x (+ bias when bias != nullptr) as two fp32 vectors.
 template <typename T>

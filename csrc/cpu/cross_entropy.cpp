@@ -36,20 +36,14 @@
 #include <tuple>
 
 #include "ops.h"
-
-// float32 / bfloat16 / float16 only (the contract's dtypes; others are rejected by the checks).
-#define TRIDENT_DISPATCH_FLOATS(TYPE, NAME, ...)                                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                                 \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE( \
-                         at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#include "vec_io.h"
 
 namespace trident {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-// Elements per chunk: two fp32 vectors, i.e. one vector of a 16-bit dtype.
-constexpr int64_t kChunk = 2 * Vec::size();
+using vec_io::Io;
+using vec_io::kChunk;
+using vec_io::Vec;
 // Columns per L1-resident block (8 KiB of fp32); a multiple of kChunk.
 constexpr int64_t kBlock = 2048;
 // Chunks summed in fp32 before the partial sums move to double (kFlush elements per lane).
@@ -57,45 +51,6 @@ constexpr int64_t kFlush = 16;
 // Software prefetch distance (elements) of the streaming loops: with the hardware prefetcher alone
 // the grad pass stalled on loads (~60% of its cycles; 4x slower than with this prefetch).
 constexpr int64_t kPrefetch = 1024;
-
-// Loads/stores kChunk elements of T as two fp32 vectors; the `n` overloads handle a tail of
-// n < kChunk elements (missing lanes read as 0, only n elements are written).
-template <typename T>
-struct Io {
-  using VT = at::vec::Vectorized<T>;
-  static void load(const T* p, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p));
-  }
-  static void load(const T* p, int64_t n, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p, n));
-  }
-  static void store(T* p, const Vec& a, const Vec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-  static void store(T* p, int64_t n, const Vec& a, const Vec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p, n);
-  }
-};
-
-template <>
-struct Io<float> {
-  static void load(const float* p, Vec& a, Vec& b) {
-    a = Vec::loadu(p);
-    b = Vec::loadu(p + Vec::size());
-  }
-  static void load(const float* p, int64_t n, Vec& a, Vec& b) {
-    a = Vec::loadu(p, std::min<int64_t>(n, Vec::size()));
-    b = n > Vec::size() ? Vec::loadu(p + Vec::size(), n - Vec::size()) : Vec(0.0f);
-  }
-  static void store(float* p, const Vec& a, const Vec& b) {
-    a.store(p);
-    b.store(p + Vec::size());
-  }
-  static void store(float* p, int64_t n, const Vec& a, const Vec& b) {
-    a.store(p, std::min<int64_t>(n, Vec::size()));
-    if (n > Vec::size()) b.store(p + Vec::size(), n - Vec::size());
-  }
-};
 
 inline float hmax(const Vec& v) {
   float buf[Vec::size()];

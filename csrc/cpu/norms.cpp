@@ -34,11 +34,15 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec_io.h"
 
 namespace trident {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using vec_io::out_as_float;
+using vec_io::row_as_float;
+using vec_io::store_row;
+using vec_io::Vec;
 constexpr int64_t kW = Vec::size();
 // About 32K elements per task, so that small inputs stay on one thread.
 constexpr int64_t kGrainElems = int64_t{1} << 15;
@@ -53,43 +57,6 @@ float hsum(const Vec& v) {
   float s = 0.f;
   for (int64_t i = 0; i < kW; ++i) s += t[i];
   return s;
-}
-
-// fp32 view of a row: the row itself for fp32, else the row converted into buf.
-template <typename T>
-const float* row_as_float(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
-    using VecT = at::vec::Vectorized<T>;
-    static_assert(VecT::size() == 2 * kW, "reduced-float vector must hold two float vectors");
-    int64_t j = 0;
-    for (; j + VecT::size() <= n; j += VecT::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + j));
-      lo.store(buf + j);
-      hi.store(buf + j + kW);
-    }
-    for (; j < n; ++j) buf[j] = static_cast<float>(src[j]);
-    return buf;
-  } else {
-    for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(src[j]);
-    return buf;
-  }
-}
-
-// Where to write an fp32 result row: straight into dst for fp32, else into buf (then store_row).
-template <typename T>
-float* out_as_float(T* dst, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return dst;
-  } else {
-    return buf;
-  }
-}
-
-template <typename T>
-void store_row(const float* src, T* dst, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) at::vec::convert(src, dst, n);
 }
 
 // sum_j (a_j - m)^2  (m = 0: sum of squares)

@@ -22,44 +22,14 @@
 #include <tuple>
 
 #include "ops.h"
-
-// float32 / bfloat16 / float16 only (the contract's dtypes; others are rejected by the checks).
-#define TRIDENT_DISPATCH_FLOATS(TYPE, NAME, ...)                                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                                 \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE( \
-                         at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#include "vec_io.h"
 
 namespace trident {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-// Elements per chunk: two fp32 vectors, i.e. one vector of a 16-bit dtype.
-constexpr int64_t kChunk = 2 * Vec::size();
-
-// Loads/stores kChunk elements of T as two fp32 vectors.
-template <typename T>
-struct Io {
-  using VT = at::vec::Vectorized<T>;
-  static void load(const T* p, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p));
-  }
-  static void store(T* p, const Vec& a, const Vec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-};
-
-template <>
-struct Io<float> {
-  static void load(const float* p, Vec& a, Vec& b) {
-    a = Vec::loadu(p);
-    b = Vec::loadu(p + Vec::size());
-  }
-  static void store(float* p, const Vec& a, const Vec& b) {
-    a.store(p);
-    b.store(p + Vec::size());
-  }
-};
+using vec_io::Io;
+using vec_io::kChunk;
+using vec_io::Vec;
 
 // out1 = a1 * c1 - a2 * s1, out2 = a2 * c2 + a1 * s2 on one kChunk-wide slice (two fp32 halves).
 template <bool kBwd, typename T>
