@@ -15,7 +15,7 @@ rank's local output ``[s, b, gp*(r+2)*hn]`` is viewed as ``[s, b, gp, r+2, hn]``
 
 Attention is causal. Default path: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU);
 ``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V path (fp32 scores and softmax), whose scaled,
-masked softmax is one fused kernel (``--masked-softmax-fusion``, the default where built). Attention dropout
+masked softmax is one fused kernel where built (unless ``--no-masked-softmax-fusion``). Attention dropout
 runs under ``get_cuda_rng_tracker().fork()`` (it acts on TP-sharded heads).
 """
 

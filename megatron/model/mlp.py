@@ -10,8 +10,8 @@ half the up-projection: ``silu(gate) * up``. The weight is initialized with ``st
 GeLU is the tanh approximation (Megatron's fused ``bias_gelu`` default, Hugging Face GPT-2's ``gelu_new``).
 
 ``dense_h_to_4h`` returns its bias unadded (``skip_bias_add``): the bias add and the activation run as one op,
-``fused_kernels.bias_gelu`` / ``bias_swiglu`` (one kernel with ``--bias-gelu-fusion`` / ``--bias-swiglu-fusion``,
-the defaults where built; the reference ``act(x + bias)`` otherwise: the same math either way).
+``fused_kernels.bias_gelu`` / ``bias_swiglu`` (one kernel where built, unless ``--no-bias-gelu-fusion`` /
+``--no-bias-swiglu-fusion``; the reference ``act(x + bias)`` otherwise: the same math either way).
 """
 
 from __future__ import annotations
