@@ -41,6 +41,19 @@ from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_si
 from megatron.mpu.utils import VocabUtility
 
 
+def _targets_in_shard(
+    target: torch.Tensor, vp: int, group: ProcessGroup | None, *, elsewhere: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(not_mine, local_target, v)``: where another TP rank owns the target, the target's column in this rank's
+    ``vp`` columns (``elsewhere`` where it is not here), and the global vocabulary ``v = vp * p``."""
+    world = group_world_size(group)
+    first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        vp, group_rank(group), world
+    )
+    not_mine = (target < first) | (target >= last)
+    return not_mine, (target - first).masked_fill(not_mine, elsewhere), vp * world
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -53,15 +66,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = vocab_parallel_logits.float()  # [s, b, vp], fp32 (a copy unless already fp32)
         logits_max = all_reduce_max_(logits.max(dim=-1).values, group)  # [s, b]
         logits = logits - logits_max.unsqueeze(-1)  # new tensor; the caller's logits are untouched
-        vp = logits.size(-1)
-        world = group_world_size(group)
-        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            vp, group_rank(group), world
+        # [s, b]: 0 where another rank owns the target (its logit is masked out below)
+        not_mine, local_target, vocab_size = _targets_in_shard(
+            target, logits.size(-1), group, elsewhere=0
         )
-        vocab_size = vp * world
-
-        not_mine = (target < first) | (target >= last)  # [s, b]
-        local_target = (target - first).masked_fill(not_mine, 0)
         # [s, b, vp] -> [s, b]: the target's logit (0 where another rank owns it, fixed below)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = all_reduce_sum_(predicted.masked_fill(not_mine, 0.0), group)
@@ -113,14 +121,10 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         buffer = vocab_parallel_logits.contiguous()  # the caller's tensor itself when contiguous
         shape, vp = buffer.shape[:-1], buffer.size(-1)
         logits = buffer.view(-1, vp)  # [s, b, vp] -> [N, vp], the same memory
-        world = group_world_size(group)
-        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            vp, group_rank(group), world
+        # [N]: -1 where another rank owns the target (the kernels' convention)
+        not_mine, local_target, vocab_size = _targets_in_shard(
+            target.reshape(-1), vp, group, elsewhere=-1
         )
-        vocab_size = vp * world
-        flat_target = target.reshape(-1)
-        not_mine = (flat_target < first) | (flat_target >= last)  # [N]
-        local_target = (flat_target - first).masked_fill(not_mine, -1)
 
         stats = kernels.ce_local_stats(
             logits, local_target
