@@ -20,6 +20,18 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--vocab-file", default=None)
     run.add_argument("--merge-file", default=None)
     run.add_argument("--tokenizer-model", default=None)
+    layout = p.add_argument_group(
+        "layout (launch TP x PP processes with torchrun/deepspeed; default: the checkpoint's when it fills the "
+        "world, else TP = world)"
+    )
+    layout.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    layout.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    layout.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="prompts per micro-batch through the pipeline (default: batch / PP)",
+    )
 
 
 def build_generator(a: argparse.Namespace) -> Any:
@@ -31,12 +43,22 @@ def build_generator(a: argparse.Namespace) -> Any:
     import torch
 
     from megatron.text_generation import TextGenerator
+    from megatron.text_generation.distributed import init_inference_distributed
     from megatron.tokenizer.info import tokenizer_info
 
     if not a.tokenizer_type and (a.vocab_file or a.merge_file or a.tokenizer_model):
         raise ValueError("--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type.")
     if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {a.device}: this torch sees no CUDA device; use --device cpu.")
+    if a.micro_batch_size is not None and a.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size ({a.micro_batch_size}) must be >= 1.")
+    device = init_inference_distributed(
+        a.tensor_model_parallel_size,
+        a.pipeline_model_parallel_size,
+        ckpt_dir=a.load,
+        tag=a.tag,
+        device=a.device,
+    )
     tok = tokenizer_info(
         tokenizer_type=a.tokenizer_type,
         vocab_file=a.vocab_file,
@@ -47,6 +69,7 @@ def build_generator(a: argparse.Namespace) -> Any:
         a.load,
         tag=a.tag,
         tokenizer=tok,
-        device=a.device,
+        device=device,
         dtype=torch.bfloat16 if a.bf16 else torch.float32,
+        micro_batch_size=a.micro_batch_size,
     )

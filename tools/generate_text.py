@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from tools._textgen_common import add_load_args, build_generator
 
@@ -50,6 +51,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     out.add_argument("--seed", type=int, default=1234)
     out.add_argument("--no-stop-at-eod", action="store_true", help="keep going after EOD")
     out.add_argument("--sample-output-file", default=None, help="write JSON lines here")
+    out.add_argument(
+        "--beam-width",
+        type=int,
+        default=None,
+        help="beam search with this many beams (Megatron's semantics; --num-samples best hypotheses per prompt)",
+    )
+    out.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam search: score / len**this"
+    )
+    out.add_argument(
+        "--return-log-probs",
+        action="store_true",
+        help="add per-token log-probs of the prompt and of the output to each JSON line",
+    )
+    out.add_argument(
+        "--batch-size", type=int, default=8, help="samples generated together (one batch)"
+    )
     return p.parse_args(argv)
 
 
@@ -107,12 +125,17 @@ def _too_long(prompt: str, err: TooManyTokensError) -> ValueError:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    import torch
-
     from megatron.text_generation import SamplingParams
     from megatron.text_generation.generation import TooManyTokensError
 
     try:
+        if a.batch_size < 1:
+            raise ValueError(f"--batch-size ({a.batch_size}) must be >= 1.")
+        if a.beam_width is not None and not 1 <= a.num_samples <= a.beam_width:
+            raise ValueError(
+                f"--num-samples ({a.num_samples}) must be in [1, --beam-width ({a.beam_width})] with beam "
+                "search (it is the number of best hypotheses printed)."
+            )
         if a.num_samples < 1:
             raise ValueError(
                 f"--num-samples ({a.num_samples}) must be >= 1 (Megatron's interactive mode, 0, is not "
@@ -134,30 +157,85 @@ def main(argv: list[str] | None = None) -> int:
             except TooManyTokensError as err:
                 raise _too_long(prompt, err) from None
             lengths[prompt] = n
-        generator = torch.Generator().manual_seed(a.seed)
-        sink = _open_output(a.sample_output_file)
-        try:
-            for prompt in prompts:
-                for _ in range(a.num_samples):
-                    g = gen.generate(
-                        prompt,
-                        max_new_tokens=lengths[prompt],
-                        params=params,
-                        generator=generator,
-                        stop_at_eod=not a.no_stop_at_eod,
-                    )
-                    row = {"prompt": g.prompt, "text": g.text, "tokens": g.tokens}
+        rows = _generate(gen, a, prompts, lengths, params)
+        if gen.is_server_rank:  # every rank generated; one writes
+            sink = _open_output(a.sample_output_file)
+            try:
+                for row in rows:
                     if sink is not None:
                         sink.write(json.dumps(row, ensure_ascii=False) + "\n")
                     else:
-                        print(f"{g.prompt}{g.text}\n{'-' * 40}")
-        finally:
-            if sink is not None:
-                sink.close()
+                        print(f"{row['prompt']}{row['text']}\n{'-' * 40}")
+            finally:
+                if sink is not None:
+                    sink.close()
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _is_rank_zero():
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    finally:
+        from megatron.text_generation.distributed import destroy_inference_distributed
+
+        destroy_inference_distributed()
     return 0
+
+
+def _is_rank_zero() -> bool:
+    """Global rank 0 (before the process group exists: the launcher's RANK), which alone prints errors."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _generate(
+    gen: Any,
+    a: argparse.Namespace,
+    prompts: list[str],
+    lengths: dict[str, int],
+    params: Any,
+) -> list[dict[str, Any]]:
+    """Every sample as a JSON row: ``--num-samples`` per prompt (sample ``k`` of the run seeded with
+    ``prompt_seed(--seed, k)``), in batches of ``--batch-size``; or the best beam-search hypotheses."""
+    from megatron.text_generation import PromptRequest, prompt_seed
+
+    if a.beam_width is not None:
+        rows = []
+        for prompt in prompts:
+            for g in gen.beam_search(
+                prompt,
+                beam_width=a.beam_width,
+                max_new_tokens=lengths[prompt],
+                stop_token=None,
+                length_penalty=a.length_penalty,
+                num_return_gen=a.num_samples,
+            ):
+                rows.append(
+                    {"prompt": g.prompt, "text": g.text, "tokens": g.tokens, "score": g.score}
+                )
+        return rows
+    requests = [
+        PromptRequest(
+            prompt,
+            lengths[prompt],
+            params,
+            seed=prompt_seed(a.seed, i * a.num_samples + k),
+            stop_at_eod=not a.no_stop_at_eod,
+            return_log_probs=a.return_log_probs,
+        )
+        for i, prompt in enumerate(prompts)
+        for k in range(a.num_samples)
+    ]
+    rows = []
+    for start in range(0, len(requests), a.batch_size):
+        for g in gen.generate_requests(requests[start : start + a.batch_size]):
+            row = {"prompt": g.prompt, "text": g.text, "tokens": g.tokens}
+            if a.return_log_probs:
+                row["prompt_log_probs"] = g.prompt_log_probs
+                row["log_probs"] = g.log_probs
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@
 Legend: ``s`` new tokens this forward, ``S`` cached + new tokens, ``b`` batch, ``gp`` K/V groups on this TP rank,
 ``hn`` head dim.
 
+Batches of prompts of different lengths are left-padded: ``set_padding(pad [b, S_max])`` marks the cache slots that
+hold padding; every query then ignores those keys (a padding query sees only itself, so no row of the softmax is
+empty). A row's real tokens see exactly the keys they would see alone.
+
+Beam search reorders the batch rows of every layer's cache with :meth:`InferenceParams.reorder`.
+
 Usage: create one ``InferenceParams`` per generated batch, run the prompt through the model with it (the
 "prefill"), then one token at a time; after every forward the caller advances ``sequence_len_offset`` by the number
 of tokens it fed. Each attention layer keeps ``[max_sequence_length, b, gp, hn]`` K and V buffers, writes the new
@@ -37,6 +43,37 @@ class InferenceParams:
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.padding: torch.Tensor | None = (
+            None  # [b, max_sequence_length] bool, True = a padding slot
+        )
+
+    def set_padding(self, padding: torch.Tensor | None) -> None:
+        """Mark padding slots: bool ``[b, max_sequence_length]`` (True = padding), or None for none.
+
+        Raises:
+            ValueError: a shape other than ``[b <= max_batch_size, max_sequence_length]``.
+        """
+        if padding is not None and (
+            padding.dim() != 2
+            or padding.shape[0] > self.max_batch_size
+            or padding.shape[1] != self.max_sequence_length
+        ):
+            raise ValueError(
+                f"padding must be [b <= {self.max_batch_size}, {self.max_sequence_length}]; got "
+                f"{tuple(padding.shape)}."
+            )
+        self.padding = None if padding is None or not bool(padding.any()) else padding.bool()
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Replace every layer's cache rows by ``rows`` (int64 ``[b]`` indices into the batch; beam search)."""
+        for number, (k, v) in self.key_value_memory_dict.items():
+            idx = rows.to(k.device)
+            self.key_value_memory_dict[number] = (
+                k.index_select(1, idx),  # [S_max, b, gp, hn] -> rows picked
+                v.index_select(1, idx),
+            )
+        if self.padding is not None:
+            self.padding = self.padding.index_select(0, rows.to(self.padding.device))
 
     def update_kv(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
@@ -65,10 +102,23 @@ class InferenceParams:
         return k_cache[:end, :b], v_cache[:end, :b]  # [S, b, gp, hn]
 
     def attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
-        """Bool ``[1, 1, s, S]`` mask (True = masked) for ``s`` new queries after ``offset`` cached tokens; None
-        (plain causal) when nothing is cached yet."""
+        """Bool mask (True = masked) for ``s`` new queries after ``offset`` cached tokens: ``[1, 1, s, S]``
+        causal, ``[b, 1, s, S]`` with padding slots masked too; None (plain causal) when nothing is cached and
+        nothing is padding."""
         offset = self.sequence_len_offset
-        if offset == 0:
+        if offset == 0 and self.padding is None:
             return None
-        full = torch.ones(s, offset + s, dtype=torch.bool, device=device)
-        return full.triu(offset + 1).view(1, 1, s, offset + s)  # query i sees keys <= offset + i
+        total = offset + s
+        full = torch.ones(s, total, dtype=torch.bool, device=device)
+        causal = full.triu(offset + 1).view(1, 1, s, total)  # query i sees keys <= offset + i
+        if self.padding is None:
+            return causal
+        pad = self.padding[:, :total].to(device)  # [b, S]
+        b = pad.shape[0]
+        masked = causal | pad.view(b, 1, 1, total)  # [b, 1, s, S]
+        own = torch.arange(s, device=device)
+        diag = torch.zeros(1, 1, s, total, dtype=torch.bool, device=device)
+        diag[0, 0, own, own + offset] = (
+            True  # a padding query keeps its own key: no empty softmax row
+        )
+        return masked & ~diag

@@ -343,3 +343,36 @@ def communication_device(group: ProcessGroup | None = None) -> torch.device:
     if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# --- pipeline point-to-point and object broadcast (generation) ------------------------------------------------
+
+
+def send_to_group_rank(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup) -> Any:
+    """Start sending ``tensor`` to group rank ``dst_group_rank`` (e.g. the next pipeline stage); returns the handle
+    whose ``wait()`` completes it. ``tensor`` must not be written until then."""
+    return dist.isend(
+        tensor.contiguous(), dst=dist.get_global_rank(group, dst_group_rank), group=group
+    )
+
+
+def recv_from_group_rank(
+    buffer: torch.Tensor, src_group_rank: int, group: ProcessGroup
+) -> torch.Tensor:
+    """Fill ``buffer`` (its shape and dtype agreed with the sender) from group rank ``src_group_rank``."""
+    dist.recv(buffer, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return buffer
+
+
+def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
+    """Group rank ``src_group_rank``'s picklable ``obj`` on every rank of ``group`` (default: the world); the
+    argument is ignored elsewhere. Identity without torch.distributed or on a group of one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    size = dist.get_world_size(group)
+    if size == 1:
+        return obj
+    box = [obj]
+    src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+    dist.broadcast_object_list(box, src=src, group=group, device=communication_device(group))
+    return box[0]

@@ -1,9 +1,12 @@
-"""Autoregressive text generation from a Trident checkpoint (one process; the checkpoint may have any layout).
+"""Autoregressive text generation from a Trident checkpoint, in one process or at a TP x PP layout.
 
-The checkpoint's TP/PP shards (or ZeRO-3 partitions) are merged into one TP = 1 ``GPTModel``
-(``megatron.checkpointing.readers``), which runs on one device. The prompt runs once ("prefill"), then every new token runs alone against the
-model's KV cache (``megatron.model.InferenceParams``). Large-scale serving (batching many requests, TP inference) is
-out of scope: export to Hugging Face for that.
+:class:`TextGenerator` pairs the tokenizer with an :class:`~megatron.text_generation.engine.InferenceEngine` over
+this rank's pipeline stage. In one process the stage is the whole model (any checkpoint layout is read into it);
+launched like training (``torchrun``, ``deepspeed``, ``srun``) with ``--tensor-model-parallel-size`` and
+``--pipeline-model-parallel-size`` each rank reads only its shard of its stage
+(``megatron.text_generation.distributed``), and every public generation method is collective: every rank calls it
+with the same arguments and gets the same result. The prompt runs once ("prefill"), then each new token runs alone
+against the KV cache (``megatron.model.InferenceParams``); several prompts form one left-padded batch.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron.checkpointing.readers import build_megatron_model, read_checkpoint_weights
 from megatron.config import ModelConfig
-from megatron.model import InferenceParams
+from megatron.model.stage import GPTStage
+from megatron.mpu.mappings import broadcast_object
+from megatron.mpu.parallel_state import ProcessGroup
+from megatron.text_generation.distributed import load_stage
+from megatron.text_generation.engine import InferenceEngine, TokenRequest, TokenResult
 from megatron.text_generation.sampling import SamplingParams, sample_next
 from megatron.tokenizer import build_tokenizer, encoding_fingerprint
 
@@ -38,6 +45,31 @@ class Generated:
     tokens: list[int]
     """Generated token ids (EOD included when the sample ended with it)."""
     stopped_at_eod: bool
+    log_probs: list[float] | None = None
+    """log p of each generated token (the model's distribution: temperature 1, no filters), when asked."""
+    prompt_log_probs: list[float] | None = None
+    """log p(prompt[i] | prompt[:i]) for i = 1 .. len(prompt) - 1, when asked."""
+    score: float | None = None
+    """Beam search: the hypothesis's length-penalised score."""
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th prompt (or sample) of a request seeded with ``seed``: each prompt draws from its
+    own stream, so its text depends on the seed and its place in the request, never on how it was batched."""
+    return (seed * 1_000_003 + index) % (1 << 63)
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt of a batch (:meth:`TextGenerator.generate_requests`)."""
+
+    prompt: str
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int
+    """This prompt's own ``torch.Generator().manual_seed(seed)``: its output never depends on its batch-mates."""
+    stop_at_eod: bool = True
+    return_log_probs: bool = False
 
 
 class TooManyTokensError(ValueError):
@@ -121,15 +153,17 @@ def generate_tokens(
 
 
 class TextGenerator:
-    """A checkpoint's model and tokenizer, ready to generate.
+    """A checkpoint's model (this rank's pipeline stage) and tokenizer, ready to generate.
 
     Args:
-        model: a TP = 1 ``GPTModel`` in eval mode.
+        model: a TP = 1 ``GPTModel`` in eval mode (one process), or this rank's ``GPTStage``.
         config: its ``ModelConfig`` (true vocabulary, positions).
         tokenizer: a ``MegatronTokenizer``.
         device: where ``model`` lives.
         tokenizer_fallback: ``tokenizer`` is the ``NullTokenizer`` chosen because the checkpoint records no
             tokenizer (errors on text prompts then say so).
+        pp_group: the pipeline group of a ``GPTStage`` (None: one stage).
+        micro_batch_size: rows per micro-batch through the pipeline (None: ``ceil(batch / PP)``).
     """
 
     def __init__(
@@ -140,12 +174,18 @@ class TextGenerator:
         device: torch.device,
         *,
         tokenizer_fallback: bool = False,
+        pp_group: ProcessGroup | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         self.model = model
+        self.stage = model if isinstance(model, GPTStage) else GPTStage.from_model(model)  # type: ignore[arg-type]
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
         self.tokenizer_fallback = tokenizer_fallback
+        self.engine = InferenceEngine(
+            self.stage, pp_group=pp_group, device=device, micro_batch_size=micro_batch_size
+        )
 
     @classmethod
     def from_checkpoint(
@@ -154,10 +194,13 @@ class TextGenerator:
         *,
         tag: str | None = None,
         tokenizer: dict[str, str] | None = None,
-        device: str | None = None,
+        device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        micro_batch_size: int | None = None,
     ) -> TextGenerator:
-        """Load a Trident checkpoint (any TP/PP/ZeRO) and its tokenizer (recorded at training, or ``tokenizer``).
+        """Load a Trident checkpoint (any saved TP/PP/ZeRO) at the current layout (collective: every rank calls it
+        after ``init_inference_distributed``; one process: the whole model) and its tokenizer (recorded at
+        training, or ``tokenizer``).
 
         Without a recorded tokenizer (a ``--vocab-size`` run) the ``NullTokenizer`` is used: prompts and output are
         space-separated token ids.
@@ -166,36 +209,32 @@ class TextGenerator:
             FileNotFoundError / ValueError: no checkpoint, unreadable files, or a tokenizer whose vocabulary
                 differs from the model's.
         """
-        full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag)
-        # No tokenizer recorded = trained with --vocab-size only: NullTokenizer (text = space-separated ids,
-        # EOD = the last id), as the run used.
-        fallback = not (tokenizer or meta.get("tokenizer"))
-        info = tokenizer or meta.get("tokenizer") or {"tokenizer_type": "NullTokenizer"}
-        files = {
-            k: info.get(k)
-            for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-        }
-        tok = build_tokenizer(**files, vocab_size=cfg.vocab_size - 1)
-        if tok.vocab_size != cfg.vocab_size:
-            raise ValueError(
-                f"the {info['tokenizer_type']} tokenizer has {tok.vocab_size} tokens but the model was "
-                f"trained with {cfg.vocab_size}; pass the training tokenizer's flags."
-            )
-        trained = (meta.get("tokenizer") or {}).get("fingerprint")
-        if trained and encoding_fingerprint(tok) != trained:
-            raise ValueError(
-                f"the {info['tokenizer_type']} tokenizer encodes text into other ids than the one the model was "
-                "trained with (its files changed since training, or they are another tokenizer's); pass the "
-                "training tokenizer's flags."
-            )
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_megatron_model(full, cfg).to(device=dev, dtype=dtype)
-        return cls(model, cfg, tok, dev, tokenizer_fallback=fallback)
+        stage, cfg, meta, pp_group = load_stage(ckpt_dir, tag, dtype=dtype, device=dev)
+        tok, fallback = _checkpoint_tokenizer(cfg, meta, tokenizer)
+        return cls(
+            stage,
+            cfg,
+            tok,
+            dev,
+            tokenizer_fallback=fallback,
+            pp_group=pp_group,
+            micro_batch_size=micro_batch_size,
+        )
 
     @property
     def max_positions(self) -> int:
         """The context length: learned position table size, else the training sequence length."""
         return self.config.max_position_embeddings or self.config.seq_length
+
+    @property
+    def is_server_rank(self) -> bool:
+        """Global rank 0 (or a single process): the rank that talks to users."""
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    def broadcast_work(self, obj: Any) -> Any:
+        """Global rank 0's picklable ``obj`` on every rank (collective; the identity in one process)."""
+        return broadcast_object(obj)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The token ids ``prompt`` starts from (an empty prompt: the EOD token).
@@ -239,21 +278,27 @@ class TextGenerator:
         whole = self.tokenizer.detokenize(prompt_ids + new_ids)
         return whole[len(head) :] if whole.startswith(head) else alone
 
+    def _generated(
+        self, prompt: str, ids: list[int], out: TokenResult, stop: int | None
+    ) -> Generated:
+        ended = stop is not None and bool(out.tokens) and out.tokens[-1] == stop
+        text = self._continuation(ids if prompt else [], out.tokens[:-1] if ended else out.tokens)
+        return Generated(
+            prompt=prompt,
+            text=text,
+            tokens=list(out.tokens),
+            stopped_at_eod=ended and stop == self.tokenizer.eod,
+            log_probs=list(out.log_probs) if out.log_probs else None,
+            prompt_log_probs=out.prompt_log_probs,
+            score=out.score,
+        )
+
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Whole-sequence logits ``[1, s] -> [1, s, vp]`` without the cache (one stage, one TP rank)."""
+        if self.engine.pp_size > 1 or self.stage.parallel.tp_size > 1:
+            raise ValueError("generation without the KV cache runs in one process (TP = PP = 1).")
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, s]
-        return self.model(tokens, pos)
-
-    def _cached_step_fn(self) -> StepFn:
-        """A fresh KV cache and the step function feeding it (one per generated sample)."""
-        cache = InferenceParams(max_batch_size=1, max_sequence_length=self.max_positions)
-
-        def step(tokens: torch.Tensor, offset: int) -> torch.Tensor:
-            s = tokens.shape[1]
-            pos = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)  # [1, s]
-            cache.sequence_len_offset = offset
-            return self.model(tokens, pos, inference_params=cache)
-
-        return step
+        return self.stage(tokens, pos).transpose(0, 1)  # [s, 1, vp] -> [1, s, vp]
 
     @torch.no_grad()
     def generate(
@@ -265,31 +310,120 @@ class TextGenerator:
         generator: torch.Generator,
         stop_at_eod: bool = True,
         use_cache: bool = True,
+        return_log_probs: bool = False,
     ) -> Generated:
         """Continue ``prompt`` (an empty prompt starts from the EOD token, Megatron's unconditional samples).
 
         ``use_cache=False`` re-runs the whole sequence for every token (the reference the KV cache is tested
-        against).
+        against; one process only). Collective at TP/PP > 1.
 
         Raises:
             ValueError / TooManyTokensError: see :meth:`check_request`; nothing is generated then.
         """
         ids = self.check_request(prompt, max_new_tokens)
+        stop = self.tokenizer.eod if stop_at_eod else None
+        if use_cache:
+            req = TokenRequest(ids, max_new_tokens, params, generator, stop, return_log_probs)
+            return self._generated(prompt, ids, self.engine.generate([req])[0], stop)
         out = generate_tokens(
             self._logits,
             ids,
-            step_fn=self._cached_step_fn() if use_cache else None,
             vocab_size=self.config.vocab_size,
             max_positions=self.max_positions,
             max_new_tokens=max_new_tokens,
             params=params,
             generator=generator,
-            eod=self.tokenizer.eod if stop_at_eod else None,
+            eod=stop,
             device=self.device,
         )
-        ended = stop_at_eod and bool(out) and out[-1] == self.tokenizer.eod
-        text = self._continuation(ids if prompt else [], out[:-1] if ended else out)
-        return Generated(prompt=prompt, text=text, tokens=out, stopped_at_eod=ended)
+        return self._generated(prompt, ids, TokenResult(tokens=out), stop)
+
+    @torch.no_grad()
+    def generate_requests(self, requests: Sequence[PromptRequest]) -> list[Generated]:
+        """Generate every request in one batch (collective); each prompt's output is what it would be alone.
+
+        Raises:
+            ValueError / TooManyTokensError: a request that does not fit (nothing is generated then).
+        """
+        ids = [self.check_request(r.prompt, r.max_new_tokens) for r in requests]
+        stops = [self.tokenizer.eod if r.stop_at_eod else None for r in requests]
+        token_requests = [
+            TokenRequest(
+                i,
+                r.max_new_tokens,
+                r.params,
+                torch.Generator().manual_seed(r.seed),
+                stop,
+                r.return_log_probs,
+            )
+            for i, r, stop in zip(ids, requests, stops, strict=True)
+        ]
+        outs = self.engine.generate(token_requests)
+        return [
+            self._generated(r.prompt, i, o, stop)
+            for r, i, o, stop in zip(requests, ids, outs, stops, strict=True)
+        ]
+
+    @torch.no_grad()
+    def beam_search(
+        self,
+        prompt: str,
+        *,
+        beam_width: int,
+        max_new_tokens: int,
+        stop_token: int | None = None,
+        length_penalty: float = 1.0,
+        num_return_gen: int = 1,
+    ) -> list[Generated]:
+        """Megatron's beam search from ``prompt`` (collective); best first, ``score`` set.
+
+        ``stop_token`` (default: EOD) ends a hypothesis; it is the last of its ``tokens``, not in its text.
+
+        Raises:
+            ValueError / TooManyTokensError: see :meth:`check_request`; a bad beam width or count.
+        """
+        ids = self.check_request(prompt, max_new_tokens)
+        stop = self.tokenizer.eod if stop_token is None else stop_token
+        outs = self.engine.beam_search(
+            ids,
+            beam_width=beam_width,
+            max_new_tokens=max_new_tokens,
+            stop_token=stop,
+            length_penalty=length_penalty,
+            num_return=num_return_gen,
+        )
+        return [self._generated(prompt, ids, o, stop if o.stopped else None) for o in outs]
+
+
+def _checkpoint_tokenizer(
+    cfg: ModelConfig, meta: dict[str, Any], tokenizer: dict[str, str] | None
+) -> tuple[Any, bool]:
+    """The tokenizer to generate with and whether it is the ``NullTokenizer`` fallback.
+
+    Raises:
+        ValueError: its vocabulary or encoding differs from the training tokenizer's.
+    """
+    # No tokenizer recorded = trained with --vocab-size only: NullTokenizer (text = space-separated ids,
+    # EOD = the last id), as the run used.
+    fallback = not (tokenizer or meta.get("tokenizer"))
+    info = tokenizer or meta.get("tokenizer") or {"tokenizer_type": "NullTokenizer"}
+    files = {
+        k: info.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+    }
+    tok = build_tokenizer(**files, vocab_size=cfg.vocab_size - 1)
+    if tok.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"the {info['tokenizer_type']} tokenizer has {tok.vocab_size} tokens but the model was "
+            f"trained with {cfg.vocab_size}; pass the training tokenizer's flags."
+        )
+    trained = (meta.get("tokenizer") or {}).get("fingerprint")
+    if trained and encoding_fingerprint(tok) != trained:
+        raise ValueError(
+            f"the {info['tokenizer_type']} tokenizer encodes text into other ids than the one the model was "
+            "trained with (its files changed since training, or they are another tokenizer's); pass the "
+            "training tokenizer's flags."
+        )
+    return tok, fallback
 
 
 def _is_int(word: str) -> bool:

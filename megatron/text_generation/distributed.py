@@ -1,0 +1,178 @@
+"""Process groups and the per-rank model for generation at a TP x PP layout (launched like training).
+
+    torchrun --nproc-per-node 4 tools/generate_text.py --load ckpt --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --prompt "..."
+
+:func:`init_inference_distributed` reads the launcher's environment (torchrun, the ``deepspeed`` launcher, ``srun``;
+nothing = one process), checks the layout against the checkpoint and the world size before any group exists (every
+rank raises the same error, none hangs), creates the default group (gloo on CPU, NCCL on CUDA) and the
+``parallel_state`` groups. :func:`load_stage` then builds this rank's :class:`GPTStage` and reads only its share of
+the checkpoint (``megatron.checkpointing.stage_reader``). With one process nothing distributed is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing.readers import read_checkpoint_config
+from megatron.checkpointing.stage_reader import read_stage_weights
+from megatron.config import ModelConfig
+from megatron.layout.pipeline import split_layers_for_pp
+from megatron.model.stage import GPTStage
+from megatron.model.utils import check_tensor_parallel_shapes
+from megatron.mpu import parallel_state
+from megatron.mpu.context import ParallelContext
+from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size
+from megatron.training.initialize import ensure_rendezvous_env
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_layout(
+    tensor_model_parallel_size: int | None,
+    pipeline_model_parallel_size: int | None,
+    *,
+    world_size: int,
+    config: ModelConfig,
+    saved: tuple[int, int],
+) -> tuple[int, int]:
+    """``(TP, PP)`` for generation: the flags, else the checkpoint's layout when it fills the world, else
+    TP = world / PP.
+
+    Raises:
+        ValueError: TP x PP differs from the number of processes, a size < 1, or the model does not split so.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp is None and pp is None and saved[0] * saved[1] == world_size:
+        tp, pp = saved
+    pp = pp or 1
+    if tp is None:
+        tp = max(1, world_size // pp)
+    if tp < 1 or pp < 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1."
+        )
+    if tp * pp != world_size:
+        raise ValueError(
+            f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp} ranks, "
+            f"but {world_size} processes were launched; generation has no data parallelism, so launch "
+            f"{tp * pp} processes (torchrun --nproc-per-node {tp * pp}) or change the sizes."
+        )
+    check_tensor_parallel_shapes(config, tp)
+    split_layers_for_pp(config.num_layers, pp)  # raises for more stages than layers
+    return tp, pp
+
+
+def init_inference_distributed(
+    tensor_model_parallel_size: int | None,
+    pipeline_model_parallel_size: int | None,
+    *,
+    ckpt_dir: str | Path,
+    tag: str | None = None,
+    device: str | None = None,
+    timeout_minutes: float = 30.0,
+) -> torch.device:
+    """Join the launched job (if any) and build the TP/PP groups; returns this rank's device.
+
+    Raises:
+        ValueError / FileNotFoundError: see :func:`resolve_layout`; no checkpoint at ``ckpt_dir``; a CUDA device
+            asked for without one.
+    """
+    _, config, meta = read_checkpoint_config(ckpt_dir, tag)
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ:
+        ensure_rendezvous_env()
+    world = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    saved = (int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"]))
+    tp, pp = resolve_layout(
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        world_size=world,
+        config=config,
+        saved=saved,
+    )
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {kind}: this torch sees no CUDA device; use --device cpu.")
+    dev = torch.device(kind)
+    if kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if world == 1 and not dist.is_initialized():
+        return dev
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(tp, pp, timeout=timedelta(minutes=timeout_minutes))
+    if dist.get_rank() == 0:
+        logger.info(
+            "generation at TP = %d x PP = %d (checkpoint saved at TP = %d x PP = %d)",
+            tp,
+            pp,
+            *saved,
+        )
+    return dev
+
+
+def destroy_inference_distributed() -> None:
+    """Tear down what :func:`init_inference_distributed` created (nothing in one process)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def inference_groups() -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """``(tp_group, pp_group)`` of this rank: ``parallel_state``'s, or ``(None, None)`` in one process."""
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and parallel_state.model_parallel_is_initialized()
+    ):
+        state = parallel_state.get_parallel_state()
+        return state.get_tensor_model_parallel_group(), state.get_pipeline_model_parallel_group()
+    return None, None
+
+
+def load_stage(
+    ckpt_dir: str | Path,
+    tag: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[GPTStage, ModelConfig, dict[str, Any], ProcessGroup | None]:
+    """This rank's stage of the checkpoint (eval mode) at the current layout: ``(stage, config, meta, pp_group)``.
+
+    Raises:
+        FileNotFoundError / ValueError: no checkpoint, a missing or damaged file of this stage.
+    """
+    found, config, meta = read_checkpoint_config(ckpt_dir, tag)
+    tp_group, pp_group = inference_groups()
+    pp, pp_rank = group_world_size(pp_group), group_rank(pp_group)
+    layers = split_layers_for_pp(config.num_layers, pp)[pp_rank]
+    parallel = ParallelContext(seed=0, tp_group=tp_group, params_dtype=dtype, device=device)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    stage = GPTStage(config, parallel, layers=layers, pre_process=first, post_process=last)
+    weights = read_stage_weights(
+        Path(ckpt_dir) / found,
+        meta,
+        config,
+        tp=parallel.tp_size,
+        tp_rank=parallel.tp_rank,
+        layers=layers,
+        pre_process=first,
+        post_process=last,
+    )
+    stage.load_state_dict(weights, strict=True)
+    return stage.eval(), config, meta, pp_group
