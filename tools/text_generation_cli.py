@@ -1,10 +1,13 @@
 """Interactive client of tools/run_text_generation_server.py (Megatron's ``text_generation_cli.py``).
 
     python tools/text_generation_cli.py localhost:5000 [--tokens-to-generate 64] [--top_p 0.9]
+        [--random-seed 1234] [--logprobs] [--beam-width 4]
 
-Reads a prompt per line from standard input and prints each completion. The address is checked before the first
-prompt is read. Exit codes: 0 end of input, 2 a malformed address, or the server cannot be reached or refuses the
-request (one ``error:`` line with its message).
+Reads a prompt per line from standard input and prints each completion (with ``--logprobs`` a second line
+``logprobs: [...]``: the log-probs of the prompt's tokens 1..n-1 and of the generated ones; with ``--beam-width``
+every beam, best first, each followed by ``score: ...``). The address is checked before the first prompt is read;
+a busy server (503: queue full) is asked again up to 5 times, a second apart. Exit codes: 0 end of input, 2 a
+malformed address, or the server cannot be reached or refuses the request (one ``error:`` line with its message).
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
 
-def request(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    """PUT ``body`` as JSON to ``url``; the decoded answer.
+def request(
+    url: str, body: dict[str, Any], timeout: float = 600.0, *, busy_retries: int = 0
+) -> dict[str, Any]:
+    """PUT ``body`` as JSON to ``url``; the decoded answer. A 503 (queue full) is retried ``busy_retries`` times,
+    a second apart.
 
     Raises:
         ValueError: the server answered an error (its message) or something that is not JSON.
@@ -35,6 +42,9 @@ def request(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str,
     except json.JSONDecodeError:
         raise ValueError(f"{url} answered something that is not JSON; is it our server?") from None
     except urllib.error.HTTPError as err:
+        if err.code == 503 and busy_retries > 0:
+            time.sleep(1.0)
+            return request(url, body, timeout, busy_retries=busy_retries - 1)
         try:
             message = json.loads(err.read()).get("error", err.reason)
         except (json.JSONDecodeError, AttributeError):
@@ -81,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_k", "--top-k", dest="top_k", type=int, default=0)
     p.add_argument("--top_p", "--top-p", dest="top_p", type=float, default=0.0)
+    p.add_argument("--random-seed", type=int, default=None, help="same seed, same text")
+    p.add_argument("--logprobs", action="store_true", help="also print the tokens' log-probs")
+    p.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams")
     a = p.parse_args(argv)
     try:
         url = api_url(a.address)  # before the first prompt is read
@@ -96,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": a.top_k,
             "top_p": a.top_p,
         }
+        if a.random_seed is not None:
+            body["random_seed"] = a.random_seed
+        if a.logprobs:
+            body["logprobs"] = True
+        if a.beam_width is not None:
+            body["beam_width"] = a.beam_width
         try:
-            answer = request(url, body)
+            answer = request(url, body, busy_retries=5)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -109,8 +128,20 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(answer["text"][0], flush=True)
+        _print_answer(answer)
     return 0
+
+
+def _print_answer(answer: dict[str, Any]) -> None:
+    """The completion (every beam with its score for beam search; the log-probs when asked)."""
+    if "scores" in answer:
+        for text, score in zip(answer["text"], answer["scores"], strict=False):
+            print(text, flush=True)
+            print(f"score: {score}", flush=True)
+        return
+    print(answer["text"][0], flush=True)
+    if "logprobs" in answer:
+        print(f"logprobs: {json.dumps(answer['logprobs'][0])}", flush=True)
 
 
 if __name__ == "__main__":

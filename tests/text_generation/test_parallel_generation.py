@@ -36,18 +36,18 @@ BEAM_WIDTH = 4
 LENGTH_PENALTY = 0.8
 COMMON = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
-    "--init-method-std", "0.05", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
     "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
     "--mock-data", "--vocab-size", "199", "--eval-iters", "0", "--log-level", "WARNING", "--seed", "5",
 ]  # fmt: skip
 MODELS = {
     "gpt2": (
-        [*GPT2_FLAGS, *COMMON, "--seq-length", "32", "--max-position-embeddings", "48"],
+        [*GPT2_FLAGS, *COMMON, "--init-method-std", "0.3", "--seq-length", "32", "--max-position-embeddings", "48"],
         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
         4,
     ),
     "llama": (
-        [*LLAMA_FLAGS, *COMMON, "--num-key-value-heads", "4", "--ffn-hidden-size", "128",
+        [*LLAMA_FLAGS, *COMMON, "--init-method-std", "0.2", "--num-key-value-heads", "4", "--ffn-hidden-size", "128",
          "--seq-length", "48"],
         ["--tensor-model-parallel-size", "4"],
         4,

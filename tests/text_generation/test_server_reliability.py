@@ -46,7 +46,8 @@ def address() -> Iterator[tuple[str, int]]:
     gen = TextGenerator(
         GPTModel(CFG, ParallelContext(seed=4)).eval(), CFG, tok, torch.device("cpu")
     )
-    server = make_server(gen, "127.0.0.1", 0, read_timeout=READ_TIMEOUT)
+    # One prompt per batch: a 16-prompt request generates long enough (about 1.5 s) to be reset meanwhile.
+    server = make_server(gen, "127.0.0.1", 0, read_timeout=READ_TIMEOUT, max_batch_size=1)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server.server_address[:2]
@@ -79,6 +80,12 @@ def _generate_ok(address: tuple[str, int]) -> None:
     req = urllib.request.Request(f"http://{host}:{port}/api", data=body, method="PUT")
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200 and len(json.loads(resp.read())["tokens"][0]) == 3
+
+
+def _health(address: tuple[str, int]) -> dict:
+    host, port = address
+    with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=30) as resp:
+        return json.loads(resp.read())
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -131,8 +138,9 @@ def test_client_disconnects_are_one_line(address, caplog, capfd) -> None:
     s = _connect(address)
     s.sendall(b"PUT /api HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     time.sleep(0.3)  # the server has read it and is generating
+    assert _health(address)["in_flight"] == 1
     _reset(s)
-    # Still serving (this request waits for the generation lock: the dropped one has finished).
+    # Still serving (this request is queued behind the dropped one's prompts).
     _generate_ok(address)
     time.sleep(0.2)
     err = capfd.readouterr().err
