@@ -6,7 +6,8 @@ Launch with ``torchrun``, ``deepspeed``, a plain RANK/WORLD_SIZE/MASTER_* enviro
 
 Exit codes (``megatron/training/exit_codes.py``): 0 finished; 1 unexpected error (traceback); 2 bad flags or
 missing files, a --save another run holds, LR flags that differ from the checkpoint's schedule (one ``error: ...``
-line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm; 130 Ctrl-C.
+line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm; 7 the hang
+watchdog (--hang-timeout-minutes); 130 Ctrl-C.
 """
 
 from __future__ import annotations

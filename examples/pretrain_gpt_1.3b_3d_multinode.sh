@@ -14,7 +14,8 @@ HOSTFILE=${HOSTFILE:-hostfile}
 DATA=${DATA:-data/my-gpt2_text_document}
 OUT=${OUT:-runs/gpt-1.3b}
 
-# --- NCCL over InfiniBand / RoCE. The deepspeed launcher forwards NCCL_* variables to every node. ---
+# --- NCCL over InfiniBand / RoCE. The deepspeed launcher forwards NCCL_* variables to every node; the others go
+# through .deepspeed_env (written below). ---
 export NCCL_IB_DISABLE=0                   # use InfiniBand/RoCE verbs (1 would force TCP sockets: slow)
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1}   # HCAs (and ports) NCCL may use; `ibstat` lists them
 export NCCL_IB_GID_INDEX=${NCCL_IB_GID_INDEX:-3}   # RoCE v2 only: the GID of the RoCEv2/IPv4 address (`show_gids`); unset on IB
@@ -46,6 +47,17 @@ ARGS=(
 )
 
 if [[ "${TRIDENT_EXAMPLE_NO_LAUNCH:-0}" == 1 ]]; then return 0 2>/dev/null || exit 0; fi
+
+# The launcher starts the other nodes over ssh (pdsh) in a fresh environment and forwards to them only the NCCL_*,
+# PYTHON*, MLFLOW*, MV2* and UCX* variables of this shell plus the VAR=value lines of .deepspeed_env (read from
+# ~ and then from the launch directory): GLOO_SOCKET_IFNAME and the two settings below would reach this node alone.
+# One VAR=value per line, no comments, no blank lines (DeepSpeed splits every line at its first "="). This
+# overwrites ./.deepspeed_env. (With --no_ssh, each node runs its own launcher and no file is read: export there.)
+cat > .deepspeed_env <<EOF
+GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME
+TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING
+CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS
+EOF
 
 deepspeed --hostfile "$HOSTFILE" --num_nodes "$NNODES" --num_gpus "$GPUS_PER_NODE" \
   --master_port 29500 pretrain_gpt.py "${ARGS[@]}"

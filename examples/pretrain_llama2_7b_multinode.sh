@@ -16,7 +16,8 @@ DATA=${DATA:-data/llama_text_document}
 TOKENIZER=${TOKENIZER:-data/llama2-tokenizer.model}
 OUT=${OUT:-runs/llama2-7b}
 
-# --- NCCL over InfiniBand / RoCE (torchrun: set on every node; each node runs this script). ---
+# --- NCCL over InfiniBand / RoCE (torchrun: set on every node; each node runs this script, so every export below
+# reaches its ranks: no .deepspeed_env needed, unlike the deepspeed launcher's pdsh path). ---
 export NCCL_IB_DISABLE=0                   # use InfiniBand/RoCE verbs, never silently fall back to TCP
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}    # HCA name prefix (all mlx5_* ports); list specific ones as mlx5_0:1,mlx5_1:1
 export NCCL_IB_GID_INDEX=${NCCL_IB_GID_INDEX:-3}   # RoCE v2: GID index of the RoCEv2 address (see `show_gids`); ignored on IB

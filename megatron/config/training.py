@@ -96,6 +96,12 @@ class TrainingConfig:
     """Stop (after saving) once this many minutes have passed; exit code 4."""
     exit_signal_handler: bool = True
     """SIGTERM saves a checkpoint and exits with code 5."""
+    hang_timeout_minutes: float | None = None
+    """Hang watchdog: a rank whose training step (or checkpoint save) takes longer than this dumps its Python
+    stacks to the log and exits with code 7 instead of waiting for the collective's timeout (0 or unset: off)."""
+    hang_timeout_factor: float | None = None
+    """Hang watchdog: a training step may take this many times the median step so far (from the 6th step on;
+    with --hang-timeout-minutes, the larger of the two limits); exit code 7 (0 or unset: off)."""
     skip_train: bool = False
     """No training iterations: only the end-of-training evaluations (validation, test) of the model, e.g. of a
     --load'ed checkpoint."""

@@ -243,6 +243,19 @@ def _check_tokens(cfg: TridentConfig) -> None:
         )
 
 
+def _check_hang_timeout(cfg: TridentConfig) -> None:
+    t = cfg.training
+    if t.hang_timeout_minutes is not None and t.hang_timeout_minutes < 0:
+        raise ValueError(
+            f"--hang-timeout-minutes ({t.hang_timeout_minutes}) must be >= 0 (0 turns the hang watchdog off)."
+        )
+    if t.hang_timeout_factor and t.hang_timeout_factor <= 1:  # 0 / unset: off
+        raise ValueError(
+            f"--hang-timeout-factor ({t.hang_timeout_factor}) must be > 1 (a step may take this many times the "
+            "median step; every other step would exceed a factor <= 1); use e.g. 10, or 0 to turn it off."
+        )
+
+
 def _check_cpu_optimizer(cfg: TridentConfig) -> None:
     """--cpu-optimizer is Adam with ZeRO optimizer offload; --cpu_torch_adam only picks its implementation."""
     t, stage = cfg.training, cfg.parallel.zero_stage
@@ -301,3 +314,4 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     check_logging(cfg.logging, optimizer=cfg.training.optimizer, zero_stage=cfg.parallel.zero_stage)
     _check_cpu_optimizer(cfg)
     _check_position_flags(cfg)
+    _check_hang_timeout(cfg)

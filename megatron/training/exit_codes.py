@@ -12,12 +12,17 @@ code name                            meaning
 5    ``EXIT_SIGNAL``                 stopped by SIGTERM (exit signal handler); saved if --save
 6    ``EXIT_NON_FINITE``             a NaN/Inf loss or grad norm (--check-for-nan-in-loss-and-grad, on by default):
                                      nothing saved, ``latest`` stays at the last good checkpoint
+7    ``EXIT_HANG``                   a training step (or checkpoint save) ran past --hang-timeout-minutes /
+                                     --hang-timeout-factor: this rank's stacks are in its log (``watchdog.py``);
+                                     nothing saved
 130  ``EXIT_INTERRUPTED``            Ctrl-C (SIGINT): during training, the same clean stop as SIGTERM (saved if
                                      --save); before it, one line and no traceback
 ==== =============================== ===============================================================================
 
 A job scheduler that re-submits on 3, 4 or 5 resumes from ``--load`` where the run stopped; 6 needs a person (lower
---lr, resume from an earlier checkpoint, ...): resubmitting would stop at the same iteration again.
+--lr, resume from an earlier checkpoint, ...): resubmitting would stop at the same iteration again. On 7 read the
+stacks first (a rank not in the same collective as the others, a dead node, a network fault); resubmitting resumes
+from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ EXIT_INTERVAL = 3
 EXIT_DURATION = 4
 EXIT_SIGNAL = 5
 EXIT_NON_FINITE = 6
+EXIT_HANG = 7
 EXIT_INTERRUPTED = 130
 
 
@@ -44,5 +50,6 @@ EXIT_REASONS: dict[int, str] = {
     EXIT_DURATION: "--exit-duration-in-mins reached",
     EXIT_SIGNAL: "SIGTERM received",
     EXIT_NON_FINITE: "non-finite loss or grad norm",
+    EXIT_HANG: "hang watchdog fired (stacks in the log)",
     EXIT_INTERRUPTED: "interrupted (SIGINT)",
 }

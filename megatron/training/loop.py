@@ -10,7 +10,9 @@ as consumed, advance the schedule unless the step was skipped, then log (every -
 * SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``;
 * SIGINT (Ctrl-C): the same clean stop when any rank got it -> ``EXIT_INTERRUPTED`` (130).
 
-Each of them saves a checkpoint first when a save hook is present. A non-finite loss or grad norm
+Each of them saves a checkpoint first when a save hook is present. With --hang-timeout-minutes /
+--hang-timeout-factor each training step and each save runs under the rank's hang watchdog (``watchdog.py``: stacks
+in the log, then ``EXIT_HANG``); evaluation is not watched. A non-finite loss or grad norm
 (--check-for-nan-in-loss-and-grad, on by default) stops at once on every rank -> ``EXIT_NON_FINITE``, saving
 nothing, so ``latest`` stays at the last good checkpoint. Reaching --train-iters returns ``EXIT_OK`` (after
 saving the final iteration, unless --save-interval just did), also when that iteration is an exit point.
@@ -58,6 +60,7 @@ from megatron.training.state import TrainState
 from megatron.training.step import StepResult
 from megatron.training.step_log import StepLogger
 from megatron.training.trainer import Trainer
+from megatron.training.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -286,10 +289,13 @@ def train(
     state: TrainState,
     writer: MetricsWriter,
     step_log: StepLogger | None = None,
+    watchdog: HangWatchdog | None = None,
 ) -> int:
     """Run iterations until --train-iters (or --train-tokens) or an exit condition; returns the exit code.
 
-    ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration."""
+    ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration.
+    ``watchdog``: this rank's hang watchdog (``watchdog.py``), armed around each step and save; default: none."""
+    wd = watchdog if watchdog is not None else HangWatchdog(minutes=None, factor=None, rank=0)
     signals = _StopSignals(spec.exit_signal_handler)
     start = time.time()
     interval_start, interval_iters, interval_tokens = time.perf_counter(), 0, 0
@@ -302,7 +308,8 @@ def train(
             seqlen = spec.seqlen_at(state.iteration + 1)
             trainer.set_seqlen(seqlen)
             lr = trainer.apply_lr()
-            result = trainer.train_step()
+            with wd.watch("train step", state.iteration + 1):
+                result = trainer.train_step()
             state.iteration += 1
             state.consumed_train_samples += batch
             # tokens per sample: --seq-length, or the curriculum's length (Megatron-DeepSpeed counts those)
@@ -341,7 +348,8 @@ def train(
                 and spec.save_interval
                 and state.iteration % spec.save_interval == 0
             ):
-                trainer.save(state)
+                with wd.watch("checkpoint save", state.iteration):
+                    trainer.save(state)
                 saved, last_saved = True, state.iteration
             # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
             # resubmits on 3/4/5 would only relaunch a finished run.
@@ -349,11 +357,13 @@ def train(
             code = None if finished else _exit_code(spec, state, start, signals, trainer.device)
             if code is not None:
                 if trainer.save_enabled and not saved:
-                    trainer.save(state)
+                    with wd.watch("checkpoint save", state.iteration):
+                        trainer.save(state)
                 logger.info("exiting at iteration %d (exit code %d)", state.iteration, code)
                 return code
         if trainer.save_enabled and not saved and state.iteration > first_iteration:
-            trainer.save(state)  # Megatron saves the final iteration too
+            with wd.watch("checkpoint save", state.iteration):
+                trainer.save(state)  # Megatron saves the final iteration too
         return EXIT_OK
     finally:
         signals.restore()

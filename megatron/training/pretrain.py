@@ -45,6 +45,7 @@ from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
 from megatron.training.step_log import build_run_logging, timers_of
 from megatron.training.trainer import Trainer
+from megatron.training.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -212,17 +213,24 @@ def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainRes
     )
     writer, step_log = build_run_logging(cfg, plan, trainer, resume_from=state.iteration)
     test_loss = None
+    watchdog = HangWatchdog(
+        minutes=cfg.training.hang_timeout_minutes,
+        factor=cfg.training.hang_timeout_factor,
+        rank=global_rank(),
+    )
     try:
         code = (
             EXIT_OK
             if cfg.training.skip_train
-            else train(trainer, spec, rates, state, writer, step_log)
+            else train(trainer, spec, rates, state, writer, step_log, watchdog)
         )
+        watchdog.close()  # the final evaluations are not watched
         if code == EXIT_OK and state.last_eval_iteration != state.iteration:
             run_evaluation(trainer, spec, state, writer)
         if code == EXIT_OK:
             test_loss = run_test_evaluation(trainer, state, writer)
     finally:
+        watchdog.close()
         writer.close()
     return TrainResult(
         exit_code=code,

@@ -118,7 +118,7 @@ def test_every_flag_is_a_field_with_help_text() -> None:
     actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
     n_fields = sum(len(dataclasses.fields(cls)) for _, _, cls in SECTIONS) - len(NOT_FLAGS)
     # + --checkpoint-activations and --recompute-activations, the no-ops and the refused flags
-    assert len(actions) == n_fields + 2 + len(COMPAT_NO_OPS) + len(REFUSED) == 250
+    assert len(actions) == n_fields + 2 + len(COMPAT_NO_OPS) + len(REFUSED) == 252
     assert not [a.option_strings for a in actions if len((a.help or "").split()) < 3]
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
