@@ -7,7 +7,8 @@ is the adjoint of its forward. All take ``group=None`` meaning the TP group (see
 :func:`megatron.mpu.parallel_state.resolve_group`) and are no-ops on a group of one rank. Last-dim splits and
 gathers are the TP layout of hidden/vocab features; first-dim ones the sequence-parallel layout of ``[s, b, h]``.
 
-Plain helpers (no autograd) serve the cross-entropy, broadcast_data, and activation checkpointing.
+Plain helpers (no autograd) serve the cross-entropy, broadcast_data, activation checkpointing and the collective
+benchmark (``megatron/training/comm_bench.py``).
 """
 
 from __future__ import annotations
@@ -327,6 +328,43 @@ def all_gather_first_dim(tensor: torch.Tensor, group: ProcessGroup | None = None
     return _gather_first(tensor, resolve_group(group))
 
 
+def all_gather_into_(
+    out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Into ``out`` (preallocated, ``p`` times ``x`` along dim 0): every rank's ``x`` in group-rank order (no autograd)."""
+    group = resolve_group(group)
+    if group_world_size(group) == 1:
+        return out.copy_(x)
+    _all_gather_single(out, x.contiguous(), group=group)  # p x [n, ...] -> [p*n, ...]
+    return out
+
+
+def reduce_scatter_into_(
+    out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Into ``out`` (preallocated, ``x`` split ``p`` ways on dim 0): this rank's chunk summed over the group (no autograd)."""
+    group = resolve_group(group)
+    world = group_world_size(group)
+    if world == 1:
+        return out.copy_(x)
+    _check_divisible(x, 0, world, "reduce-scatter along dim 0")
+    _reduce_scatter_single(out, x.contiguous(), group=group)  # [p*n, ...] -> [n, ...] summed
+    return out
+
+
+def all_to_all_into_(
+    out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Into ``out`` (shaped like ``x``): chunk ``i`` of ``x`` (dim 0) goes to group rank ``i``; chunk ``j`` of ``out`` came from rank ``j``."""
+    group = resolve_group(group)
+    world = group_world_size(group)
+    if world == 1:
+        return out.copy_(x)
+    _check_divisible(x, 0, world, "all-to-all along dim 0")
+    dist.all_to_all_single(out, x.contiguous(), group=group)  # [p*n, ...] -> [p*n, ...] by rank
+    return out
+
+
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order (default TP group)."""
     group = resolve_group(group)
@@ -362,6 +400,26 @@ def recv_from_group_rank(
     """Fill ``buffer`` (its shape and dtype agreed with the sender) from group rank ``src_group_rank``."""
     dist.recv(buffer, src=dist.get_global_rank(group, src_group_rank), group=group)
     return buffer
+
+
+def send_recv_(
+    send: torch.Tensor,
+    dst_group_rank: int,
+    recv: torch.Tensor,
+    src_group_rank: int,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """Send ``send`` to group rank ``dst_group_rank`` while filling ``recv`` from ``src_group_rank`` (one batch, so a
+    ring of ranks that all send first cannot deadlock on NCCL); returns ``recv`` once both are done."""
+    ops = [
+        dist.P2POp(
+            dist.isend, send.contiguous(), dist.get_global_rank(group, dst_group_rank), group
+        ),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, src_group_rank), group),
+    ]
+    for handle in dist.batch_isend_irecv(ops):  # [...] -> dst; src -> [...]
+        handle.wait()
+    return recv
 
 
 def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
