@@ -33,6 +33,21 @@ def kernels_for(*tensors: torch.Tensor | None) -> ModuleType | None:
     return extension(first.device.type)
 
 
+class _Unrecorded:
+    """A stand-in for autograd's ctx when nothing is recorded (no_grad, e.g. generation): the forward runs alone,
+    without an autograd node around it (about 10 us less per call)."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        return None
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, or ``fn.forward`` alone when grad mode is off."""
+    if torch.is_grad_enabled():
+        return fn.apply(*args)
+    return fn.forward(_Unrecorded(), *args)
+
+
 def _empty_bias(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
@@ -93,7 +108,7 @@ def layer_norm(
     ext = kernels_for(x, gamma, beta) if fused and ok else None
     if ext is None:
         return reference.layer_norm(x, gamma, beta, eps)
-    return _LayerNorm.apply(x, gamma, beta, eps, ext)
+    return _apply(_LayerNorm, x, gamma, beta, eps, ext)
 
 
 def rms_norm(
@@ -103,7 +118,7 @@ def rms_norm(
     ext = kernels_for(x, gamma) if fused and _vectors(x.shape[-1], gamma) else None
     if ext is None:
         return reference.rms_norm(x, gamma, eps)
-    return _RMSNorm.apply(x, gamma, eps, ext)
+    return _apply(_RMSNorm, x, gamma, eps, ext)
 
 
 class _Softmax(torch.autograd.Function):
@@ -132,7 +147,7 @@ def scaled_upper_triang_masked_softmax(
     ext = kernels_for(x) if fused and square else None
     if ext is None:
         return reference.scaled_upper_triang_masked_softmax(x, scale)
-    return _Softmax.apply(x, None, scale, ext)
+    return _apply(_Softmax, x, None, scale, ext)
 
 
 def scaled_masked_softmax(
@@ -153,7 +168,7 @@ def scaled_masked_softmax(
     ext = kernels_for(x) if fused and shape_ok else None
     if ext is None:
         return reference.scaled_masked_softmax(x, mask, scale)
-    return _Softmax.apply(x, mask, scale, ext)
+    return _apply(_Softmax, x, mask, scale, ext)
 
 
 class _BiasAct(torch.autograd.Function):
@@ -184,7 +199,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True)
     ext = kernels_for(x, bias) if fused and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_gelu(x, bias)
-    return _BiasAct.apply(x, bias, "gelu", ext)
+    return _apply(_BiasAct, x, bias, "gelu", ext)
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
@@ -193,7 +208,7 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = Tru
     ext = kernels_for(x, bias) if fused and even and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_swiglu(x, bias)
-    return _BiasAct.apply(x, bias, "swiglu", ext)
+    return _apply(_BiasAct, x, bias, "swiglu", ext)
 
 
 class _Rope(torch.autograd.Function):
@@ -220,7 +235,7 @@ def rope(
     ext = kernels_for(x, cos, sin) if fused and x.dim() == 4 else None
     if ext is None or cos.requires_grad or sin.requires_grad:
         return reference.rope(x, cos, sin)
-    return _Rope.apply(x, cos, sin, ext)
+    return _apply(_Rope, x, cos, sin, ext)
 
 
 def cross_entropy_kernels(logits: torch.Tensor) -> ModuleType | None:

@@ -62,7 +62,8 @@ def reference_attention(
     Args:
         q: ``[s, b, np, hn]``; k, v: ``[S, b, gp, hn]`` with ``gp`` dividing ``np`` (``S = s`` except with a KV
             cache, where the mask must be given).
-        attention_mask: None for causal, else bool ``[b or 1, 1, s, S]``, True = masked (Megatron convention).
+        attention_mask: None for causal (with ``s = 1`` query and ``S`` cached keys: it sees them all), else bool
+            ``[b or 1, 1, s, S]``, True = masked (Megatron convention).
         dropout_p: dropout on the probabilities (the caller picks the RNG state).
         fused_softmax: the scaled, masked softmax as one kernel where built (same math; a fully masked row gives
             zeros either way).
@@ -77,7 +78,9 @@ def reference_attention(
     vh = _expand_kv(v, repeats).permute(1, 2, 0, 3)  # [S, b, gp, hn] -> [b, np, S, hn]
     scores = torch.matmul(qh.float(), kh.float())  # [b, np, s, S], scaled inside the softmax
     scale = 1.0 / math.sqrt(hn)
-    if attention_mask is None:
+    if attention_mask is None and s == 1:  # one new query after the cache: nothing to mask
+        probs = torch.softmax(scores * scale, dim=-1)
+    elif attention_mask is None:
         probs = fused_kernels.scaled_upper_triang_masked_softmax(
             scores.view(b * heads, s, s), scale, fused=fused_softmax
         ).view(b, heads, s, s)  # [b, np, s, s] -> [b*np, s, s] -> [b, np, s, s]
@@ -111,7 +114,7 @@ def sdpa_attention(
         vh,
         attn_mask=None if attention_mask is None else ~attention_mask,
         dropout_p=dropout_p,
-        is_causal=attention_mask is None,
+        is_causal=attention_mask is None and s > 1,  # one query after the cache sees every key
         enable_gqa=k.shape[2] != heads,
     )  # [b, np, s, hn]
     return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [b, np, s, hn] -> [s, b, np*hn]

@@ -103,11 +103,11 @@ class InferenceParams:
 
     def attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
         """Bool mask (True = masked) for ``s`` new queries after ``offset`` cached tokens: ``[1, 1, s, S]``
-        causal, ``[b, 1, s, S]`` with padding slots masked too; None (plain causal) when nothing is cached and
-        nothing is padding."""
+        causal, ``[b, 1, s, S]`` with padding slots masked too; None (plain causal) when nothing is padding and
+        either nothing is cached yet or one query comes after the cache (it sees every cached key)."""
         offset = self.sequence_len_offset
-        if offset == 0 and self.padding is None:
-            return None
+        if self.padding is None and (offset == 0 or s == 1):
+            return None  # plain causal, or one query that sees every cached key
         total = offset + s
         full = torch.ones(s, total, dtype=torch.bool, device=device)
         causal = full.triu(offset + 1).view(1, 1, s, total)  # query i sees keys <= offset + i
@@ -118,7 +118,6 @@ class InferenceParams:
         masked = causal | pad.view(b, 1, 1, total)  # [b, 1, s, S]
         own = torch.arange(s, device=device)
         diag = torch.zeros(1, 1, s, total, dtype=torch.bool, device=device)
-        diag[0, 0, own, own + offset] = (
-            True  # a padding query keeps its own key: no empty softmax row
-        )
+        # a padding query keeps its own key: no empty softmax row
+        diag[0, 0, own, own + offset] = True
         return masked & ~diag

@@ -156,6 +156,8 @@ class GPTStage(nn.Module):
         inputs: torch.Tensor,
         position_ids: torch.Tensor,
         inference_params: InferenceParams | None = None,
+        *,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Run this stage on ``s`` new tokens.
 
@@ -163,6 +165,8 @@ class GPTStage(nn.Module):
             inputs: token ids ``[b, s]`` int64 on the first stage, else the previous stage's hidden ``[s, b, h]``.
             position_ids: ``[b, s]`` absolute positions (learned table index, or RoPE angle).
             inference_params: the KV cache of this batch (its offset = tokens already cached).
+            last_only: the last stage computes the logits of the last position only (``s`` = 1 in the output;
+                what sampling needs after a prefill).
 
         Returns:
             hidden ``[s, b, h]``, or on the last stage vocab-parallel logits ``[s, b, vp]`` (padded columns
@@ -186,6 +190,8 @@ class GPTStage(nn.Module):
         norm = lm.encoder.final_layernorm
         if not self.post_process or norm is None:
             return hidden
+        if last_only:
+            hidden = hidden[-1:]  # [s, b, h] -> [1, b, h]
         hidden = norm(hidden)
         logits = parallel_lm_logits(
             hidden, self.output_weight(), self.parallel

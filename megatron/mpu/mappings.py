@@ -219,14 +219,20 @@ def copy_to_tensor_model_parallel_region(
     x: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """forward: identity; backward: all-reduce (sum) over the TP group. Also for Parameters (SP norm weights)."""
-    return _CopyToRegion.apply(x, resolve_group(group))
+    group = resolve_group(group)
+    if not torch.is_grad_enabled() and group_world_size(group) == 1:
+        return x  # nothing to record, nothing to reduce (generation at TP = 1)
+    return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(
     x: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """forward: all-reduce (sum) over the TP group; backward: identity."""
-    return _ReduceFromRegion.apply(x, resolve_group(group))
+    group = resolve_group(group)
+    if not torch.is_grad_enabled() and group_world_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(

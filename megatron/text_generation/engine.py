@@ -114,6 +114,8 @@ class InferenceEngine:
         self.pp_rank = group_rank(pp_group)
         self.device = device
         self.micro_batch_size = micro_batch_size
+        if device.type == "cpu":
+            _column_major_linear_weights(stage)
 
     @property
     def is_last_stage(self) -> bool:
@@ -122,9 +124,11 @@ class InferenceEngine:
 
     # --- pipeline plumbing -----------------------------------------------------------------------------------
 
-    def _forward(self, mb: _MicroBatch, pending: list[object]) -> torch.Tensor | None:
-        """Run this stage on ``mb.feed``: the last stage returns logits ``[s, b, vp]``, the others send their
-        hidden states on and return None."""
+    def _forward(
+        self, mb: _MicroBatch, pending: list[object], *, last_only: bool = True
+    ) -> torch.Tensor | None:
+        """Run this stage on ``mb.feed``: the last stage returns logits ``[s, b, vp]`` (``[1, b, vp]`` with
+        ``last_only``), the others send their hidden states on and return None."""
         b, s = mb.feed.shape
         if self.pp_rank == 0:
             inputs = mb.feed
@@ -137,7 +141,7 @@ class InferenceEngine:
                 device=self.device,
             )
             recv_from_group_rank(inputs, self.pp_rank - 1, self.pp_group)  # [s, b, h]
-        out = self.stage(inputs, mb.positions, mb.cache)
+        out = self.stage(inputs, mb.positions, mb.cache, last_only=last_only)
         mb.cache.sequence_len_offset += s
         if self.is_last_stage:
             return out
@@ -205,16 +209,19 @@ class InferenceEngine:
     def _sample(
         self, logits: torch.Tensor, mb: _MicroBatch, requests: Sequence[TokenRequest]
     ) -> torch.Tensor:
-        """``[2, b]`` fp64: each row's next token and its log-prob (last stage)."""
+        """``[2, b]`` fp64: each row's next token and its log-prob (last stage; one host sync)."""
         full = self._full_logits(logits)  # [b, V]
-        logp = F.log_softmax(full, dim=-1)
-        out = torch.empty(2, len(mb.rows), dtype=torch.float64)
+        tokens = full.argmax(dim=-1)  # [b]: the greedy rows' tokens, one op for all
         for i, r in enumerate(mb.rows):
-            req = requests[r]
-            token = int(sample_next(full[i : i + 1], req.params, req.generator).item())
-            out[0, i] = token
-            out[1, i] = float(logp[i, token])
-        return out
+            params = requests[r].params
+            if not (params.greedy or params.top_k == 1):
+                tokens[i] = sample_next(full[i : i + 1], params, requests[r].generator)[0]
+        out = torch.zeros(2, len(mb.rows), dtype=torch.float64, device=full.device)
+        out[0] = tokens
+        if any(requests[r].log_probs for r in mb.rows):
+            logp = F.log_softmax(full, dim=-1)
+            out[1] = logp.gather(1, tokens.view(-1, 1)).view(-1)  # [b, V] -> [b]
+        return out.cpu()
 
     @torch.no_grad()
     def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
@@ -233,9 +240,10 @@ class InferenceEngine:
             mbs = [mb for mb in mbs if not all(done[r] for r in mb.rows)]
             drawn: list[torch.Tensor] = []
             for mb in mbs:
-                logits = self._forward(mb, pending)
+                scored = first and any(requests[r].log_probs for r in mb.rows)
+                logits = self._forward(mb, pending, last_only=not scored)
                 width = mb.feed.shape[1]
-                if first and any(requests[r].log_probs for r in mb.rows):
+                if scored:
                     plp = torch.zeros(len(mb.rows), width - 1, dtype=torch.float64)
                     if logits is not None and width > 1:
                         plp = self._prompt_log_probs(logits, mb, requests)
@@ -353,6 +361,16 @@ class InferenceEngine:
         return (
             broadcast_object(final, self.pp_size - 1, self.pp_group) if self.pp_size > 1 else final
         )
+
+
+def _column_major_linear_weights(stage: GPTStage) -> None:
+    """Store every linear weight ``[out, in]`` column-major (same values and shape): on CPU ``F.linear`` then runs
+    the GEMM that reads the weight as ``[in, out]`` rows, about 2x faster at batch 8 (what HF's GPT-2 Conv1D
+    layout gets). Word embeddings stay row-major (row lookups)."""
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            if p.dim() == 2 and "word_embeddings" not in name and p.is_contiguous():
+                p.data = p.data.t().contiguous().t()
 
 
 class _BeamState:
