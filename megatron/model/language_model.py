@@ -116,13 +116,21 @@ class Embedding(nn.Module):
         return x
 
 
-def _true_rows_init(std: float, true_vocab: int) -> InitMethod:
-    """Init for the full ``[v, h]`` output weight: rows ``< V`` ~ N(0, std), padded rows zero."""
+def _true_rows_init(std: float, true_vocab: int, padded_vocab: int, tp_rank: int) -> InitMethod:
+    """Init of the output weight: rows of global index ``< V`` ~ N(0, std), padded rows zero.
+
+    Called on the full ``[v, h]`` master (layout-invariant init) or on this rank's ``[vp, h]`` shard
+    (--per-shard-init, whose rows start at global index ``tp_rank * vp``). The padded rows are zeroed here, inside
+    the layer's ``__init__``: under ZeRO-3 construction the weight is partitioned as soon as it returns.
+    """
 
     def init(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+        rows = tensor.shape[0]
+        start = 0 if rows == padded_vocab else tp_rank * rows  # global index of the first row
         with torch.no_grad():
             tensor.zero_()
             tensor[:true_vocab].normal_(0.0, std, generator=generator)
+            tensor[max(0, true_vocab - start) :].zero_()
 
     return init
 
@@ -133,27 +141,21 @@ def build_output_layer(
     """Untied ``output_layer``: column-parallel ``[vp, h]`` weight, no bias; padded rows are zero.
 
     Only its ``weight`` is used (through :func:`parallel_lm_logits`), so the tied and untied paths share one
-    logits computation.
+    logits computation. Nothing writes the weight after construction (ZeRO-3 partitions it then).
     """
-    layer = ColumnParallelLinear(
+    return ColumnParallelLinear(
         config.hidden_size,
         padded_vocab,
         bias=False,
         gather_output=False,
-        init_method=_true_rows_init(config.init_method_std, config.vocab_size),
+        init_method=_true_rows_init(
+            config.init_method_std, config.vocab_size, padded_vocab, parallel.tp_rank
+        ),
         params_dtype=parallel.params_dtype,
         device=parallel.device,
         init_seed=init_seed(config, parallel, OUTPUT_LAYER),
         group=parallel.tp_group,
     )
-    vp = layer.weight.shape[0]
-    first_padded = max(
-        0, config.vocab_size - parallel.tp_rank * vp
-    )  # local index of the first padded row
-    if first_padded < vp:
-        with torch.no_grad():
-            layer.weight[first_padded:].zero_()
-    return layer
 
 
 def parallel_lm_logits(

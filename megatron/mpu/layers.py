@@ -157,6 +157,14 @@ def _init_weight(
 ) -> None:
     """Fill ``weight`` (this rank's shard); ``true_rows``: only master rows below it are drawn, the rest zero."""
     with torch.no_grad():
+        in_place = world == 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        if init_seed is not None and in_place:
+            # The shard is the master: draw in place, the same numbers without two full-size copies (which
+            # would dominate the peak of a ZeRO-3 build, whose largest module is the word embeddings).
+            weight.zero_()
+            drawn = weight if true_rows is None else weight[:true_rows]
+            init_method(drawn, torch.Generator().manual_seed(init_seed))
+            return
         if init_seed is not None:
             master = torch.zeros(full_shape, dtype=torch.float32)
             drawn = master if true_rows is None else master[:true_rows]

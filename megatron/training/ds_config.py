@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron.config import RunPlan, TridentConfig
 from megatron.training.curriculum import SeqlenCurriculum, parse_curriculum, without_curriculum
+from megatron.training.zero_init import check_nvme_offload
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +292,7 @@ def _check_offload(user: dict[str, Any], stage: int, source: str) -> None:
             f"{source} has zero_optimization.offload_param (device {param}), but the ZeRO stage is {stage}; "
             f"parameter offload needs --zero-stage 3 (or remove offload_param from {source})."
         )
+    check_nvme_offload(user, source)
 
 
 def build_ds_config(

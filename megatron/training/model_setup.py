@@ -7,7 +7,8 @@ data-parallel group and counts tensor-parallel shards once in the grad norm). PP
 
 The model is built in fp32 (parameters drawn in fp32 from ``(seed, name)``) on the run's TP group, given explicitly
 through a ``ParallelContext``; with --bf16/--fp16 DeepSpeed casts it and keeps fp32 master weights in its optimizer
-wrapper.
+wrapper. Under ZeRO-3 (PP = 1) it is built inside ``deepspeed.zero.Init`` instead (``zero_init.py``): partitioned over
+DP as each module is built, directly in the run's dtype (the same fp32 draw, cast).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from megatron.mpu.context import ParallelContext
 from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
 from megatron.training.initialize import check_pipe_grid
 from megatron.training.optimizer import build_optimizer
+from megatron.training.zero_init import uses_zero3_init, zero3_init, zero3_params_dtype
 
 
 @dataclass
@@ -40,16 +42,31 @@ class EngineBundle:
     """True for the pipeline engine."""
 
 
-def build_model(cfg: TridentConfig, plan: RunPlan, *, device: torch.device) -> torch.nn.Module:
-    """``GPTModel`` or ``GPTModelPipe`` for ``cfg`` (vocabulary = the plan's true one), on the run's TP group."""
+def build_model(
+    cfg: TridentConfig,
+    plan: RunPlan,
+    *,
+    device: torch.device,
+    ds_config: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """``GPTModel`` or ``GPTModelPipe`` for ``cfg`` (vocabulary = the plan's true one), on the run's TP group.
+
+    With ``ds_config`` and ZeRO-3 (PP = 1) the model is built inside ``deepspeed.zero.Init`` (partitioned over DP as
+    it is built; ``zero_init.py``); without ``ds_config`` it is built whole (conversion tools, tests).
+    """
     model_cfg = replace(cfg.model, vocab_size=plan.true_vocab_size)
+    zero3_config = ds_config if ds_config is not None and uses_zero3_init(plan) else None
+    params_dtype = torch.float32 if zero3_config is None else zero3_params_dtype(zero3_config)
     parallel = ParallelContext.from_parallel_state(
         seed=cfg.training.seed,
         sequence_parallel=plan.sequence_parallel,
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
         device=device,
         async_tensor_model_parallel_allreduce=cfg.parallel.async_tensor_model_parallel_allreduce,
     )
+    if zero3_config is not None:
+        with zero3_init(zero3_config, params_dtype=params_dtype):
+            return GPTModel(model_cfg, parallel)
     if not plan.pipeline_engine:
         return GPTModel(model_cfg, parallel)
     topology = PipeModelDataParallelTopology(
@@ -71,12 +88,13 @@ def build_engine(
     device: torch.device,
     model: torch.nn.Module | None = None,
 ) -> EngineBundle:
-    """Model (``model``, or :func:`build_model`) + torch optimizer (Megatron param groups) + ``deepspeed.initialize``."""
+    """Model (``model``, or :func:`build_model` with ``ds_config``: inside ``zero.Init`` under ZeRO-3) + torch
+    optimizer (Megatron param groups) + ``deepspeed.initialize``."""
     import deepspeed
 
     configure_deepspeed_checkpointing(cfg.model)  # before the first forward; no-op without the flag
     if model is None:
-        model = build_model(cfg, plan, device=device)
+        model = build_model(cfg, plan, device=device, ds_config=ds_config)
     optimizer = build_optimizer(model, cfg.training)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron.config import TrainingConfig
+from megatron.deepspeed_internals import full_shape
 from megatron.training.exit_codes import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ STALE_LOCK_SECONDS = 30 * 60
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: biases and 1-D parameters (norm weights) get no weight decay."""
-    return name.endswith(".bias") or param.dim() == 1
+    """Megatron's rule: biases and 1-D parameters (norm weights) get no weight decay (by the full shape: a ZeRO-3
+    parameter built inside ``zero.Init`` holds a 1-D placeholder)."""
+    return name.endswith(".bias") or len(full_shape(param)) == 1
 
 
 def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
