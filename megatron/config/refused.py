@@ -251,8 +251,9 @@ REFUSED: tuple[RefusedFlag, ...] = (
     ),
     _r(
         "--remote-device",
-        "ZeRO-3 parameter placement at model construction is not built",
-        "drop the flag (none is accepted); offload with zero_optimization.offload_param in the DeepSpeed JSON",
+        "ZeRO-3 builds the model inside deepspeed.zero.Init, which takes the placement from the DeepSpeed JSON",
+        "drop the flag (none is accepted); set zero_optimization.offload_param.device (cpu or nvme) in the "
+        "DeepSpeed JSON",
         value=True,
         accepts="none",
     ),
