@@ -40,6 +40,7 @@ from megatron.training.exit_codes import EXIT_OK, ConfigError
 from megatron.training.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
+from megatron.training.memory_plan import format_plan, plan_memory
 from megatron.training.model_setup import build_engine
 from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
@@ -202,6 +203,9 @@ def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainRes
     cfg, plan = pre.cfg, pre.plan
     initialize.set_seeds(cfg.training.seed)
     log_zero_upgrade(cfg, plan)
+    if global_rank() == 0:  # the planner's numbers (tools/plan_memory.py) as the run's first lines
+        for line in format_plan(plan_memory(cfg, plan, pre.ds_config), plan):
+            logger.info("%s", line)
     state = TrainState()
     trainer = _build_trainer(pre, device, hooks, state)
     spec = LoopSpec.of(cfg, plan)

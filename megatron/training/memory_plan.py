@@ -1,0 +1,562 @@
+"""Memory and communication planner: bytes per rank, FLOPs and collective bytes per step, from the config alone.
+
+    plan = RunPlan.build(cfg, world_size=16, device_type="cuda", true_vocab=50257)
+    mp = plan_memory(cfg, plan, build_ds_config(cfg, plan))
+    mp.stages[k].total, mp.worst.total, mp.fits(80 * 2**30), largest_micro_batch(cfg, plan, ds, 80 * 2**30)
+
+Pure arithmetic (no torch, no process group), so the CLI (``tools/plan_memory.py``), the run's first log lines
+(``pretrain``) and the tests compute the same numbers. ``tools/bench_memory_plan.py`` measures them on CPU.
+
+Notation: ``Psi`` parameters held by one rank (its TP shard of its pipeline stage's layers), ``N`` the
+data-parallel size, ``pb`` bytes per model parameter (2 with --bf16/--fp16, else 4), ``a`` bytes per activation
+element (the same), ``s b h`` sequence x micro-batch x hidden, ``t`` the TP size.
+
+States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 bytes/param; SGD: one momentum),
+``P = Psi / N`` the partition, ``R`` the reduce bucket (``reduce_bucket_size`` elements, at most Psi)::
+
+    stage  parameters             gradients                  optimizer (master + moments)   buckets
+    0      pb Psi                 pb Psi (+ 4 Psi with bf16)  (4 Psi if pb = 2) + 8 Psi      pb R (DP > 1, after)
+    1      pb Psi                 pb P (+ 4 P with bf16)     (4 + 8) P                      pb R (after backward)
+    2      pb Psi                 pb P + 4 P                 (4 + 8) P                      pb R
+    3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
+
+DeepSpeed's ZeRO optimizers keep an fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced
+gradient partition in a contiguous buffer next to the fp32 partition's gradient. ZeRO-3 keeps tensors below
+``stage3_param_persistence_threshold`` elements whole (``Psi_s``) and was measured holding every partitioned one
+(``Psi_p``) gathered at the end of backward. ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights,
+moments and the fp32 gradient partition to CPU; ``offload_param`` (ZeRO-3) the parameter partition too. These rows
+were fitted to and checked against ``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
+
+Activations per layer per micro-batch, in bytes (measured on our layers, ``tools/bench_memory_plan.py``):
+
+    no recompute   a s b h (4 + 12/t) [4 + 12/t -> 16/t with SP] + MLP beyond 4h
+                   + 4 bytes x s b h x 2 hidden-dropout masks (/t with SP) with --hidden-dropout > 0
+                   + the attention: 8 bytes x b n s / t (flash: log-sum-exp), or with --attention-dropout > 0
+                     (the math path) 12 bytes x b n s^2 / t + 2 a s b h / t
+    selective      the same without the attention-score term
+    full           a s b h (/t with SP) per checkpointed chunk, plus one chunk recomputed in backward
+
+Outside the layers: the logits ``4 s b v/t`` bytes (fp32 for the loss) and ``2 a s b h`` on the last stage, the
+embedding output ``a s b h`` on the first. 1F1B: stage k of PP holds ``min(PP - k, m)`` micro-batches in flight
+(``m`` = gradient accumulation steps), DeepSpeed's ``TrainSchedule.num_pipe_buffers``; the PipelineEngine's own
+buffers are :func:`pipeline_buffer_bytes`.
+
+Collective bytes are the sizes of the tensors handed to each call (all-gather: its output, reduce-scatter: its
+input), per optimizer step, on one rank of the first stage: see :func:`collective_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron.config import RunPlan, TridentConfig
+from megatron.training.flops import flops_per_token
+
+GIB = 2**30
+
+GPU_MEMORY_GB: dict[str, float] = {
+    "A100-40GB": 40.0,
+    "A100-80GB": 80.0,
+    "H100-80GB": 80.0,
+    "H200": 141.0,
+}
+"""Device memory of the --gpu-type choices, GB (10^9 bytes, as the data sheets give it)."""
+
+# DeepSpeed 0.19.8 defaults (elements) of the bucket keys a user JSON may set.
+_DS_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Device bytes of one rank of pipeline stage ``stage`` (every TP and DP rank of a stage alike)."""
+
+    stage: int
+    params: int
+    """Parameter count Psi on this rank (its TP shard of the stage's layers; before ZeRO partitioning)."""
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    """fp32 master weights + optimizer moments on the device (0 when offloaded)."""
+    activation_bytes: int
+    """Saved activations of ``in_flight`` micro-batches."""
+    bucket_bytes: int
+    """DeepSpeed's communication buckets (gradient reduce / all-gather / ZeRO-3 live parameters)."""
+    in_flight: int
+    """Micro-batches whose activations are alive at once (1F1B)."""
+    offloaded_bytes: int = 0
+    """Optimizer states (and ZeRO-3 parameters) moved to CPU memory instead."""
+    buckets_in_backward: bool = True
+    """The buckets live while backward still holds activations (ZeRO-2/3); ZeRO-0's flat all-reduce copy comes
+    after backward, so the peak takes the larger of it and the activations."""
+
+    @property
+    def states_bytes(self) -> int:
+        """Parameters + gradients + optimizer states + buckets."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.bucket_bytes
+
+    @property
+    def total(self) -> int:
+        """The peak on the device."""
+        states = self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+        if self.buckets_in_backward:
+            return states + self.bucket_bytes + self.activation_bytes
+        return states + max(self.bucket_bytes, self.activation_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's result for one run."""
+
+    stages: tuple[StageMemory, ...]
+    flops_per_step: float
+    """Model FLOPs of one optimizer step, all ranks together (``flops.py``; no recompute credit)."""
+    collective_bytes: Mapping[str, int]
+    """Bytes per step per rank handed to collectives, by group (``tp``, ``sp``, ``pp``, ``dp``)."""
+
+    @property
+    def worst(self) -> StageMemory:
+        """The stage with the largest device total."""
+        return max(self.stages, key=lambda st: st.total)
+
+    def fits(self, capacity_bytes: float) -> bool:
+        """True when every stage's total fits ``capacity_bytes``."""
+        return self.worst.total <= capacity_bytes
+
+
+def _zero_section(ds_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return ds_config.get("zero_optimization", {}) or {}
+
+
+def _offload(ds_config: Mapping[str, Any], key: str) -> bool:
+    section = _zero_section(ds_config).get(key) or {}
+    return str(section.get("device", "none")).lower() in ("cpu", "nvme")
+
+
+def _bucket(ds_config: Mapping[str, Any], key: str) -> int:
+    return int(float(_zero_section(ds_config).get(key, _DS_DEFAULTS[key])))
+
+
+def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
+    """Transformer layers on ``stage`` (DeepSpeed's uniform split; the first stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    return base + (1 if stage < extra else 0)
+
+
+def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: min(PP - stage, m)."""
+    return max(1, min(pp - stage, micro_batches))
+
+
+def _layer_param_count(cfg: TridentConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (row-parallel biases and norms are whole)."""
+    return sum(_layer_param_tensors(cfg, tp))
+
+
+def _layer_param_tensors(cfg: TridentConfig, tp: int) -> list[int]:
+    """Element counts of one transformer layer's parameter tensors on one TP rank."""
+    m = cfg.model
+    h, hn, ffn = m.hidden_size, m.head_dim, m.ffn_size
+    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
+    fc1_out = (2 * ffn if m.swiglu else ffn) // tp
+    norms = [h] * (4 if m.normalization == "layernorm" else 2)
+    sizes = [h * qkv_out, m.num_attention_heads * hn * h // tp, h * fc1_out, ffn // tp * h, *norms]
+    if m.add_bias_linear:
+        sizes += [qkv_out, h, fc1_out, h]
+    return sizes
+
+
+def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: int) -> int:
+    """Parameters of ``stage`` that ZeRO-3 keeps whole on every rank (tensors below
+    ``stage3_param_persistence_threshold`` elements)."""
+    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    small = sum(n for n in _layer_param_tensors(cfg, tp) if n < threshold)
+    count = layers_of_stage(m.num_layers, pp, stage) * small
+    extra = []
+    if stage == 0:
+        extra.append(plan.padded_vocab_size // tp * m.hidden_size)
+        if m.add_position_embedding and not m.use_rotary_position_embeddings:
+            extra.append(m.max_positions * m.hidden_size)
+    if stage == pp - 1:
+        extra += [m.hidden_size] * (2 if m.normalization == "layernorm" else 1)
+    return count + sum(n for n in extra if n < threshold)
+
+
+def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+    """Parameters Psi of one TP rank of pipeline stage ``stage``."""
+    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    h = m.hidden_size
+    count = layers_of_stage(m.num_layers, pp, stage) * _layer_param_count(cfg, tp)
+    word = plan.padded_vocab_size // tp * h
+    if stage == 0:
+        count += word
+        if m.add_position_embedding and not m.use_rotary_position_embeddings:
+            count += m.max_positions * h
+    if stage == pp - 1:
+        count += h * (2 if m.normalization == "layernorm" else 1)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            count += (
+                word  # the output layer, or the tied copy of the word embeddings on the last stage
+            )
+    return count
+
+
+def _state_bytes(
+    cfg: TridentConfig, plan: RunPlan, psi: int, ds: Mapping[str, Any], *, persistent: int = 0
+) -> dict[str, int]:
+    """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring)."""
+    stage, n = plan.zero_stage, plan.data_parallel_size
+    pb = 4 if plan.precision == "fp32" else 2
+    t = cfg.training
+    moments = (
+        0 if t.optimizer == "sgd" and t.sgd_momentum == 0 else (4 if t.optimizer == "sgd" else 8)
+    )
+    master = 0 if (pb == 4 and stage == 0) else 4
+    opt_cpu = _offload(ds, "offload_optimizer") or t.cpu_optimizer
+    part = -(-psi // n)  # DeepSpeed pads the flat partition up
+    if stage == 0:
+        params, grads, opt = (
+            pb * psi,
+            pb * psi + (4 * psi if pb == 2 else 0),
+            (master + moments) * psi,
+        )
+        # DeepSpeedEngine all-reduces a flat copy of the gradients (skipped at DP = 1)
+        buckets = pb * min(psi, _bucket(ds, "reduce_bucket_size")) if n > 1 else 0
+    else:
+        params = pb * psi  # ZeRO-3: below
+        # the reduced gradient partition, and its fp32 copy for the optimizer (measured: ZeRO-1 and 3 in fp32
+        # share it at the peak, ZeRO-3 flattens its copy only at the step; ZeRO-2 keeps a separate buffer)
+        grads = pb * part + (4 * part if pb == 2 or stage == 2 else 0)
+        opt = (master + moments) * part
+        # ZeRO-1 reduces at the accumulation boundary, after backward (like ZeRO-0); 2 and 3 during backward
+        buckets = pb * min(psi, _bucket(ds, "reduce_bucket_size"))
+    if stage == 3:
+        params = pb * (persistent + -(-(psi - persistent) // n))
+        # Measured (tools/bench_memory_plan.py): at the end of backward DeepSpeed 0.19.8 holds the whole shard
+        # gathered, past stage3_max_live_parameters; the planner assumes so (conservative for large models).
+        buckets += pb * (psi - persistent)
+    offloaded = 0
+    if opt_cpu and stage >= 1:
+        offloaded += opt + (4 * part if pb == 2 else 0)
+        grads -= 4 * part if pb == 2 else 0
+        opt = 0
+    if stage == 3 and _offload(ds, "offload_param"):
+        offloaded += params
+        params = 0
+    return {
+        "params": params,
+        "grads": grads,
+        "opt": opt,
+        "buckets": buckets,
+        "offloaded": offloaded,
+    }
+
+
+def layer_activation_bytes(cfg: TridentConfig, plan: RunPlan, micro_batch: int) -> int:
+    """Saved activation bytes of one transformer layer for one micro-batch, without recomputation."""
+    m = cfg.model
+    t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
+    s, b, h, n = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads
+    sbh = s * b * h
+    fc1_out = 2 * m.ffn_size if m.swiglu else m.ffn_size
+    qkv = s * b * (n + 2 * m.num_query_groups) * m.head_dim
+    # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
+    sharded = a * (qkv + sbh + s * b * (fc1_out + m.ffn_size))
+    whole = a * 4 * sbh  # the two norms' inputs and outputs
+    masks = 2 * 4 * sbh if m.hidden_dropout > 0 else 0
+    sp = plan.sequence_parallel
+    total = sharded // t + (whole // t if sp else whole) + (masks // t if sp else masks)
+    if m.recompute_granularity != "selective":
+        if m.attention_dropout > 0:
+            total += (12 * b * n * s * s + 2 * a * sbh) // t
+        else:
+            total += 8 * b * n * s // t
+    return total
+
+
+def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int) -> int:
+    m = cfg.model
+    t, a, pp = (
+        plan.tensor_model_parallel_size,
+        (4 if plan.precision == "fp32" else 2),
+        plan.pipeline_model_parallel_size,
+    )
+    sbh = m.seq_length * b * m.hidden_size
+    total = 0
+    if stage == 0:
+        total += a * sbh + (4 * sbh if m.hidden_dropout > 0 else 0)
+    if stage == pp - 1:
+        total += 4 * m.seq_length * b * plan.padded_vocab_size // t + 2 * a * sbh
+    return total
+
+
+def pipeline_buffer_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
+    """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured): on the last stage the
+    logits it keeps as the stage output and their gradient (2 x fp32 [s, b, v/t]) and four [s, b, h] receive /
+    gradient buffers; on the others one [s, b, h] gradient buffer. 0 without a pipeline."""
+    if not plan.pipeline_engine:
+        return 0
+    m = cfg.model
+    a = 4 if plan.precision == "fp32" else 2
+    sbh = m.seq_length * micro_batch * m.hidden_size
+    if stage < plan.pipeline_model_parallel_size - 1:
+        return a * sbh
+    logits = (
+        4 * m.seq_length * micro_batch * plan.padded_vocab_size // plan.tensor_model_parallel_size
+    )
+    return 2 * logits + 4 * a * sbh
+
+
+def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
+    """Saved activations of one micro-batch on ``stage`` (recompute setting applied), in bytes."""
+    m = cfg.model
+    layers = layers_of_stage(m.num_layers, plan.pipeline_model_parallel_size, stage)
+    per_layer = layer_activation_bytes(cfg, plan, micro_batch)
+    outside = _outside_layers_bytes(cfg, plan, stage, micro_batch)
+    if m.recompute_granularity != "full":
+        return layers * per_layer + outside
+    a = 4 if plan.precision == "fp32" else 2
+    sbh = m.seq_length * micro_batch * m.hidden_size
+    chunk = max(1, m.recompute_num_layers)
+    if m.recompute_method == "block":
+        # the first `chunk` layers keep only their inputs, the rest everything
+        recomputed = min(layers, chunk)
+        return recomputed * a * sbh + (layers - recomputed) * per_layer + max(outside, per_layer)
+    inputs = -(-layers // chunk) * a * sbh
+    if plan.sequence_parallel:
+        inputs //= plan.tensor_model_parallel_size
+    return inputs + max(outside, chunk * per_layer)
+
+
+def collective_bytes(
+    cfg: TridentConfig,
+    plan: RunPlan,
+    *,
+    persistence_threshold: int = 100_000,
+    pipe_partitioned: bool | None = None,
+) -> dict[str, int]:
+    """Bytes handed to collectives per optimizer step on one rank, by group (tensor sizes as passed).
+
+    TP (no SP): 2 all-reduces of [s, b, h] per layer forward, 2 in backward, plus the embedding's forward
+    all-reduce and the output layer's backward one. SP: each becomes an all-gather or reduce-scatter of the same
+    [s, b, h]. PP: [s, b, h] sent and received once per micro-batch forward and once backward. DP: the gradients
+    (all-reduce at ZeRO-0, reduce-scatter at 1/2, plus the updated parameters' all-gather; ZeRO-3 also gathers
+    the parameters for forward and backward).
+    """
+    m = cfg.model
+    a = 4 if plan.precision == "fp32" else 2
+    t, pp, mb = (
+        plan.tensor_model_parallel_size,
+        plan.pipeline_model_parallel_size,
+        plan.gradient_accumulation_steps,
+    )
+    sbh_bytes = a * m.seq_length * plan.micro_batch_size * m.hidden_size
+    layers = layers_of_stage(m.num_layers, pp, 0)
+    out: dict[str, int] = {"tp": 0, "sp": 0, "pp": 0, "dp": 0}
+    if pipe_partitioned is None:
+        pipe_partitioned = not plan.sequence_parallel
+    if t > 1 and plan.sequence_parallel:
+        # per layer: forward 2 all-gathers + 2 reduce-scatters; backward 2 reduce-scatters, 2 re-gathers of the
+        # kept [s/p, b, h] inputs (weight gradients) and 2 all-gathers; the embedding's reduce-scatter and the
+        # final all-gather before the logits, each with its backward
+        per_mb = (10 * layers + 4) * sbh_bytes
+        if m.recompute_granularity == "full":
+            per_mb += 4 * layers * sbh_bytes  # the recomputed forward repeats its collectives
+        out["sp"] = per_mb * mb
+    elif t > 1:
+        per_mb = (4 * layers + 2) * sbh_bytes
+        if m.recompute_granularity == "full":
+            per_mb += 2 * layers * sbh_bytes  # the recomputed forward repeats its collectives
+        out["tp"] = per_mb * mb
+    if pp > 1:
+        # a middle stage receives and sends forward and backward; the end stages half of that. DeepSpeed's
+        # pipe_partitioned / grad_partitioned (on unless SP) send 1/t of each message and all-gather it over TP.
+        messages = (4 if pp > 2 else 2) * mb
+        partitioned = pipe_partitioned and t > 1
+        out["pp"] = messages * (sbh_bytes // t if partitioned else sbh_bytes)
+        out["pp"] += (
+            messages // 2 * 8 * m.seq_length * plan.micro_batch_size
+        )  # int64 position ids, forward
+        if partitioned:
+            out["tp"] += messages // 2 * sbh_bytes  # the receiver's all-gather of each message
+        if (
+            not m.untie_embeddings_and_output_weights
+        ):  # the tied embedding's gradient, first + last stage
+            pb = 4 if plan.precision == "fp32" else 2
+            out["pp"] += pb * plan.padded_vocab_size // t * m.hidden_size
+    if plan.data_parallel_size > 1:
+        pb = 4 if plan.precision == "fp32" else 2
+        psi = stage_param_count(cfg, plan, 0)
+        gathered = psi - persistent_params(cfg, plan, 0, persistence_threshold)
+        out["dp"] = {
+            0: pb * psi,  # one all-reduce at the accumulation boundary
+            1: 2 * pb * psi,  # the same, then the updated partitions all-gathered
+            2: (mb + 1) * pb * psi,  # reduced after every micro-batch, then the all-gather
+            # reduce-scatter per micro-batch; one gather of the partitioned weights per micro-batch (measured:
+            # backward finds them still gathered)
+            3: mb * pb * psi + mb * pb * gathered,
+        }[plan.zero_stage]
+    return out
+
+
+def plan_memory(
+    cfg: TridentConfig,
+    plan: RunPlan,
+    ds_config: Mapping[str, Any],
+    *,
+    micro_batch: int | None = None,
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``cfg`` run as ``plan`` with DeepSpeed config ``ds_config``.
+
+    Args:
+        micro_batch: plan another micro-batch size than the run's (``largest_micro_batch`` searches with it).
+    """
+    b = micro_batch or plan.micro_batch_size
+    pp, mb = plan.pipeline_model_parallel_size, plan.gradient_accumulation_steps
+    stages = []
+    threshold = _bucket(ds_config, "stage3_param_persistence_threshold")
+    for k in range(pp):
+        psi = stage_param_count(cfg, plan, k)
+        persistent = persistent_params(cfg, plan, k, threshold) if plan.zero_stage == 3 else 0
+        st = _state_bytes(cfg, plan, psi, ds_config, persistent=persistent)
+        flight = in_flight_micro_batches(pp, k, mb) if pp > 1 else 1
+        stages.append(
+            StageMemory(
+                stage=k,
+                params=psi,
+                parameter_bytes=st["params"],
+                gradient_bytes=st["grads"],
+                optimizer_bytes=st["opt"],
+                activation_bytes=flight * stage_activation_bytes(cfg, plan, k, b)
+                + pipeline_buffer_bytes(cfg, plan, k, b),
+                bucket_bytes=st["buckets"],
+                in_flight=flight,
+                offloaded_bytes=st["offloaded"],
+                buckets_in_backward=plan.zero_stage >= 2,
+            )
+        )
+    flops = (
+        flops_per_token(cfg.model, plan.padded_vocab_size)
+        * plan.global_batch_size
+        * cfg.model.seq_length
+    )
+    plan_b = plan if b == plan.micro_batch_size else replace(plan, micro_batch_size=b)
+    return MemoryPlan(
+        stages=tuple(stages),
+        flops_per_step=flops,
+        collective_bytes=collective_bytes(
+            cfg,
+            plan_b,
+            persistence_threshold=threshold,
+            pipe_partitioned=bool((ds_config.get("pipeline") or {}).get("pipe_partitioned", True)),
+        ),
+    )
+
+
+def largest_micro_batch(
+    cfg: TridentConfig,
+    plan: RunPlan,
+    ds_config: Mapping[str, Any],
+    capacity_bytes: float,
+    *,
+    limit: int = 4096,
+) -> int:
+    """The largest micro-batch size (up to ``limit``) whose plan fits ``capacity_bytes``; 0 when none does."""
+    best = 0
+    for b in range(1, limit + 1):
+        if not plan_memory(cfg, plan, ds_config, micro_batch=b).fits(capacity_bytes):
+            break
+        best = b
+    return best
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (a tiny model's plan stays readable)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
+    """The planner's report, one line per item (the CLI prints it; ``pretrain`` logs it)."""
+    lines = [
+        f"memory plan: TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} x DP "
+        f"{plan.data_parallel_size}, ZeRO-{plan.zero_stage}, {plan.precision}, micro-batch "
+        f"{plan.micro_batch_size}, {plan.gradient_accumulation_steps} micro-batches per step"
+    ]
+    for st in mp.stages:
+        lines.append(
+            f"  stage {st.stage}: params {st.params:,} | parameters {_gib(st.parameter_bytes)} | gradients "
+            f"{_gib(st.gradient_bytes)} | optimizer {_gib(st.optimizer_bytes)} | activations "
+            f"{_gib(st.activation_bytes)} ({st.in_flight} in flight) | buckets {_gib(st.bucket_bytes)} | "
+            f"total {_gib(st.total)}"
+            + (f" | offloaded to CPU {_gib(st.offloaded_bytes)}" if st.offloaded_bytes else "")
+        )
+    comm = ", ".join(
+        f"{k.upper()} {v / 2**20:.2f} MiB" for k, v in mp.collective_bytes.items() if v
+    )
+    lines.append(
+        f"  FLOPs per step {mp.flops_per_step:.3e}; collective bytes per step per rank: {comm or 'none'}"
+    )
+    return lines
+
+
+def plan_for_config(
+    cfg: TridentConfig, *, world_size: int, device_type: str = "cuda"
+) -> tuple[RunPlan, MemoryPlan]:
+    """(run plan, memory plan) of ``cfg`` on ``world_size`` ranks, after the same checks a run makes.
+
+    Raises:
+        ValueError / FileNotFoundError: what ``validate``, the tokenizer or the DeepSpeed config raise for the
+            same flags in ``pretrain_gpt.py`` (the same one-line messages).
+    """
+    from megatron.config import validate
+    from megatron.training.data_iterators import build_run_tokenizer
+    from megatron.training.ds_config import build_ds_config
+
+    validate(cfg, world_size=world_size, device_type=device_type)
+    tokenizer = build_run_tokenizer(cfg)
+    plan = RunPlan.build(
+        cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
+    )
+    return plan, plan_memory(cfg, plan, build_ds_config(cfg, plan))
+
+
+def capacity_of(gpu_type: str | None, memory_gb: float | None) -> float | None:
+    """Device bytes from --memory-gb (GB = 10^9 bytes) or --gpu-type; None when neither is given.
+
+    Raises:
+        ValueError: an unknown --gpu-type, or a non-positive --memory-gb.
+    """
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ValueError(
+                f"--memory-gb ({memory_gb}) must be positive; give the device memory in GB."
+            )
+        return memory_gb * 1e9
+    if gpu_type is None:
+        return None
+    if gpu_type not in GPU_MEMORY_GB:
+        raise ValueError(
+            f"--gpu-type {gpu_type} is not known; use one of {', '.join(GPU_MEMORY_GB)} or give --memory-gb."
+        )
+    return GPU_MEMORY_GB[gpu_type] * 1e9
+
+
+def format_fit(cfg: TridentConfig, plan: RunPlan, mp: MemoryPlan, capacity: float) -> str:
+    """One line: whether the plan fits ``capacity`` bytes, and the largest micro-batch that does."""
+    from megatron.training.ds_config import build_ds_config
+
+    limit = 4096
+    best = largest_micro_batch(cfg, plan, build_ds_config(cfg, plan), capacity, limit=limit)
+    verdict = "fits" if mp.fits(capacity) else "does NOT fit"
+    return (
+        f"  {verdict} in {capacity / 1e9:.1f} GB per device (worst stage {mp.worst.stage}: "
+        f"{_gib(mp.worst.total)}); largest micro-batch that fits: "
+        f"{'none' if not best else f'{best} or more' if best == limit else best}"
+    )

@@ -1,0 +1,187 @@
+"""The memory planner (``megatron/training/memory_plan.py``) on hand-computed cases, and ``tools/plan_memory.py``.
+
+The small model: 2 layers, h 64, 4 heads, s 32, vocab 100 -> 128 rows; biases, LayerNorm, tied embeddings.
+Per layer: QKV 64 x 192 + 192, dense 64 x 64 + 64, fc1 64 x 256 + 256, fc2 256 x 64 + 64, two LayerNorms 4 x 64
+= 49,984; embeddings 128 x 64 + 32 x 64 (positions); final norm 128: Psi = 110,336 (DP 4: partition 27,584).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.config import RunPlan, parse_args, validate
+from megatron.model import GPTModel
+from megatron.mpu.context import ParallelContext
+from megatron.training import memory_plan as mpl
+from tools import plan_memory
+
+SMALL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--vocab-size", "100", "--micro-batch-size", "1", "--train-iters", "1",
+]  # fmt: skip
+PSI, PART = 110_336, 27_584
+
+
+def _plan(*extra: str, world: int = 4) -> tuple:
+    cfg = parse_args([*SMALL, *extra])
+    validate(cfg, world_size=world, device_type="cuda")
+    return cfg, RunPlan.build(cfg, world_size=world, device_type="cuda", true_vocab=100)
+
+
+def test_param_count_matches_a_built_model() -> None:
+    for extra in ([], ["--swiglu", "--normalization", "rmsnorm", "--use-rotary-position-embeddings",
+                       "--no-position-embedding", "--disable-bias-linear", "--num-key-value-heads", "2",
+                       "--untie-embeddings-and-output-weights"]):  # fmt: skip
+        cfg, plan = _plan(*extra, world=1)
+        model = GPTModel(
+            cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 100}),
+            ParallelContext(seed=1),
+        )
+        built = sum(p.numel() for p in model.parameters())
+        assert mpl.stage_param_count(cfg, plan, 0) == built, extra
+    cfg, plan = _plan(world=1)
+    assert mpl.stage_param_count(cfg, plan, 0) == PSI
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [
+        (
+            0,
+            (4 * PSI, 4 * PSI, 8 * PSI, 4 * PSI),
+        ),  # optimizer: Adam's moments; bucket: the flat all-reduce
+        (1, (4 * PSI, 4 * PART, 12 * PART, 4 * PSI)),  # fp32 partition clone + moments, over 4
+        (2, (4 * PSI, 8 * PART, 12 * PART, 4 * PSI)),  # a separate contiguous gradient partition
+        # ZeRO-3 with threshold 10,000: the 2 x (QKV 12,288 + fc1 16,384 + fc2 16,384) = 90,112 weights are
+        # partitioned, the other 20,224 stay whole; buckets: reduce (Psi) + the gathered weights
+        (3, (4 * (20_224 + 90_112 // 4), 4 * PART, 12 * PART, 4 * PSI + 4 * 90_112)),
+    ],
+)
+def test_zero_stage_bytes_fp32(stage: int, expected: tuple[int, int, int, int]) -> None:
+    cfg, plan = _plan("--zero-stage", str(stage))
+    ds = {"zero_optimization": {"stage3_param_persistence_threshold": 10_000}}
+    st = mpl.plan_memory(cfg, plan, ds).stages[0]
+    assert (st.parameter_bytes, st.gradient_bytes, st.optimizer_bytes, st.bucket_bytes) == expected
+    states = sum(expected[:3])
+    # ZeRO-0/1 reduce after backward: the peak takes the larger of the bucket and the activations
+    peak = states + (
+        expected[3] + st.activation_bytes if stage >= 2 else max(expected[3], st.activation_bytes)
+    )
+    assert st.total == peak
+
+
+def test_bf16_master_weights_and_offload() -> None:
+    cfg, plan = _plan("--zero-stage", "1", "--bf16")
+    st = mpl.plan_memory(cfg, plan, {}).stages[0]
+    # bf16 parameters; bf16 + fp32 gradient partitions; fp32 master + 2 moments over 4 ranks
+    assert (st.parameter_bytes, st.gradient_bytes, st.optimizer_bytes) == (
+        2 * PSI,
+        6 * PART,
+        12 * PART,
+    )
+    off = mpl.plan_memory(
+        cfg, plan, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    )
+    assert off.stages[0].optimizer_bytes == 0
+    assert off.stages[0].offloaded_bytes == 16 * PART
+    assert off.stages[0].gradient_bytes == 2 * PART
+
+
+def test_one_f_one_b_in_flight() -> None:
+    assert [mpl.in_flight_micro_batches(4, k, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert [mpl.in_flight_micro_batches(4, k, 2) for k in range(4)] == [2, 2, 2, 1]
+    cfg, plan = _plan(
+        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1",
+        world=4,
+    )  # fmt: skip
+    stages = mpl.plan_memory(cfg, plan, {}).stages
+    assert [s.in_flight for s in stages] == [2, 1]
+    assert [s.params for s in stages] == [49_984 + 128 * 64 + 32 * 64, 49_984 + 128 + 128 * 64]
+
+
+def test_activations_by_recompute_and_sequence_parallel() -> None:
+    none = mpl.plan_memory(*_plan(), {}).stages[0].activation_bytes
+    sel = mpl.plan_memory(*_plan("--recompute-granularity", "selective"), {}).stages[0]
+    full = mpl.plan_memory(*_plan("--recompute-granularity", "full"), {}).stages[0]
+    assert full.activation_bytes < sel.activation_bytes < none
+    tp = mpl.plan_memory(*_plan("--tensor-model-parallel-size", "2"), {}).stages[0]
+    sp = mpl.plan_memory(
+        *_plan("--tensor-model-parallel-size", "2", "--sequence-parallel"), {}
+    ).stages[0]
+    assert sp.activation_bytes < tp.activation_bytes < none
+    # one layer, no dropout masks of attention (--attention-dropout 0): hand count at TP 1, fp32, s 32, b 1
+    cfg, plan = _plan("--attention-dropout", "0", "--hidden-dropout", "0")
+    sbh = 32 * 64
+    assert mpl.layer_activation_bytes(cfg, plan, 1) == 4 * 16 * sbh + 8 * 4 * 32
+
+
+def test_collective_bytes_hand_counts() -> None:
+    cfg, plan = _plan("--tensor-model-parallel-size", "2", "--zero-stage", "0", world=4)
+    sbh_bytes = 4 * 32 * 64
+    comm = mpl.collective_bytes(cfg, plan)
+    assert (
+        comm["tp"] == (4 * 2 + 2) * sbh_bytes
+    )  # 2 layers: 4 all-reduces each, + embedding + output
+    assert comm["dp"] == 4 * mpl.stage_param_count(cfg, plan, 0)
+    cfg, plan = _plan("--zero-stage", "2", "--global-batch-size", "8")  # 2 micro-batches per rank
+    assert mpl.collective_bytes(cfg, plan)["dp"] == 3 * 4 * PSI
+    cfg, plan = _plan("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2)
+    assert mpl.collective_bytes(cfg, plan) == {
+        "tp": 0,
+        "sp": (10 * 2 + 4) * sbh_bytes,
+        "pp": 0,
+        "dp": 0,
+    }
+    # PP 2, DP 2, 4 micro-batches: [s, b, h] out (with int64 position ids) and its gradient back per micro-batch,
+    # + the tied embedding's gradient all-reduce
+    cfg, plan = _plan(
+        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1"
+    )
+    assert mpl.collective_bytes(cfg, plan)["pp"] == 2 * 4 * sbh_bytes + 4 * 8 * 32 + 4 * 128 * 64
+
+
+def test_pipeline_engine_buffers() -> None:
+    cfg, plan = _plan(
+        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1"
+    )
+    sbh = 32 * 64
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 4 * sbh
+    assert (
+        mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
+    )  # logits + grad
+    cfg, plan = _plan()
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 0
+
+
+def test_tool_prints_the_plan_and_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_memory.main(["--world-size", "4", "--memory-gb", "80", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "TP 1 x PP 1 x DP 4, ZeRO-0" in out
+    assert "stage 0: params 110,336" in out
+    assert "FLOPs per step" in out
+    assert "fits in 80.0 GB" in out and "largest micro-batch that fits: 4096 or more" in out
+    assert plan_memory.main(["--world-size", "4", "--memory-gb", "0.001", *SMALL]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 0.0 GB" in out and "largest micro-batch that fits: none" in out
+
+
+def test_tool_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_memory.main(["--world-size", "3", *SMALL, "--tensor-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: ")
+        and "--tensor-model-parallel-size" in err
+        and len(err.splitlines()) == 1
+    )
+    assert plan_memory.main(["--gpu-type", "Z80", *SMALL]) == 2
+    assert "--gpu-type" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--memory-gb \(-1.0\) must be positive"):
+        mpl.capacity_of(None, -1.0)
+
+
+def test_largest_micro_batch() -> None:
+    cfg, plan = _plan()
+    capacity = mpl.plan_memory(cfg, plan, {}, micro_batch=3).worst.total
+    assert mpl.largest_micro_batch(cfg, plan, {}, capacity) == 3
+    assert mpl.largest_micro_batch(cfg, plan, {}, capacity - 1) == 2
+    assert mpl.largest_micro_batch(cfg, plan, {}, 1) == 0

@@ -1,0 +1,420 @@
+"""Benchmark: the memory planner (``megatron/training/memory_plan.py``) against real short CPU runs.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m tools.bench_memory_plan            # every layout
+    python -m tools.bench_memory_plan --only zero1-dp2 --json out.jsonl
+
+For each layout (ZeRO 0-3 x TP 1-2 x PP 1-2, SP, recompute) a real ``pretrain``-built engine (the same preflight,
+engine, iterators and step function as a run) trains ``--steps`` steps on mock data, and per rank we report the
+planner's prediction next to what was measured. Not a test: it spawns up to 4 ranks per layout.
+
+What "measured" means on CPU (torch 2.13 has no CPU allocator statistics; ``torch.cuda.max_memory_allocated`` is
+used where CUDA runs):
+
+* states: bytes of every live tensor storage in the process (``gc`` walk, each storage once, minus what was live
+  before the engine was built), sampled after each micro-batch's backward, just before the optimizer step (inside
+  DeepSpeed: gradients and buckets alive) and after it; the largest sample.
+* activations: a ``torch.autograd.graph.saved_tensors_hooks`` pair around the whole step wraps every tensor saved
+  for backward (parameters excluded) in a holder whose lifetime is the autograd graph's; a per-storage refcount
+  gives the bytes alive at every moment and their peak, through the 1F1B schedule and recomputation alike.
+* peak = states + activations (a slight over-estimate where gradients are freed before the next forward).
+* collectives: ``torch.distributed``'s functions are wrapped in this process before DeepSpeed binds them; each call
+  adds its tensor's bytes (all-gather: the output, reduce-scatter: the input) to its group (TP, DP, PP by rank set;
+  point-to-point is PP), counted over the last step only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.training.spawn import spawn_local_ranks
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--vocab-size", "1000", "--mock-data", "--micro-batch-size", "2",
+    "--train-iters", "3", "--lr", "1e-4", "--lr-decay-style", "constant", "--attention-dropout", "0",
+    "--hidden-dropout", "0.1", "--eval-iters", "0", "--log-level", "WARNING",
+]  # fmt: skip
+"""~0.95M parameters, activations ~2.4 MB per layer per micro-batch: states and activations both measurable."""
+
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "zero0-dp2": (2, ["--zero-stage", "0"]),
+    "zero1-dp2": (2, ["--zero-stage", "1"]),
+    "zero2-dp2": (2, ["--zero-stage", "2"]),
+    "zero3-dp2": (2, ["--zero-stage", "3"]),
+    "tp2-zero0": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2-sp-dp2-zero1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1"]),
+    "pp2-zero1": (2, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
+    "tp2-pp2-zero1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
+    "full-recompute-zero1-dp2": (2, ["--zero-stage", "1", "--recompute-granularity", "full"]),
+    "selective-recompute-zero2-dp2": (2, ["--zero-stage", "2", "--recompute-granularity", "selective"]),
+}  # fmt: skip
+
+BUCKETS = {"reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000}
+BUCKETS3 = {
+    "stage3_prefetch_bucket_size": 200_000,
+    "stage3_max_live_parameters": 200_000,
+    "stage3_param_persistence_threshold": 1000,  # every weight partitioned, as in a large model
+}
+
+
+def _largest_tensors(exclude: Any, n: int = 12) -> list[tuple[int, list[int], str]]:
+    """(bytes, shape, dtype) of the ``n`` largest live storages (BENCH_MEMORY_DEBUG=1: what the states are)."""
+    seen: dict[int, tuple[int, list[int], str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                st = obj.untyped_storage()
+                if st.data_ptr() not in exclude:
+                    seen[st.data_ptr()] = (st.nbytes(), list(obj.shape), str(obj.dtype))
+        except Exception:  # noqa: BLE001, S112
+            continue
+    return sorted(seen.values(), reverse=True)[:n]
+
+
+def live_tensor_bytes(exclude: Any = ()) -> int:
+    """Bytes of every live tensor storage reachable from Python (each storage once), but those in ``exclude``."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except Exception:  # noqa: BLE001, S112 - some tensor subclasses refuse storage access
+            continue
+    return sum(n for ptr, n in seen.items() if ptr not in exclude)
+
+
+class SavedTensors:
+    """Bytes of tensors saved for backward alive now and at peak (see the module docstring)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude, self.live, self.current, self.peak = exclude, {}, 0, 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or hasattr(t, "ds_id"):
+            return (
+                t  # a parameter (ZeRO-3: gathered, then released by DeepSpeed) is not an activation
+            )
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.exclude or key == 0:
+            return t
+        count, size = self.live.get(key, (0, st.nbytes()))
+        self.live[key] = (count + 1, size)
+        if count == 0:
+            self.current += size
+            self.peak = max(self.peak, self.current)
+        return _Holder(t, self, key)
+
+    @staticmethod
+    def unpack(x: Any) -> torch.Tensor:
+        return x.t if isinstance(x, _Holder) else x
+
+    def release(self, key: int) -> None:
+        count, size = self.live[key]
+        if count == 1:
+            del self.live[key]
+            self.current -= size
+        else:
+            self.live[key] = (count - 1, size)
+
+
+class _Holder:
+    __slots__ = ("key", "owner", "t")
+
+    def __init__(self, t: torch.Tensor, owner: SavedTensors, key: int) -> None:
+        self.t, self.owner, self.key = t, owner, key
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+    "broadcast", "reduce", "send", "recv", "isend", "irecv", "all_to_all_single",
+)  # fmt: skip
+
+
+class CollectiveCounter:
+    """Wraps ``torch.distributed`` collectives in this process; bytes per group name while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.by_op: dict[str, int] = defaultdict(int)
+        """Bytes per ``group/op`` (diagnostics)."""
+        self.groups: dict[frozenset[int], str] = {}
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        from megatron.mpu import (
+            mappings,
+        )  # binds its all-gather / reduce-scatter at import: wrap those too
+
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        mappings._all_gather_single = self._wrap(
+            "all_gather_into_tensor", mappings._all_gather_single
+        )
+        mappings._reduce_scatter_single = self._wrap(
+            "reduce_scatter_tensor", mappings._reduce_scatter_single
+        )
+
+    def name_groups(self) -> None:
+        """Map our TP/DP/PP groups' rank sets to names (call after ``initialize_model_parallel``)."""
+        import torch.distributed as dist
+
+        from megatron import mpu
+
+        for name, group in (
+            ("tp", mpu.get_tensor_model_parallel_group()),
+            ("dp", mpu.get_data_parallel_group()),
+            ("pp", mpu.get_pipeline_model_parallel_group()),
+        ):
+            self.groups.setdefault(frozenset(dist.get_process_group_ranks(group)), name)
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                self._count(name, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def _count(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)
+        ]
+        if name == "reduce_scatter_tensor":
+            t = tensors[1] if len(tensors) > 1 else tensors[0]
+        elif name == "all_gather" and args and isinstance(args[0], list):
+            t = None
+            size = sum(x.numel() * x.element_size() for x in args[0])
+        else:
+            t = tensors[0] if tensors else None
+        if t is not None:
+            size = t.numel() * t.element_size()
+        elif name != "all_gather":
+            return
+        if name in ("send", "recv", "isend", "irecv"):
+            self.bytes["pp"] += size
+            self.by_op[f"pp/{name}"] += size
+            return
+        group = kwargs.get("group") or next(
+            (a for a in args if isinstance(a, dist.ProcessGroup)), None
+        )
+        ranks = frozenset(
+            dist.get_process_group_ranks(group)
+            if group is not None
+            else range(dist.get_world_size())
+        )
+        if len(ranks) == 1:
+            return  # a group of one rank moves nothing (DeepSpeed still calls it at DP = 1)
+        group_name = self.groups.get(ranks, f"other{len(ranks)}")
+        self.bytes[group_name] += size
+        self.by_op[f"{group_name}/{name}"] += size
+
+
+def _wrap_step_sampling(engine: Any, sample: Any) -> None:
+    """Sample live tensor bytes just before and after DeepSpeed's optimizer step (gradients alive before it)."""
+
+    def around(fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            sample()
+            out = fn(*a, **k)
+            sample()
+            return out
+
+        return wrapped
+
+    if hasattr(engine, "_INSTRUCTION_MAP"):  # PipelineEngine: its schedule's OptimizerStep
+        from deepspeed.runtime.pipe import schedule
+
+        m = engine._INSTRUCTION_MAP = dict(type(engine)._INSTRUCTION_MAP)  # this engine only
+        m[schedule.OptimizerStep] = around(m[schedule.OptimizerStep])
+        m[schedule.BackwardPass] = around(m[schedule.BackwardPass])
+    else:
+        engine._take_model_step = around(engine._take_model_step)
+        engine.backward = around(engine.backward)
+
+
+def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
+    """One rank: plan, build the run's engine, train ``steps`` steps, measure (see the module docstring)."""
+    from megatron import mpu
+    from megatron.config import parse_args
+    from megatron.training import initialize
+    from megatron.training.memory_plan import plan_memory
+    from megatron.training.preflight import preflight
+    from megatron.training.pretrain import _build_trainer
+    from megatron.training.state import TrainState
+
+    counter = CollectiveCounter()
+    counter.install()  # before DeepSpeed binds its all-gather / reduce-scatter functions
+    pre = preflight(parse_args(argv))
+    device = initialize.init_distributed(pre.cfg)
+    counter.name_groups()
+    initialize.set_seeds(pre.cfg.training.seed)
+    stage = mpu.get_pipeline_model_parallel_rank()
+    predicted = plan_memory(pre.cfg, pre.plan, pre.ds_config).stages[stage]
+    gc.collect()
+    base = live_tensor_bytes()
+    trainer = _build_trainer(pre, device, None, TrainState())
+    states = [0]
+    params = {p.untyped_storage().data_ptr() for p in trainer.engine.module.parameters()}
+    saved = SavedTensors(params)
+
+    top: list[Any] = []
+
+    def sample() -> None:
+        # saved activations (Python-visible through their holders) are counted apart
+        gc.collect()
+        now = live_tensor_bytes(exclude=saved.live) - base
+        if now > states[0] and os.environ.get("BENCH_MEMORY_DEBUG"):
+            top[:] = _largest_tensors(saved.live)
+        states[0] = max(states[0], now)
+
+    _wrap_step_sampling(trainer.engine, sample)
+    # inside backward, once the last gradient of a micro-batch exists (DeepSpeed's gradient buckets alive)
+    first = next(iter(trainer.engine.module.parameters()))
+    first.register_post_accumulate_grad_hook(lambda _: sample())
+    for i in range(steps):
+        counter.active = i == steps - 1
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            trainer.train_step()
+    counter.active = False
+    cuda_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    mpu.destroy_model_parallel()
+    return {
+        "rank": torch.distributed.get_rank(),
+        "stage": stage,
+        "predicted": {
+            "states": predicted.total - predicted.activation_bytes,
+            "activations": predicted.activation_bytes,
+            "total": predicted.total,
+        },
+        "measured": {
+            "states": states[0],
+            "activations": saved.peak,
+            "total": states[0] + saved.peak,
+            "cuda_max_allocated": cuda_peak,
+        },
+        "collectives_predicted": dict(
+            plan_memory(pre.cfg, pre.plan, pre.ds_config).collective_bytes
+        ),
+        "collectives_measured": dict(counter.bytes),
+        "collectives_by_op": dict(counter.by_op),
+        "largest_at_peak": top,
+    }
+
+
+def run_layout(
+    name: str, world: int, extra: list[str], ds_json: Path, steps: int, model_flags: list[str]
+) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks for one layout; the per-rank rows."""
+    gas_batch = (
+        2 * 2 * world
+    )  # 2 micro-batches per rank at TP = PP = 1; 2 x TP x PP with model parallelism
+    argv = [
+        *MODEL,
+        *model_flags,  # argparse keeps the last value: these override MODEL's
+        *extra,
+        "--global-batch-size",
+        str(gas_batch),
+        "--deepspeed_config",
+        str(ds_json),
+    ]
+    rows = spawn_local_ranks(
+        measure_worker, world, argv, steps, init_process_group=False, timeout=900
+    )
+    for r in rows:
+        r["layout"] = name
+    return rows
+
+
+def _err(pred: int, meas: int) -> str:
+    return f"{100.0 * (pred - meas) / meas:+.1f}%" if meas else "n/a"
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One table line: layout, rank, stage, predicted/measured MiB (states, activations, total), error."""
+    p, m = r["predicted"], r["measured"]
+    mib = 2**20
+    return (
+        f"{r['layout']:<30} r{r['rank']} s{r['stage']}  states {p['states'] / mib:7.2f}/{m['states'] / mib:7.2f}"
+        f"  act {p['activations'] / mib:7.2f}/{m['activations'] / mib:7.2f}  total {p['total'] / mib:7.2f}/"
+        f"{m['total'] / mib:7.2f} MiB  err {_err(p['total'], m['total'])}"
+    )
+
+
+def collective_errors(r: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(predicted, counted) bytes per group; the planner's SP traffic runs in the TP group."""
+    p, m = r["collectives_predicted"], r["collectives_measured"]
+    out = {}
+    for g in ("tp", "pp", "dp"):
+        pred = p.get(g, 0) + (p.get("sp", 0) if g == "tp" else 0)
+        if pred or m.get(g):
+            out[g] = (pred, m.get(g, 0))
+    return out
+
+
+def format_collectives(r: dict[str, Any]) -> str:
+    """``TP 9.00/9.02 MiB (-0.2%)`` for each group with traffic."""
+    return (
+        ", ".join(
+            f"{g.upper()} {pred / 2**20:.2f}/{meas / 2**20:.2f} MiB ({_err(pred, meas)})"
+            for g, (pred, meas) in collective_errors(r).items()
+        )
+        or "none"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--only", nargs="*", default=None, choices=sorted(LAYOUTS), help="layouts to run"
+    )
+    p.add_argument("--steps", type=int, default=2, help="steps per run (the last is counted)")
+    p.add_argument("--json", default=None, help="also write every row as JSON lines here")
+    p.add_argument(
+        "--model-flags",
+        default="",
+        help='pretrain flags overriding the default model, e.g. "--num-layers 6 --hidden-size 192"',
+    )
+    a = p.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    tmp = Path(tempfile.mkdtemp())
+    rows: list[dict[str, Any]] = []
+    for name in a.only or list(LAYOUTS):
+        world, extra = LAYOUTS[name]
+        ds_json = tmp / f"{name}.json"
+        zero = dict(BUCKETS, **(BUCKETS3 if "zero3" in name else {}))
+        ds_json.write_text(json.dumps({"zero_optimization": zero}))
+        layout_rows = run_layout(name, world, extra, ds_json, a.steps, a.model_flags.split())
+        for r in layout_rows:
+            print(format_row(r), flush=True)
+        print(f"{'':<30} collectives per step per rank: {format_collectives(layout_rows[0])}")
+        rows += layout_rows
+    if a.json:
+        Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
