@@ -221,7 +221,10 @@ class HangWatchdog:
             EXIT_HANG,
         )
         for handler in logging.getLogger().handlers:
-            handler.flush()
+            try:
+                handler.flush()
+            except (OSError, ValueError):  # a handler whose stream is closed must not stop the dump
+                pass
         stream.write(f"--- hang watchdog: stacks of rank {self.rank} (iteration {iteration}) ---\n")
         stream.flush()
         try:

@@ -135,7 +135,8 @@ def test_zero_offload_only_at_stages_that_have_it() -> None:
         ValueError, match=r"offload_param \(device nvme\).*stage is 2.*--zero-stage 3"
     ):
         _ds(_cfg("--zero-stage", "2"), 1, user=param)
-    _ds(_cfg("--zero-stage", "3"), 1, user=param)
+    with pytest.raises(ValueError, match=r"offload_param.device = nvme but no nvme_path"):
+        _ds(_cfg("--zero-stage", "3"), 1, user=param)  # the right stage; NVMe needs its directory
     with pytest.raises(ValueError, match=r"offload_param in .* is 'cpu'.*\{\"device\": \"cpu\"\}"):
         _ds(_cfg("--zero-stage", "3"), 1, user={"zero_optimization": {"offload_param": "cpu"}})
 
