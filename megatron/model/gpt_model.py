@@ -29,7 +29,7 @@ from megatron.model.language_model import (
     mask_padded_vocab,
     parallel_lm_logits,
 )
-from megatron.model.rotary import rotary_cos_sin, rotary_dim
+from megatron.model.rotary import model_rotary
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import check_tensor_parallel_shapes
 from megatron.mpu.context import ParallelContext
@@ -98,14 +98,7 @@ class TransformerLanguageModel(nn.Module):
     ) -> torch.Tensor:
         """``[b, s]`` ids and positions -> logits ``[s, b, vp]`` (padded columns ``-inf``)."""
         hidden = self.embedding(input_ids, position_ids)  # [b, s] -> [s(/p), b, h]
-        rotary = None
-        if self.config.use_rotary_position_embeddings:
-            rotary = rotary_cos_sin(
-                position_ids,
-                rotary_dim(self.config.head_dim, self.config.rotary_percent),
-                self.config.rotary_position_embeddings_theta,
-                hidden.dtype,
-            )  # 2 x [s, b, 1, d]
+        rotary = model_rotary(self.config, position_ids, hidden.dtype)  # 2 x [s, b, 1, d] or None
         hidden = self.encoder(hidden, rotary, attention_mask, inference_params)  # [s(/p), b, h]
         logits = parallel_lm_logits(
             hidden, self.output_weight(), self.parallel

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron import fused_kernels
+from megatron.config import ModelConfig
 
 
 def rotary_dim(head_dim: int, rotary_percent: float) -> int:
@@ -53,6 +54,17 @@ def rotary_cos_sin(
     emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d/2] -> [b, s, d]
     emb = emb.transpose(0, 1)[:, :, None, :]  # [b, s, d] -> [s, b, 1, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def model_rotary(
+    config: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cos/sin tables a model with ``config`` applies at ``position_ids`` ``[b, s]`` (each ``[s, b, 1, d]``),
+    or None without rotary embeddings."""
+    if not config.use_rotary_position_embeddings:
+        return None
+    dim = rotary_dim(config.head_dim, config.rotary_percent)
+    return rotary_cos_sin(position_ids, dim, config.rotary_position_embeddings_theta, dtype)
 
 
 def apply_rotary_pos_emb(

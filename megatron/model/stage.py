@@ -32,7 +32,7 @@ from megatron.model.language_model import (
     mask_padded_vocab,
     parallel_lm_logits,
 )
-from megatron.model.rotary import rotary_cos_sin, rotary_dim
+from megatron.model.rotary import model_rotary
 from megatron.model.transformer import ParallelTransformerLayer, config_norm
 from megatron.model.utils import check_tensor_parallel_shapes
 from megatron.mpu.context import ParallelContext
@@ -177,14 +177,7 @@ class GPTStage(nn.Module):
             hidden = lm.embedding(inputs, position_ids)  # [b, s] -> [s, b, h]
         else:
             hidden = inputs  # [s, b, h] from the previous stage
-        rotary = None
-        if self.config.use_rotary_position_embeddings:
-            rotary = rotary_cos_sin(
-                position_ids,
-                rotary_dim(self.config.head_dim, self.config.rotary_percent),
-                self.config.rotary_position_embeddings_theta,
-                hidden.dtype,
-            )  # 2 x [s, b, 1, d]
+        rotary = model_rotary(self.config, position_ids, hidden.dtype)  # 2 x [s, b, 1, d] or None
         for layer in lm.encoder.layers.values():
             hidden = layer(hidden, rotary, None, inference_params)  # [s, b, h]
         norm = lm.encoder.final_layernorm
