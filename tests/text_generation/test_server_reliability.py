@@ -46,7 +46,7 @@ def address() -> Iterator[tuple[str, int]]:
     gen = TextGenerator(
         GPTModel(CFG, ParallelContext(seed=4)).eval(), CFG, tok, torch.device("cpu")
     )
-    # One prompt per batch: a 16-prompt request generates long enough (about 1.5 s) to be reset meanwhile.
+    # One prompt per batch: a 48-prompt request generates long enough to be reset meanwhile.
     server = make_server(gen, "127.0.0.1", 0, read_timeout=READ_TIMEOUT, max_batch_size=1)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -133,12 +133,16 @@ def test_client_disconnects_are_one_line(address, caplog, capfd) -> None:
     _reset(s)
     # ...and after a full request, while it generates (about 1.5 s): the answer meets a reset socket.
     body = json.dumps(
-        {"prompts": ["1"] * 16, "tokens_to_generate": 30, "stop_at_eod": False}
+        {"prompts": ["1"] * 48, "tokens_to_generate": 30, "stop_at_eod": False}
     ).encode()
     s = _connect(address)
     s.sendall(b"PUT /api HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(0.3)  # the server has read it and is generating
-    assert _health(address)["in_flight"] == 1
+    deadline = (
+        time.monotonic() + 10
+    )  # the server reads it and starts generating (one prompt per batch)
+    while _health(address)["in_flight"] != 1:
+        assert time.monotonic() < deadline, "the request never started generating"
+        time.sleep(0.01)
     _reset(s)
     # Still serving (this request is queued behind the dropped one's prompts).
     _generate_ok(address)
