@@ -34,6 +34,10 @@ optimizer ``refresh_fp32_params()``    re-reads the master copy from the paramet
 TRACKER``                              and restores the streams of the tracker dropout really draws from
 pipeline ``_INSTRUCTION_MAP``          shadowed per engine instance to time the 1F1B instructions under
                                        Megatron's timer names (``training/timers.py``)
+``moe.mappings._gather_tokens``        replaced: its flat all-gather buffer is refused by gloo (CPU); the same
+                                       gather through ``mpu.mappings`` (MoE with TP > 1)
+``utils.groups.mpu``,                  the mpu DeepSpeed's MoE layers read their TP group from, and the
+``MoE.set_deepspeed_parallelism``      EP/EDP group creation, for a model used without an engine
 =====================================  =====================================================================
 """
 
@@ -115,7 +119,46 @@ def set_default_group_timeout(timeout: timedelta) -> None:
 def skip_cpu_shm_build() -> None:
     """Keep DeepSpeed from JIT-building its shared-memory all-reduce op on CPU (used only by its inference)."""
     check_deepspeed_version()
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
+    comm_torch.build_shm_op = lambda: None
+
+
+def patch_moe_gather_tokens(gather_first: Callable[..., torch.Tensor]) -> None:
+    """Make DeepSpeed-MoE's token all-gather over TP work on gloo.
+
+    0.19.8's ``moe.mappings._gather_tokens`` all-gathers into a FLAT buffer (``all_gather_into_tensor``), which gloo
+    refuses ("invalid tensor size"); this one gathers ``[n, ...]`` shards into ``[p*n, ...]`` with ``gather_first``
+    (``mpu.mappings.all_gather_first_dim`` on DeepSpeed's TP group), then concatenates along ``dim`` as DeepSpeed
+    does. The same values on NCCL. Idempotent.
+    """
+    check_deepspeed_version()
+    mappings: Any = importlib.import_module("deepspeed.moe.mappings")
+    if getattr(mappings._gather_tokens, "_trident", False):
+        return
+    bwc: Any = importlib.import_module("deepspeed.utils.bwc")
+    groups: Any = importlib.import_module("deepspeed.utils.groups")
+
+    def gather_tokens(input_: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        world = bwc.bwc_tensor_model_parallel_world_size(groups.mpu)
+        if world == 1:
+            return input_
+        group = bwc.bwc_tensor_model_parallel_group(groups.mpu)
+        gathered = gather_first(input_.contiguous(), group)  # p x [n, ...] -> [p*n, ...]
+        return torch.cat(gathered.chunk(world, dim=0), dim=dim).contiguous()
+
+    gather_tokens._trident = True  # type: ignore[attr-defined]
+    mappings._gather_tokens = gather_tokens
+
+
+def set_moe_mpu(mpu: Any) -> None:
+    """Give DeepSpeed's MoE layers our ``mpu`` (the engine does this itself; for a model used without one)."""
+    import deepspeed
+
+    groups: Any = importlib.import_module("deepspeed.utils.groups")
+    if groups.mpu is None:
+        groups.mpu = mpu
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()  # wraps the torch.distributed job that already runs
 
 
 def keep_fp32_clip_norm(engine: Any) -> None:
@@ -254,7 +297,7 @@ def checkpoint_saves_through(engine: Any, save: Callable[[Any, str, bool], None]
     instead of its checkpoint engine's ``torch.save``; yields False (and routes nothing) when the engine is not
     DeepSpeed's plain ``TorchCheckpointEngine`` (Nebula, decoupled and fast engines write asynchronously)."""
     check_deepspeed_version()
-    ce = getattr(engine, "checkpoint_engine", None)
+    ce: Any = getattr(engine, "checkpoint_engine", None)
     if type(ce).__name__ != "TorchCheckpointEngine":
         yield False
         return

@@ -136,11 +136,17 @@ class DeepSpeedCheckpointer:
             "skipped_iterations": int(state.skipped_iterations),
             "lr_scheduler": scheduler.state_dict(),
             "trident_model_config": dataclasses.asdict(self.model),
-            UNIVERSAL_CHECKPOINT_INFO: used_patterns(
-                universal_checkpoint_info(self.model, self.plan.padded_vocab_size),
-                [name for name, _ in engine.module.named_parameters()],
-            ),
         }
+        universal_info = used_patterns(
+            universal_checkpoint_info(self.model, self.plan.padded_vocab_size),
+            [name for name, _ in engine.module.named_parameters()],
+        )
+        if getattr(engine, "has_moe_layers", False):
+            # DeepSpeed's MoE save refuses the key in client_state ("reserved checkpoint keys") and saves the
+            # module attribute of that name under it instead: the same place in mp_rank_XX_model_states.pt.
+            setattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, universal_info)
+        else:
+            client_state[UNIVERSAL_CHECKPOINT_INFO] = universal_info
         # Ends with a barrier over all ranks: after it, every rank's files are written.
         with checkpoint_saves_through(engine, recorder.torch_save) as hashed:
             engine.save_checkpoint(

@@ -27,6 +27,7 @@ META_VERSION = 1
 
 SHAPE_FIELDS = (
     "num_layers",
+    "moe_layers",
     "hidden_size",
     "num_attention_heads",
     "num_query_groups",

@@ -6,7 +6,9 @@ pickle execution: DeepSpeed's model-state files hold only tensors and plain cont
 
 - PP = 1: ``mp_rank_{tp:02d}_model_states.pt``, key ``module`` (Megatron names);
 - PP > 1: ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (``megatron.layout.names``; the tied head is not saved);
-- ZeRO-3 (PP = 1): the fp32 partitions in ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt`` (``zero3.py``).
+- ZeRO-3 (PP = 1): the fp32 partitions in ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt`` (``zero3.py``);
+- DeepSpeed-MoE models: the experts from DeepSpeed's expert files, the rest as above or, under a pipeline, from
+  ``mp_rank_{stage*tp+tp:02d}_model_states.pt`` (``moe_files.py``).
 
 TP shards are merged with ``megatron.layout.tensor_parallel.merge_tp_shards``; the architecture comes from
 ``trident_meta.json``. Used by the offline conversions (``megatron.conversion``) and by text generation.
@@ -23,11 +25,13 @@ import torch
 
 from megatron.checkpointing.checksums import CHECKSUMS_KEY, verify_checkpoint_files
 from megatron.checkpointing.meta import model_config_from_meta, read_meta
+from megatron.checkpointing.moe_files import read_expert_weights, read_moe_pipe_tp_rank
 from megatron.checkpointing.pointers import find_tag
 from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.weights_only import read_tp_rank_weights
 from megatron.checkpointing.zero3 import is_zero3_checkpoint
 from megatron.config import ModelConfig
+from megatron.layout.experts import moe_partition
 from megatron.layout.pipeline import pipe_layers_to_megatron
 from megatron.layout.tensor_parallel import merge_tp_shards
 from megatron.layout.vocab import pad_vocab_for_tp
@@ -87,8 +91,11 @@ def read_checkpoint_weights(
         meta,
         [n for n in recorded if n.endswith("_model_states.pt") or (zero3 and "optim_states" in n)],
     )
+    moe = cfg.moe.is_moe(cfg.num_layers)
     shards: list[dict[str, torch.Tensor]] = []
-    if pp == 1:
+    if moe and pp > 1:
+        shards = [read_moe_pipe_tp_rank(tag_dir, cfg, r, tp=tp, pp=pp) for r in range(tp)]
+    elif pp == 1:
         # ZeRO-3's module weights are placeholders: read_tp_rank_weights rebuilds them from the fp32 partitions.
         for r in range(tp):
             shards.append(read_tp_rank_weights(tag_dir, meta, r, progress))
@@ -108,7 +115,11 @@ def read_checkpoint_weights(
             if not per_rank[r]:
                 raise FileNotFoundError(f"{tag_dir} has no layer files for TP rank {r}.")
             shards.append(pipe_layers_to_megatron(per_rank[r], cfg.num_layers))
-    full = merge_tp_shards(shards, cfg) if tp > 1 else shards[0]
+    # The model-state files hold no expert (they are in the expert files): the expert rule does not matter here.
+    rule = moe_partition(cfg, expert_tensor_parallel=False) if moe else None
+    full = merge_tp_shards(shards, cfg, partition=rule) if tp > 1 else shards[0]
+    if moe:
+        full.update(read_expert_weights(tag_dir, cfg, tp=tp, pp=pp, progress=progress))
     return full, cfg, meta
 
 

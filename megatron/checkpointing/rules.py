@@ -253,6 +253,12 @@ def check_resume_compatibility(case: ResumeCase | None) -> None:
             raise ValueError(rule.message(case))
 
 
+def zero_partitions(cfg: TridentConfig, plan: RunPlan) -> int:
+    """The ranks ZeRO shards over (what the checkpoint's optimizer files are counted by): DP x Ulysses SP, which is
+    world / (TP x PP) as a checkpoint's meta records it (DeepSpeed shards over its sequence-data-parallel group)."""
+    return plan.data_parallel_size * cfg.parallel.ds_sequence_parallel_size
+
+
 def resume_case(
     meta: dict[str, Any], cfg: TridentConfig, plan: RunPlan, tag: str
 ) -> ResumeCase | None:
@@ -273,7 +279,7 @@ def resume_case(
         saved_precision=meta.get("precision"),
         run_tp=plan.tensor_model_parallel_size,
         run_pp=plan.pipeline_model_parallel_size,
-        run_dp=plan.data_parallel_size,
+        run_dp=zero_partitions(cfg, plan),
         run_stage=plan.zero_stage,
         requested_stage=plan.requested_zero_stage,
         run_precision=plan.precision,
@@ -430,7 +436,7 @@ def _verify_checkpoint_files(
         rank=global_rank(),
         run_tp=plan.tensor_model_parallel_size,
         run_pp=plan.pipeline_model_parallel_size,
-        run_dp=plan.data_parallel_size,
+        run_dp=zero_partitions(cfg, plan),
         optimizer_state=not (weights_only or ck.no_load_optim),
     )
     if names:

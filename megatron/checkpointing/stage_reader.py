@@ -10,6 +10,10 @@ A rank at TP rank ``r`` of ``p`` on pipeline stage ``k`` needs only the tensors 
   tensors alone and cut to this rank's shard (vocabulary rows re-padded for ``p``). The peak is then the stage's
   full tensors; reshard offline (``tools/convert_checkpoint.py``) for a model whose stage does not fit.
 
+DeepSpeed-MoE models: the stage's whole experts come from DeepSpeed's expert files (any saved EP/TP layout; the
+generation model holds every expert, EP = 1), the rest as above or, for a pipelined MoE checkpoint (no layer files),
+from the stages' ``mp_rank_XX_model_states.pt`` (``moe_files.py``).
+
 Every file read is checked against the checksums recorded at save (when the checkpoint has them).
 """
 
@@ -22,10 +26,16 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.checksums import CHECKSUMS_KEY, verify_checkpoint_files
+from megatron.checkpointing.moe_files import (
+    EXPERT_FILE,
+    read_expert_weights,
+    read_moe_pipe_tp_rank,
+)
 from megatron.checkpointing.safe_load import torch_load_checkpoint_file
 from megatron.checkpointing.weights_only import read_tp_rank_weights
 from megatron.checkpointing.zero3 import is_zero3_checkpoint
 from megatron.config import ModelConfig
+from megatron.layout.experts import moe_partition
 from megatron.layout.names import (
     EMBEDDING_PREFIX,
     FINAL_NORM,
@@ -86,7 +96,16 @@ def _read_rank(
 ) -> dict[str, torch.Tensor]:
     """TP rank ``rank``'s tensors of the stage (fp32, checkpoint's TP-local shapes and vocab padding)."""
     recorded = (meta.get(CHECKSUMS_KEY) or {}).get("files", {})
-    if int(meta["pipeline_model_parallel_size"]) == 1:
+    saved_pp = int(meta["pipeline_model_parallel_size"])
+    if (
+        config.moe.is_moe(config.num_layers) and saved_pp > 1
+    ):  # no layer files: per-stage mp_rank files
+        tp = int(meta["tensor_model_parallel_size"])
+        names = [f"mp_rank_{s * tp + rank:02d}_model_states.pt" for s in range(saved_pp)]
+        verify_checkpoint_files(tag_dir, meta, [n for n in names if n in recorded])
+        out = read_moe_pipe_tp_rank(tag_dir, config, rank, tp=tp, pp=saved_pp)
+        return {k: v for k, v in out.items() if wanted(k)}
+    if saved_pp == 1:
         if not is_zero3_checkpoint(tag_dir, meta):
             name = f"mp_rank_{rank:02d}_model_states.pt"
             verify_checkpoint_files(tag_dir, meta, [name] if name in recorded else [])
@@ -138,9 +157,29 @@ def read_stage_weights(
 
     saved_tp = int(meta["tensor_model_parallel_size"])
     indices = _pipe_layer_indices(config, layers, pre_process, post_process)
+    moe = config.moe.is_moe(config.num_layers)
+    # MoE: the router is replicated; the experts (whole, EP = 1 here) come from DeepSpeed's expert files.
+    rule = moe_partition(config, expert_tensor_parallel=False) if moe else None
+    experts = _stage_experts(tag_dir, meta, config, wanted) if moe else {}
     if saved_tp == tp:
-        return _read_rank(tag_dir, meta, config, tp_rank, wanted, indices)
+        return {**_read_rank(tag_dir, meta, config, tp_rank, wanted, indices), **experts}
     shards = [_read_rank(tag_dir, meta, config, r, wanted, indices) for r in range(saved_tp)]
-    full = merge_tp_shards(shards, config) if saved_tp > 1 else shards[0]
+    full = merge_tp_shards(shards, config, partition=rule) if saved_tp > 1 else shards[0]
     del shards
-    return shard_state_dict(pad_vocab_for_tp(full, config, tp), config, tp, tp_rank)
+    padded = pad_vocab_for_tp(full, config, tp)
+    return {**shard_state_dict(padded, config, tp, tp_rank, partition=rule), **experts}
+
+
+def _stage_experts(
+    tag_dir: Path, meta: dict[str, Any], config: ModelConfig, wanted: Callable[[str], bool]
+) -> dict[str, torch.Tensor]:
+    """The whole experts (global ids) of the stage's MoE layers, from DeepSpeed's expert files (checksummed)."""
+    recorded = (meta.get(CHECKSUMS_KEY) or {}).get("files", {})
+    verify_checkpoint_files(tag_dir, meta, [n for n in recorded if EXPERT_FILE.search(n)])
+    experts = read_expert_weights(
+        tag_dir,
+        config,
+        tp=int(meta["tensor_model_parallel_size"]),
+        pp=int(meta["pipeline_model_parallel_size"]),
+    )
+    return {k: v for k, v in experts.items() if wanted(k)}

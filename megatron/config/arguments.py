@@ -123,7 +123,11 @@ def _field_argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[st
     elif typing.get_origin(base) is tuple:
         # A None default stays None, so "given with no values" ([] -> ()) differs from "not given".
         default = list(f.default) if isinstance(f.default, tuple) else None
-        kwargs.update(nargs="*", type=str, default=default, metavar="VALUE")
+        item = typing.get_args(base)[0]
+        if item is int:  # --num-experts: one or more integers
+            kwargs.update(nargs="+", type=int, default=default, metavar="N")
+        else:
+            kwargs.update(nargs="*", type=str, default=default, metavar="VALUE")
     elif base in _METAVARS:
         kwargs.update(type=finite_float if base is float else base, metavar=_METAVARS[base])
     else:
@@ -141,13 +145,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     )
     for _, title, cls in SECTIONS:
         group = p.add_argument_group(title, (cls.__doc__ or "").strip().splitlines()[0])
-        docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if (cls.__name__, f.name) in NOT_FLAGS:
-                continue
-            flags, kwargs = _field_argument(f, hints[f.name])
-            text = f"Turn off: {docs[f.name]}" if f.name in INVERTED else docs[f.name]
-            group.add_argument(*flags, help=text, **kwargs)
+        _add_fields(p, group, cls)
         if cls is ModelConfig:
             group.add_argument(
                 CHECKPOINT_ACTIVATIONS,
@@ -181,6 +179,37 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     return p
 
 
+def _add_fields(p: argparse.ArgumentParser, group: Any, cls: type) -> None:
+    """The flags of ``cls``'s fields into ``group``; a nested dataclass field (``ModelConfig.moe``) gets a group of
+    its own, its fields flags like any other."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if (cls.__name__, f.name) in NOT_FLAGS:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub = hints[f.name]
+            _add_fields(p, p.add_argument_group(sub.__doc__.strip().splitlines()[0]), sub)
+            continue
+        flags, kwargs = _field_argument(f, hints[f.name])
+        text = f"Turn off: {docs[f.name]}" if f.name in INVERTED else docs[f.name]
+        group.add_argument(*flags, help=text, **kwargs)
+
+
+def _values(a: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """``cls``'s field values from parsed flags (nested dataclass fields built recursively)."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if (cls.__name__, f.name) in NOT_FLAGS:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = hints[f.name](**_values(a, hints[f.name]))
+            continue
+        value = getattr(a, f.name)
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return values
+
+
 def _add_refused(p: argparse.ArgumentParser) -> None:
     """The group of Megatron-DeepSpeed flags refused by name (``refused.py``): each stops the parse with one line."""
     group = p.add_argument_group(
@@ -203,13 +232,7 @@ def config_from_namespace(a: argparse.Namespace) -> TridentConfig:
     """Build the frozen config from parsed flags (no validation; see :func:`validate`)."""
     sections: dict[str, Any] = {}
     for attr, _, cls in SECTIONS:
-        values = {}
-        for f in dataclasses.fields(cls):
-            if (cls.__name__, f.name) in NOT_FLAGS:
-                continue
-            value = getattr(a, f.name)
-            values[f.name] = tuple(value) if isinstance(value, list) else value
-        sections[attr] = cls(**values)
+        sections[attr] = cls(**_values(a, cls))
     model: ModelConfig = sections["model"]
     if model.recompute_granularity is None and a.checkpoint_activations:
         sections["model"] = dataclasses.replace(model, recompute_granularity="full")

@@ -3,7 +3,9 @@
 The rule: every field of ``ModelConfig``, ``ParallelConfig``, ``TrainingConfig``, ``DataConfig``,
 ``CheckpointConfig`` and ``LoggingConfig`` is the flag ``--field-name`` (Megatron's spelling), its type and default
 from the annotation, its help the field's docstring, grouped as the dataclasses are. A ``bool`` field that defaults
-to False is a switch; a ``Literal`` gives the choices; ``tuple[str, ...]`` takes any number of values.
+to False is a switch; a ``Literal`` gives the choices; ``tuple[str, ...]`` takes any number of values,
+``tuple[int, ...]`` one or more integers (``--num-experts``). A field that is itself a dataclass (``ModelConfig.moe``,
+a ``MoEConfig``) is a group of its own whose fields follow the same rule.
 
 The exceptions, all below: flags that turn a default-True field off (:data:`INVERTED`), extra spellings
 (:data:`ALIASES`), fields that are not flags (:data:`NOT_FLAGS`), one flag that sets another field's value
@@ -38,6 +40,8 @@ INVERTED: dict[str, str] = {
     "apply_rope_fusion": "--no-rope-fusion",
     "persist_layer_norm": "--no-persist-layer-norm",
     "cross_entropy_loss_fusion": "--no-cross-entropy-loss-fusion",
+    "moe_token_dropping": "--disable-moe-token-dropping",
+    "moe_top2_2nd_expert_sampling": "--disable-moe-top2-2nd-expert-sampling",
 }
 """Field -> the switch that sets it False (the field defaults to True)."""
 
@@ -225,37 +229,6 @@ COMPAT_NO_OPS: tuple[CompatFlag, ...] = (
                 True,
                 "Megatron-DeepSpeed defines it but never reads it; ZeRO "
                 "settings belong in the DeepSpeed JSON (zero_optimization).",
-            ),
-            (
-                (
-                    "--disable-moe-token-dropping",
-                    "--create-moe-param-group",
-                    "--disable-moe-top2-2nd-expert-sampling",
-                ),
-                False,
-                "an MoE setting; with no MoE layers (--num-experts "
-                "1, the only value accepted until MoE is built) it changes nothing, as in Megatron-DeepSpeed.",
-            ),
-            (("--topk",), True, "MoE top-k gating; no MoE layers while --num-experts is 1."),
-            (
-                ("--expert-interval",),
-                True,
-                "MoE layer spacing; no MoE layers while --num-experts is 1.",
-            ),
-            (
-                ("--mlp-type",),
-                True,
-                "MoE residual/standard MLP choice; no MoE layers while --num-experts is 1.",
-            ),
-            (
-                (
-                    "--moe-train-capacity-factor",
-                    "--moe-eval-capacity-factor",
-                    "--moe-min-capacity",
-                    "--moe-loss-coeff",
-                ),
-                True,
-                "an MoE setting; no MoE layers while --num-experts is 1.",
             ),
         )
     ),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron.config.moe import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,15 @@ class ModelConfig:
     layout_invariant_init: bool = True
     """Layout-invariant initialization: each parameter's full value depends only on (seed, name), whatever the
     TP size (off: each TP shard is drawn on its own, faster)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts layers (DeepSpeed-MoE); its fields are flags of their own (see ``MoEConfig``)."""
+
+    def __post_init__(self) -> None:
+        moe: Any = self.moe
+        # the saved ``dataclasses.asdict`` form (checkpoint meta, converters) becomes a MoEConfig again
+        if isinstance(moe, dict):
+            moe = {**moe, "num_experts": tuple(moe.get("num_experts", (1,)))}
+            object.__setattr__(self, "moe", MoEConfig(**moe))
 
     @property
     def num_query_groups(self) -> int:
@@ -123,6 +134,14 @@ class ModelConfig:
         if self.swiglu:
             return int(4 * self.hidden_size * 2 / 3 / 64) * 64 or 4 * self.hidden_size
         return 4 * self.hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[tuple[int, ...], str] | None:
+        """(experts of each layer, MoE mlp type): what an MoE checkpoint's shapes depend on; None for a dense
+        model."""
+        if not self.moe.is_moe(self.num_layers):
+            return None
+        return self.moe.experts_per_layer(self.num_layers), self.moe.mlp_type
 
     @property
     def max_positions(self) -> int:

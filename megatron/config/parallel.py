@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout. The data-parallel degree is derived: world size / (TP x PP)."""
+    """Parallel layout. The data-parallel degree is derived: world size / (TP x PP x Ulysses SP)."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel degree p (Megatron column/row-parallel layers)."""
@@ -18,6 +18,11 @@ class ParallelConfig:
     """Megatron sequence parallelism: activations sharded on the sequence between TP regions (TP > 1)."""
     async_tensor_model_parallel_allreduce: bool = True
     """Overlap the TP all-reduce of a column-parallel linear's input gradient with its weight-gradient matmul."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses sequence-parallel degree N: each rank of a group of N holds s/N tokens; attention
+    all-to-alls the heads so every rank attends over the whole sequence with n/N heads (``mpu/ulysses.py``)."""
+    force_ds_sequence_parallel: bool = False
+    """Route attention through DeepSpeed's DistributedAttention even at --ds-sequence-parallel-size 1."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3 (2 and 3 only without pipeline parallelism)."""
     no_pipeline_parallel: bool = False
@@ -28,10 +33,19 @@ class ParallelConfig:
     """Timeout of every collective on every process group, in minutes (fractions allowed)."""
     local_rank: int | None = None
     """This process's rank on its node, as the deepspeed launcher passes it (else the LOCAL_RANK variable)."""
+    moe_expert_parallel_size: int = 1
+    """Expert-parallel degree (DeepSpeed-MoE): each MoE layer's experts are split over this many data-parallel
+    ranks; it divides the data-parallel size and every layer's expert count."""
+    enable_expert_tensor_parallelism: bool = False
+    """Experts are tensor-parallel like the dense MLP (off: every TP rank holds whole experts)."""
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP degree for ``world_size`` ranks (validate() guarantees divisibility)."""
-        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return world_size // (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.ds_sequence_parallel_size
+        )
 
     @property
     def sequence_parallel_enabled(self) -> bool:

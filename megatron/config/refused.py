@@ -2,8 +2,8 @@
 
 A launch script that passes one of these gets one line and exit 2 (``pretrain_gpt.py``'s bad-flag path) naming the
 feature and what to use instead, rather than argparse's "unrecognized arguments" or, worse, a run that silently
-trains something else. A few accept the one value that means "feature off" (``--num-experts 1``: a dense model),
-which Megatron-DeepSpeed's own dense scripts pass; any other value is refused. The README's compatibility table
+trains something else. A few accept the one value that means "feature off" (``--transformer-impl local``),
+which Megatron-DeepSpeed's own scripts pass; any other value is refused. The README's compatibility table
 lists every entry with its reason (``scripts/mds_flag_table.py``).
 """
 
@@ -28,7 +28,7 @@ class RefusedFlag:
     instead: str
     """What to do instead (drop the flag, the Trident flag or tool that does the job)."""
     accepts: tuple[str, ...] = ()
-    """Values that mean "feature off", accepted with no effect (``--num-experts 1``); anything else is refused."""
+    """Values that mean "feature off", accepted with no effect; anything else is refused."""
 
     def message(self, flag: str) -> str:
         """The one line a run that passes ``flag`` stops with."""
@@ -68,10 +68,7 @@ def _r(
     return RefusedFlag(tuple(flags.split()), value, why, instead, tuple(accepts.split()))
 
 
-_DENSE = "--num-experts is 1 (a dense model) until MoE is built"
-_NO_MOE = "Mixture-of-Experts is not built yet (another issue builds it)"
-_NO_ULYSSES = "DeepSpeed-Ulysses sequence parallelism is not built yet (another issue builds it)"
-_LONG_SEQ = "for long sequences use --tensor-model-parallel-size with --sequence-parallel"
+_LONG_SEQ = "for long sequences use DeepSpeed-Ulysses (--ds-sequence-parallel-size N) without FPDT"
 _NOT_GPT = "Trident trains GPT/LLaMA decoder models only"
 _KD = "knowledge distillation (teacher model, KD loss) is not built"
 _FP8 = "FP8 training through NVIDIA Transformer Engine is not built"
@@ -80,29 +77,12 @@ _GEN = "generate with tools/generate_text.py or serve with tools/run_text_genera
 _DROP = "drop the flag"
 
 REFUSED: tuple[RefusedFlag, ...] = (
-    # Mixture-of-Experts and DeepSpeed-Ulysses: their own issue; the dense / no-SP value is accepted.
-    _r(
-        "--num-experts",
-        _NO_MOE,
-        "train a dense model: drop the flag or pass 1",
-        value=True,
-        accepts="1",
-    ),
-    _r("--moe-expert-parallel-size", _NO_MOE, "drop the flag or pass 1", value=True, accepts="1"),
-    _r("--enable-expert-tensor-parallelism", _NO_MOE, f"train a dense model and {_DROP}"),
+    # MoE kernel libraries; FPDT (DeepSpeed-Ulysses itself is --ds-sequence-parallel-size).
     _r(
         "--use-tutel",
-        _NO_MOE + " (Tutel is an MoE kernel library)",
-        f"train a dense model and {_DROP}",
+        "Tutel (an MoE kernel library) is not built",
+        "DeepSpeed-MoE runs without it: drop the flag",
     ),
-    _r(
-        "--num-experts-switch",
-        _NO_MOE + " (Switch Transformer)",
-        f"train a dense model and {_DROP}",
-        value=True,
-    ),
-    _r("--ds-sequence-parallel-size", _NO_ULYSSES, _LONG_SEQ, value=True, accepts="1"),
-    _r("--force-ds-sequence-parallel", _NO_ULYSSES, _LONG_SEQ),
     _r(
         "--ds-sequence-parallel-fpdt",
         "FPDT (Ulysses with chunked, offloaded attention) is not built",

@@ -9,8 +9,10 @@ from __future__ import annotations
 from megatron.config.arguments import TridentConfig
 from megatron.config.batch_rampup import check_rampup
 from megatron.config.logging_config import check_logging
+from megatron.config.moe_rules import check_moe
 from megatron.config.plan import global_batch_size
 from megatron.config.rules import check_head_layout, check_tensor_parallel_split
+from megatron.config.ulysses import check_ulysses
 
 
 def _check_positive(cfg: TridentConfig) -> None:
@@ -307,6 +309,8 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_recompute(cfg)
     _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
+    check_ulysses(cfg, world_size)
+    check_moe(cfg, world_size)
     _check_batch(cfg, world_size)
     check_rampup(cfg, world_size)
     _check_precision(cfg, device_type)

@@ -3,7 +3,8 @@ by comparing logits and greedy decodes of the written directory (loaded with tra
 checkpoint run in our ``GPTModel``.
 
 GPT-2-style checkpoints become ``GPT2LMHeadModel`` (``hf_gpt2.py``), LLaMA-style ones ``LlamaForCausalLM``
-(``hf_llama.py``); the weights come through ``megatron.checkpointing.readers`` (any TP/PP layout, any ZeRO stage).
+(``hf_llama.py``), DeepSpeed-MoE ones ``MixtralForCausalLM`` (``hf_mixtral.py``); the weights come through
+``megatron.checkpointing.readers`` (any TP/PP/EP layout, any ZeRO stage).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron.checkpointing.readers import (
 from megatron.config import ModelConfig
 from megatron.conversion.hf_gpt2 import megatron_to_gpt2_hf
 from megatron.conversion.hf_llama import megatron_to_llama_hf
+from megatron.conversion.hf_mixtral import is_mixtral, megatron_to_mixtral_hf, verification_config
 from megatron.conversion.hf_tokenizer import export_tokenizer, special_token_ids
 from megatron.conversion.output_dirs import check_output_dir_path, check_output_not_input
 from megatron.conversion.verify import (
@@ -141,12 +143,20 @@ def export_to_hf(
 
     check_export_dir(out_dir, overwrite=overwrite, load=ckpt_dir)
     full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
+    if cfg.moe.num_experts_switch is not None:
+        raise ValueError(
+            f"{ckpt_dir}: a model with a Switch MLP (--num-experts-switch {cfg.moe.num_experts_switch}) has no "
+            "Hugging Face transformers counterpart, so it cannot be exported; keep it in Trident's format."
+        )
     tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
     if tok_info:
         tok_bos, tok_eos = special_token_ids(tok_info)
         bos_token_id = tok_bos if bos_token_id is None else bos_token_id
         eos_token_id = tok_eos if eos_token_id is None else eos_token_id
-    export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
+    if is_mixtral(cfg):
+        export = megatron_to_mixtral_hf
+    else:
+        export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
     hf_sd, hf_cfg = export(
         full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
@@ -189,7 +199,7 @@ def _verify_export(
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
-    ours = build_megatron_model(full, cfg)
+    ours = build_megatron_model(full, verification_config(cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
     prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
     with torch.no_grad():

@@ -1,9 +1,10 @@
-"""Hugging Face directory -> Trident checkpoint at any TP/PP, written by a real DeepSpeed engine.
+"""Hugging Face directory -> Trident checkpoint at any TP/PP (and EP), written by a real DeepSpeed engine.
 
-The HF weights are converted to Megatron's full layout (``hf_gpt2``/``hf_llama``), the vocabulary padded for the
-target TP, and written to a temporary safetensors file. Then ``TP x PP`` ranks are spawned; each builds the model
-at the target layout (``GPTModel`` or ``GPTModelPipe``), loads its shard BEFORE ``deepspeed.initialize`` (so ZeRO's
-fp32 master copies hold the imported weights) and saves through ``DeepSpeedCheckpointer`` at iteration 0. The result
+The HF weights are converted to Megatron's full layout (``hf_gpt2``/``hf_llama``/``hf_mixtral``), the vocabulary
+padded for the target TP, and written to a temporary safetensors file. Then ``TP x PP`` ranks (``x EP`` for a
+Mixtral: data-parallel size EP) are spawned; each builds the model at the target layout (``GPTModel`` or
+``GPTModelPipe``), loads its shard (its EP rank's experts) BEFORE ``deepspeed.initialize`` (so ZeRO's fp32 master
+copies hold the imported weights) and saves through ``DeepSpeedCheckpointer`` at iteration 0. The result
 is what training writes, so ``--load`` reads it by construction; it is marked ``weights_only`` (loads like
 --finetune: iteration 0, fresh optimizer and LR schedule from the flags).
 
@@ -29,6 +30,7 @@ from megatron.config import ModelConfig
 from megatron.config.rules import padded_vocab_size
 from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron
 from megatron.conversion.hf_llama import llama_hf_to_megatron
+from megatron.conversion.hf_mixtral import mixtral_hf_to_megatron, verification_config
 from megatron.conversion.hf_tokenizer import hf_dir_tokenizer
 from megatron.conversion.output_dirs import check_new_save_dir
 from megatron.conversion.rewrite import check_target_layout, write_trident_checkpoint
@@ -47,15 +49,19 @@ def hf_to_full(
     """``(full Megatron state dict padded for TP = tp, ModelConfig, HF config dict)`` of a local HF directory.
 
     Raises:
-        ValueError: the model type is neither ``gpt2`` nor ``llama`` (or the converters refuse a variant).
+        ValueError: the model type is not ``gpt2``, ``llama`` or ``mixtral`` (or the converters refuse a variant).
     """
     sd, config = load_hf_directory(hf_dir)
     kind = config.get("model_type")
-    convert = {"gpt2": gpt2_hf_to_megatron, "llama": llama_hf_to_megatron}.get(kind)
+    convert = {
+        "gpt2": gpt2_hf_to_megatron,
+        "llama": llama_hf_to_megatron,
+        "mixtral": mixtral_hf_to_megatron,
+    }.get(kind)
     if convert is None:
         raise ValueError(
             f"{hf_dir}/config.json: model_type {kind!r} is not supported; convert a GPT2LMHeadModel "
-            "('gpt2') or LlamaForCausalLM ('llama') directory."
+            "('gpt2'), LlamaForCausalLM ('llama') or MixtralForCausalLM ('mixtral') directory."
         )
     vocab = int(config["vocab_size"])
     padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tp)
@@ -71,12 +77,15 @@ def import_from_hf(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     verify: bool = True,
     steps: int = 32,
     progress: Progress = no_progress,
     timeout: float = 900.0,
 ) -> LogitComparison | None:
-    """Convert a local HF GPT-2/LLaMA directory into a Trident checkpoint for ``tp`` x ``pp`` ranks.
+    """Convert a local HF GPT-2/LLaMA/Mixtral directory into a Trident checkpoint for ``tp`` x ``pp`` ranks (and
+    a Mixtral's experts over ``ep`` expert-parallel ranks: ``tp * pp * ep`` ranks write it, data-parallel size
+    ``ep``).
 
     Returns:
         The HF-vs-written-checkpoint comparison (None without ``verify``).
@@ -89,7 +98,7 @@ def import_from_hf(
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
     full, cfg, _ = hf_to_full(hf_dir, tp)
-    check_target_layout(cfg, tp=tp, pp=pp)
+    check_target_layout(cfg, tp=tp, pp=pp, ep=ep)
     progress("converting", 1, 3)
     write_trident_checkpoint(
         full,
@@ -100,6 +109,7 @@ def import_from_hf(
         source=str(hf_dir),
         tokenizer=hf_dir_tokenizer(hf_dir),
         timeout=timeout,
+        ep=ep,
     )
     progress("writing", 2, 3)
     if not verify:
@@ -108,7 +118,7 @@ def import_from_hf(
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
     back, back_cfg, _ = read_checkpoint_weights(out_dir)
-    ours = build_megatron_model(back, back_cfg)
+    ours = build_megatron_model(back, verification_config(back_cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
     prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
     with torch.no_grad():

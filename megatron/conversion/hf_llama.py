@@ -8,12 +8,13 @@ model uses, so no permutation is applied (the golden logits test proves it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.rules import padded_vocab_size
 from megatron.conversion.hf_common import (
     MegatronKeys,
@@ -27,8 +28,12 @@ from megatron.layout.qkv import fuse_qkv, split_qkv
 from megatron.layout.vocab import repad_vocab
 
 
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    """RoPE base from transformers 4 (``rope_theta``/``rope_scaling``) or 5 (``rope_parameters``) configs."""
+def rope_theta(cfg: Mapping[str, Any], model: str = "LLaMA") -> float:
+    """RoPE base from transformers 4 (``rope_theta``/``rope_scaling``) or 5 (``rope_parameters``) configs.
+
+    Raises:
+        ValueError: a scaled RoPE (``rope_type`` other than ``default``), naming ``model``.
+    """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     rope_type = (
@@ -36,10 +41,54 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     )
     if rope_type != "default":
         raise ValueError(
-            f"LLaMA config uses rope_type '{rope_type}' (scaled RoPE); Trident implements plain RoPE only."
+            f"{model} config uses rope_type '{rope_type}' (scaled RoPE); Trident implements plain RoPE only."
         )
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return float(theta)
+
+
+def import_attention_and_norms(
+    keys: StrictKeys, i: int, *, num_heads: int, num_groups: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s two RMSNorm weights and attention (q/k/v fused per K/V group, o_proj -> dense), Megatron names,
+    from an HF LLaMA-family state dict (LLaMA, Mixtral: ``model.layers.{i}.self_attn.*``)."""
+    src, dst = f"layers.{i}.", layer_prefix(i) + "."
+    out = {
+        f"{dst}{norm}.weight": keys.take(f"{src}{norm}.weight").clone()
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    }
+    out[f"{dst}self_attention.query_key_value.weight"] = fuse_qkv(
+        keys.take(f"{src}self_attn.q_proj.weight"),
+        keys.take(f"{src}self_attn.k_proj.weight"),
+        keys.take(f"{src}self_attn.v_proj.weight"),
+        num_heads=num_heads,
+        num_groups=num_groups,
+        head_dim=head_dim,
+    )
+    out[f"{dst}self_attention.dense.weight"] = keys.take(f"{src}self_attn.o_proj.weight").clone()
+    return out
+
+
+def export_attention_and_norms(
+    take: MegatronKeys, i: int, *, num_heads: int, num_groups: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`import_attention_and_norms`: HF names (``model.layers.{i}.*``) of layer ``i``."""
+    src, dst = layer_prefix(i) + ".", f"model.layers.{i}."
+    q, k, v = split_qkv(
+        take(f"{src}self_attention.query_key_value.weight"),
+        num_heads=num_heads,
+        num_groups=num_groups,
+        head_dim=head_dim,
+    )
+    out = {
+        f"{dst}self_attn.q_proj.weight": q,
+        f"{dst}self_attn.k_proj.weight": k,
+        f"{dst}self_attn.v_proj.weight": v,
+        f"{dst}self_attn.o_proj.weight": take(f"{src}self_attention.dense.weight").clone(),
+    }
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight").clone()
+    return out
 
 
 def _check_llama_config(cfg: Mapping[str, Any]) -> None:
@@ -79,41 +128,68 @@ def llama_hf_to_megatron(
     """
     cfg = config_to_dict(hf_config)
     _check_llama_config(cfg)
-    h = int(require(cfg, "hidden_size", "LLaMA"))
-    n = int(require(cfg, "num_attention_heads", "LLaMA"))
+
+    def mlp(keys: StrictKeys, i: int) -> dict[str, torch.Tensor]:
+        src, dst = f"layers.{i}.mlp.", layer_prefix(i) + ".mlp."
+        gate_up = torch.cat(
+            [keys.take(f"{src}gate_proj.weight"), keys.take(f"{src}up_proj.weight")]
+        )
+        return {
+            f"{dst}dense_h_to_4h.weight": gate_up,  # [ffn, h] + [ffn, h] -> [2*ffn, h] = [gate; up]
+            f"{dst}dense_4h_to_h.weight": keys.take(f"{src}down_proj.weight").clone(),
+        }
+
+    return import_llama_family(
+        hf_state_dict,
+        cfg,
+        mlp,
+        model="LLaMA",
+        padded_vocab=padded_vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        default_max_positions=2048,
+        default_eps=1e-6,
+    )
+
+
+MlpImport = Callable[[StrictKeys, int], dict[str, torch.Tensor]]
+"""``(HF keys, layer i) -> Megatron tensors`` of layer ``i``'s MLP (dense, or Mixtral's experts and router)."""
+
+
+def import_llama_family(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    cfg: Mapping[str, Any],
+    mlp: MlpImport,
+    *,
+    model: str,
+    padded_vocab: int | None,
+    make_vocab_size_divisible_by: int,
+    default_max_positions: int,
+    default_eps: float,
+    moe: MoEConfig | None = None,
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """What LLaMA and Mixtral imports share: embeddings, attention and norms of every layer, the final norm and
+    head (tied or not), and the ``ModelConfig`` (rmsnorm, swiglu, RoPE, no biases, GQA; ``moe`` for Mixtral).
+    ``mlp`` converts each layer's MLP; every HF tensor must be used (``check_all_used``). ``model`` names the
+    family in errors; the defaults are its ``config.json`` defaults."""
+    h = int(require(cfg, "hidden_size", model))
+    n = int(require(cfg, "num_attention_heads", model))
     g = int(cfg.get("num_key_value_heads") or n)
     hn = int(cfg.get("head_dim") or h // n)
-    layers = int(require(cfg, "num_hidden_layers", "LLaMA"))
-    ffn = int(require(cfg, "intermediate_size", "LLaMA"))
-    vocab = int(require(cfg, "vocab_size", "LLaMA"))
+    layers = int(require(cfg, "num_hidden_layers", model))
+    ffn = int(require(cfg, "intermediate_size", model))
+    vocab = int(require(cfg, "vocab_size", model))
     tied = bool(cfg.get("tie_word_embeddings", False))
     pad = padded_vocab or padded_vocab_size(vocab, make_vocab_size_divisible_by)
 
     keys = StrictKeys(
-        hf_state_dict, prefix="model.", ignore_suffixes=(".rotary_emb.inv_freq",), model="LLaMA"
+        hf_state_dict, prefix="model.", ignore_suffixes=(".rotary_emb.inv_freq",), model=model
     )
     out: dict[str, torch.Tensor] = {
         WORD_EMBEDDINGS: repad_vocab(keys.take("embed_tokens.weight"), vocab, pad)
     }
     for i in range(layers):
-        src, dst = f"layers.{i}.", layer_prefix(i) + "."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{dst}{norm}.weight"] = keys.take(f"{src}{norm}.weight").clone()
-        out[f"{dst}self_attention.query_key_value.weight"] = fuse_qkv(
-            keys.take(f"{src}self_attn.q_proj.weight"),
-            keys.take(f"{src}self_attn.k_proj.weight"),
-            keys.take(f"{src}self_attn.v_proj.weight"),
-            num_heads=n,
-            num_groups=g,
-            head_dim=hn,
-        )
-        out[f"{dst}self_attention.dense.weight"] = keys.take(
-            f"{src}self_attn.o_proj.weight"
-        ).clone()
-        out[f"{dst}mlp.dense_h_to_4h.weight"] = torch.cat(
-            [keys.take(f"{src}mlp.gate_proj.weight"), keys.take(f"{src}mlp.up_proj.weight")]
-        )  # [ffn, h] + [ffn, h] -> [2*ffn, h] = [gate; up]
-        out[f"{dst}mlp.dense_4h_to_h.weight"] = keys.take(f"{src}mlp.down_proj.weight").clone()
+        out.update(import_attention_and_norms(keys, i, num_heads=n, num_groups=g, head_dim=hn))
+        out.update(mlp(keys, i))
     out[f"{FINAL_NORM}.weight"] = keys.take("norm.weight").clone()
     if keys.has("lm_head.weight"):
         lm_head = keys.take("lm_head.weight")
@@ -121,15 +197,15 @@ def llama_hf_to_megatron(
             out[OUTPUT_LAYER] = repad_vocab(lm_head, vocab, pad)
         elif not torch.equal(lm_head, keys.take("embed_tokens.weight")):
             raise ValueError(
-                "LLaMA config says tie_word_embeddings=True but lm_head.weight differs from embed_tokens."
+                f"{model} config says tie_word_embeddings=True but lm_head.weight differs from embed_tokens."
             )
     elif not tied:
         raise ValueError(
-            "LLaMA config says tie_word_embeddings=False but lm_head.weight is missing."
+            f"{model} config says tie_word_embeddings=False but lm_head.weight is missing."
         )
     keys.check_all_used()
 
-    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    max_pos = int(cfg.get("max_position_embeddings", default_max_positions))
     model_config = ModelConfig(
         num_layers=layers,
         hidden_size=h,
@@ -140,10 +216,10 @@ def llama_hf_to_megatron(
         seq_length=max_pos,
         max_position_embeddings=max_pos,
         normalization="rmsnorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", default_eps)),
         swiglu=True,
         use_rotary_position_embeddings=True,
-        rotary_position_embeddings_theta=_rope_theta(cfg),
+        rotary_position_embeddings_theta=rope_theta(cfg, model),
         add_bias_linear=False,
         untie_embeddings_and_output_weights=not tied,
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
@@ -151,6 +227,7 @@ def llama_hf_to_megatron(
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         vocab_size=vocab,
+        **({} if moe is None else {"moe": moe}),
     )
     return out, model_config
 
@@ -199,9 +276,56 @@ def megatron_to_llama_hf(
         and a ``config.json`` dict readable by transformers 4 and 5.
     """
     _check_exportable(model_config)
-    full_state_dict, model_config = fold_layernorm_1p(full_state_dict, model_config)
-    m = model_config
-    n, g, hn, ffn = m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_size
+
+    def mlp(take: MegatronKeys, i: int) -> dict[str, torch.Tensor]:
+        src, dst = layer_prefix(i) + ".", f"model.layers.{i}.mlp."
+        gate, up = split_gate_up(take, f"{src}mlp.dense_h_to_4h.weight", model_config.ffn_size)
+        return {
+            f"{dst}gate_proj.weight": gate,
+            f"{dst}up_proj.weight": up,
+            f"{dst}down_proj.weight": take(f"{src}mlp.dense_4h_to_h.weight").clone(),
+        }
+
+    out, config = export_llama_family(
+        full_state_dict, model_config, true_vocab_size, mlp, bos_token_id, eos_token_id
+    )
+    config.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False
+    )
+    return out, config
+
+
+MlpExport = Callable[[MegatronKeys, int], dict[str, torch.Tensor]]
+"""``(take, layer i) -> HF tensors`` of layer ``i``'s MLP (dense, or Mixtral's experts and router)."""
+
+
+def split_gate_up(take: MegatronKeys, key: str, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SwiGLU ``dense_h_to_4h`` weight ``key`` (``[2f, h] = [gate; up]``) as HF's ``(gate, up)``, each ``[f, h]``.
+
+    Raises:
+        ValueError: the weight does not have ``2 * ffn`` rows.
+    """
+    gate_up = take(key)
+    if gate_up.shape[0] != 2 * ffn:
+        raise ValueError(
+            f"{key} has {gate_up.shape[0]} rows; --swiglu with --ffn-hidden-size {ffn} needs {2 * ffn}."
+        )
+    return gate_up[:ffn].clone(), gate_up[ffn:].clone()
+
+
+def export_llama_family(
+    full_state_dict: Mapping[str, torch.Tensor],
+    model_config: ModelConfig,
+    true_vocab_size: int,
+    mlp: MlpExport,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What LLaMA and Mixtral exports share: embeddings, attention and norms of every layer, the final norm, the
+    untied head, and the common ``config.json`` keys (the caller adds ``architectures``, ``model_type`` and its
+    own). ``mlp`` converts each layer's MLP; every Megatron tensor must be used (``check_all_used``)."""
+    full_state_dict, m = fold_layernorm_1p(full_state_dict, model_config)
+    n, g, hn = m.num_attention_heads, m.num_query_groups, m.head_dim
     take = MegatronKeys(full_state_dict)
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": repad_vocab(
@@ -209,40 +333,17 @@ def megatron_to_llama_hf(
         )
     }
     for i in range(m.num_layers):
-        src, dst = layer_prefix(i) + ".", f"model.layers.{i}."
-        q, k, v = split_qkv(
-            take(f"{src}self_attention.query_key_value.weight"),
-            num_heads=n,
-            num_groups=g,
-            head_dim=hn,
-        )
-        out[f"{dst}self_attn.q_proj.weight"] = q
-        out[f"{dst}self_attn.k_proj.weight"] = k
-        out[f"{dst}self_attn.v_proj.weight"] = v
-        out[f"{dst}self_attn.o_proj.weight"] = take(f"{src}self_attention.dense.weight").clone()
-        gate_up = take(f"{src}mlp.dense_h_to_4h.weight")
-        if gate_up.shape[0] != 2 * ffn:
-            raise ValueError(
-                f"{src}mlp.dense_h_to_4h.weight has {gate_up.shape[0]} rows; --swiglu with "
-                f"--ffn-hidden-size {ffn} needs {2 * ffn}."
-            )
-        out[f"{dst}mlp.gate_proj.weight"] = gate_up[:ffn].clone()
-        out[f"{dst}mlp.up_proj.weight"] = gate_up[ffn:].clone()
-        out[f"{dst}mlp.down_proj.weight"] = take(f"{src}mlp.dense_4h_to_h.weight").clone()
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight").clone()
+        out.update(export_attention_and_norms(take, i, num_heads=n, num_groups=g, head_dim=hn))
+        out.update(mlp(take, i))
     out["model.norm.weight"] = take(f"{FINAL_NORM}.weight").clone()
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = repad_vocab(take(OUTPUT_LAYER), true_vocab_size, true_vocab_size)
     take.check_all_used()
-
     theta = m.rotary_position_embeddings_theta
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config: dict[str, Any] = {
         "vocab_size": true_vocab_size,
         "hidden_size": m.hidden_size,
-        "intermediate_size": ffn,
+        "intermediate_size": m.ffn_size,
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": n,
         "num_key_value_heads": g,
@@ -252,8 +353,6 @@ def megatron_to_llama_hf(
         "rms_norm_eps": m.layernorm_epsilon,
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": m.attention_dropout,
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,

@@ -27,7 +27,9 @@ from megatron.checkpointing.readers import (
     read_checkpoint_weights,
 )
 from megatron.config import ModelConfig
+from megatron.config.moe_rules import check_deepspeed_saves_every_rank
 from megatron.config.rules import check_head_layout, check_tensor_parallel_split
+from megatron.conversion.hf_mixtral import verification_config
 from megatron.conversion.output_dirs import check_new_save_dir
 from megatron.conversion.verify import (
     LogitComparison,
@@ -36,14 +38,29 @@ from megatron.conversion.verify import (
     megatron_logits_fn,
 )
 from megatron.deepspeed_internals import check_deepspeed_version
+from megatron.layout.experts import (
+    check_expert_parallel,
+    local_experts,
+    moe_partition,
+)
 from megatron.layout.vocab import pad_vocab_for_tp
 from megatron.training.spawn import spawn_local_ranks
 
 
 def _rank_writer(
-    full_path: str, model: dict[str, Any], tp: int, pp: int, out_dir: str, meta: dict[str, Any]
+    full_path: str,
+    model: dict[str, Any],
+    tp: int,
+    pp: int,
+    out_dir: str,
+    meta: dict[str, Any],
+    ep: int = 1,
 ) -> None:
-    """One rank of the import: model at the target layout, its shard, DeepSpeed engine, save (spawned)."""
+    """One rank of the import: model at the target layout, its shard, DeepSpeed engine, save (spawned).
+
+    With MoE layers the world is ``tp * pp * ep`` (data-parallel size ``ep``): each rank loads its EP rank's
+    experts (``megatron.layout.experts.local_experts``) and the engine writes DeepSpeed's expert files.
+    """
     from safetensors.torch import load_file
 
     from megatron import mpu
@@ -58,11 +75,18 @@ def _rank_writer(
     from megatron.training.state import TrainState
 
     model_cfg = ModelConfig(**model)
+    moe = model_cfg.moe.is_moe(model_cfg.num_layers)
+    if moe and pp > 1:
+        # ZeRO-1 below: DeepSpeed's ZeRO needs the experts in parameter groups of their own.
+        model_cfg = dataclasses.replace(
+            model_cfg, moe=dataclasses.replace(model_cfg.moe, create_moe_param_group=True)
+        )
     argv = [
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--save", out_dir,
         "--log-level", "WARNING",
         *(["--zero-stage", "1"] if pp > 1 else []),
+        *(["--moe-expert-parallel-size", str(ep)] if moe else []),
     ]  # fmt: skip
     cfg = dataclasses.replace(parse_args(argv), model=model_cfg)
     initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
@@ -77,7 +101,11 @@ def _rank_writer(
         initialize.set_seeds(cfg.training.seed)
         module = build_model(cfg, plan, device=device)
         full = load_file(full_path)
-        shard = shard_state_dict(full, model_cfg, tp, mpu.get_tensor_model_parallel_rank())
+        partition = moe_partition(model_cfg, expert_tensor_parallel=False) if moe else None
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+        shard = shard_state_dict(full, model_cfg, tp, tp_rank, partition=partition)
+        if moe:
+            shard = local_experts(shard, model_cfg, ep=ep, ep_rank=_expert_parallel_rank(cfg))
         own = module.state_dict()
         new = {
             k: shard[pipe_to_megatron_name(k, model_cfg.num_layers) if plan.pipeline_engine else k]
@@ -95,6 +123,23 @@ def _rank_writer(
         ckpt.save(bundle.engine, scheduler, TrainState())
     finally:
         mpu.destroy_model_parallel()
+
+
+def _expert_parallel_rank(cfg: Any) -> int:
+    """This rank's index in its expert-parallel group (the experts it holds), as the model places them."""
+    import torch.distributed as dist
+
+    from megatron import mpu
+    from megatron.mpu.expert_parallel import expert_parallel_rank
+
+    return expert_parallel_rank(
+        dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+        expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+        expert_tensor_parallel=cfg.parallel.enable_expert_tensor_parallelism,
+    )
 
 
 class Interrupted(KeyboardInterrupt):
@@ -119,14 +164,18 @@ def interrupts_raise() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int) -> None:
-    """The model of ``cfg`` can be split over ``tp`` x ``pp`` ranks (the rules ``GPTModel`` enforces).
+def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int, ep: int = 1) -> None:
+    """The model of ``cfg`` can be split over ``tp`` x ``pp`` ranks and its experts over ``ep`` (the rules
+    ``GPTModel`` enforces).
 
     Raises:
-        ValueError: naming --tp / --pp, the model's sizes and the values that would work.
+        ValueError: naming --tp / --pp / --ep, the model's sizes and the values that would work.
     """
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
+    check_expert_parallel(cfg, ep)
+    if cfg.moe.is_moe(cfg.num_layers):
+        check_deepspeed_saves_every_rank(tp, ep)
     if cfg.num_layers < pp:
         raise ValueError(
             f"--pp ({pp}) exceeds the model's {cfg.num_layers} layers; use --pp <= that."
@@ -145,8 +194,11 @@ def write_trident_checkpoint(
     source: str,
     tokenizer: dict[str, str] | None = None,
     timeout: float = 900.0,
+    ep: int = 1,
 ) -> None:
-    """Save ``full`` (Megatron names, any vocab padding) as a Trident checkpoint for ``tp`` x ``pp`` ranks.
+    """Save ``full`` (Megatron names, any vocab padding; global expert ids) as a Trident checkpoint for
+    ``tp`` x ``pp`` ranks, the experts of MoE layers split over ``ep`` ranks (``tp * pp * ep`` ranks are spawned,
+    data-parallel size ``ep``; the experts are held whole on every TP rank).
 
     ``source`` and ``tokenizer`` (``megatron.tokenizer.info.tokenizer_info``) are recorded in ``trident_meta.json``.
 
@@ -159,7 +211,7 @@ def write_trident_checkpoint(
 
     check_deepspeed_version()  # here, not in each spawned rank: one line instead of a rank's traceback
     check_new_save_dir(out_dir)
-    check_target_layout(cfg, tp=tp, pp=pp)
+    check_target_layout(cfg, tp=tp, pp=pp, ep=ep)
     padded = pad_vocab_for_tp(full, cfg, tp)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,13 +225,14 @@ def write_trident_checkpoint(
         save_file({k: v.contiguous() for k, v in padded.items()}, path)
         spawn_local_ranks(
             _rank_writer,
-            tp * pp,
+            tp * pp * ep,
             path,
             dataclasses.asdict(cfg),
             tp,
             pp,
             str(out_dir),
             {"converted_from": source, **({"tokenizer": tokenizer} if tokenizer else {})},
+            ep,
             init_process_group=False,
             timeout=timeout,
         )
@@ -191,12 +244,14 @@ def reshard_checkpoint(
     *,
     tp: int,
     pp: int,
+    ep: int = 1,
     tag: str | None = None,
     verify: bool = True,
     steps: int = 32,
     progress: Progress = no_progress,
 ) -> LogitComparison | None:
-    """Offline (TP, PP) -> (``tp``, ``pp``) for the weights of a Trident checkpoint (iteration 0, weights only).
+    """Offline (TP, PP) -> (``tp``, ``pp``) for the weights of a Trident checkpoint (iteration 0, weights only);
+    an MoE model's experts (read from any EP layout) are written over ``ep`` expert-parallel ranks.
 
     For resuming WITH optimizer state at another layout use the universal checkpoint (``universal.py``).
 
@@ -208,17 +263,19 @@ def reshard_checkpoint(
             over ``tp`` x ``pp``; the source is unreadable. All before any rank is spawned.
     """
     found, src_cfg, _ = read_checkpoint_config(src, tag)
-    check_target_layout(src_cfg, tp=tp, pp=pp)
+    check_target_layout(src_cfg, tp=tp, pp=pp, ep=ep)
     check_new_save_dir(dst, load=src)
     full, cfg, meta = read_checkpoint_weights(src, found, progress)
     write_trident_checkpoint(
-        full, cfg, dst, tp=tp, pp=pp, source=str(src), tokenizer=meta.get("tokenizer")
+        full, cfg, dst, tp=tp, pp=pp, ep=ep, source=str(src), tokenizer=meta.get("tokenizer")
     )
     progress("writing", 1, 1)
     if not verify:
         return None
     back, back_cfg, _ = read_checkpoint_weights(dst)
-    a, b = build_megatron_model(full, cfg), build_megatron_model(back, back_cfg)
+    # MoE: HF Mixtral's routing and the reference kernels (verification_config), the same for both sides.
+    a = build_megatron_model(full, verification_config(cfg))
+    b = build_megatron_model(back, verification_config(back_cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
     prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
     with torch.no_grad():

@@ -24,7 +24,7 @@ from megatron.checkpointing.checksums import (
     checksums_of_tree,
     verify_checkpoint_files,
 )
-from megatron.checkpointing.meta import META_FILE, read_meta
+from megatron.checkpointing.meta import META_FILE, model_config_from_dict, read_meta
 from megatron.checkpointing.pointers import LATEST_UNIVERSAL_FILE, atomic_write, find_tag
 from megatron.checkpointing.safe_load import load_weights_only
 from megatron.deepspeed_internals import ds_to_universal, zero_checkpoint_classes
@@ -109,6 +109,23 @@ def check_converter_inputs(tag_dir: Path, meta: dict[str, Any]) -> None:
             ) from None
 
 
+def refuse_moe_universal(model: dict, where: str) -> None:
+    """One clear error for an MoE checkpoint: DeepSpeed 0.19.8's ``ds_to_universal`` converts AutoEP experts only,
+    not the expert files of ``deepspeed.moe`` layers (``layer_*_expert_*_model_states.pt``).
+
+    Raises:
+        ValueError: ``model`` (the meta's saved ModelConfig) has MoE layers.
+    """
+    moe = model_config_from_dict(model).moe
+    if moe.is_moe(int(model.get("num_layers", 1))):
+        raise ValueError(
+            f"{where} is a Mixture-of-Experts checkpoint (--num-experts {list(moe.num_experts)}): universal "
+            "checkpoints are refused for MoE models (DeepSpeed 0.19.8's ds_to_universal does not convert "
+            "deepspeed.moe expert files). Resume at the same layout, or reshard the weights with "
+            "tools/checkpoint/reshard.py (iteration 0, no optimizer state)."
+        )
+
+
 def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1) -> str:
     """Write ``{tag}_universal`` (default tag: ``latest``) and point ``latest_universal`` at it; returns its tag.
 
@@ -124,6 +141,7 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
     meta = read_meta(root, found)
     if meta.get("universal"):
         raise ValueError(f"{root / found} is already a universal checkpoint.")
+    refuse_moe_universal(meta.get("model", {}), str(root / found))
     _check_has_optimizer_partitions(root / found, meta)
     check_converter_inputs(root / found, meta)
     out_tag = f"{found}_universal"

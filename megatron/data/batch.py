@@ -101,3 +101,30 @@ def prepare_gpt_batch(
         "attention_mask": attention_mask,
         "position_ids": position_ids,
     }
+
+
+def slice_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed-Ulysses: rank ``rank`` of ``size`` keeps positions ``rank*s/size .. (rank+1)*s/size - 1``.
+
+    Every ``[b, s]`` tensor (tokens, labels, loss mask, position ids) is sliced, so the position ids stay GLOBAL
+    (RoPE and the learned table see the true positions); the ``[b or 1, 1, s, s]`` attention mask is kept whole
+    (attention runs over the gathered sequence).
+
+    Raises:
+        ValueError: ``s`` is not divisible by ``size`` (validate() checks --seq-length; the curriculum's lengths
+            are multiples of it too).
+    """
+    if size == 1:
+        return batch
+    s = batch["tokens"].shape[1]
+    if s % size:
+        raise ValueError(
+            f"sequence length {s} is not divisible by --ds-sequence-parallel-size ({size}); every "
+            "sequence-parallel rank must hold the same number of tokens."
+        )
+    lo, hi = rank * (s // size), (rank + 1) * (s // size)
+    out = {}
+    for key, value in batch.items():
+        # [b, s] -> [b, s/N]; the mask stays [b or 1, 1, s, s]
+        out[key] = value if key == "attention_mask" else value[:, lo:hi].contiguous()
+    return out

@@ -186,7 +186,9 @@ class _BiasAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         x2, b = ctx.saved_tensors
-        dy2 = dy.reshape(x2.shape[0], -1).contiguous()  # [*, f'] -> [rows, f']
+        dy2 = dy.reshape(
+            x2.shape[0], dy.shape[-1]
+        ).contiguous()  # [*, f'] -> [rows, f'] (rows may be 0)
         dx, dbias = getattr(ctx.ext, f"bias_{ctx.kind}_bwd")(
             dy2, x2, b
         )  # dbias: empty without bias

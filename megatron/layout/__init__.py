@@ -10,6 +10,7 @@ offline conversions all use it.
   ``merge_tp_shards``.
 - :mod:`~megatron.layout.pipeline`: layers per pipeline stage; Megatron <-> pipeline layer state dicts.
 - :mod:`~megatron.layout.universal_info`: DeepSpeed's ``universal_checkpoint_info`` for this model.
+- :mod:`~megatron.layout.experts`: DeepSpeed-MoE expert names, local <-> global expert ids per EP rank, their TP rule.
 """
 
 from megatron.layout.names import (

@@ -22,7 +22,7 @@ Megatron names and ``GPTModelPipe``'s, see :mod:`megatron.layout.universal_info`
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -99,10 +99,17 @@ def _check_tp(tp: int, tp_rank: int | None = None) -> None:
         raise ValueError(f"tp_rank ({tp_rank}) must be in [0, {tp}).")
 
 
-def _check_divisible(full: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int) -> None:
+Partition = Callable[[str], "tuple[int, int] | None"]
+"""``key -> (partition_dim, stride)`` or None (replicated): :func:`tp_partition` of a config, or a rule that extends
+it (DeepSpeed-MoE parameters: ``megatron.layout.experts.moe_partition``)."""
+
+
+def _check_divisible(
+    full: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int, partition: Partition
+) -> None:
     check_tensor_parallel_split(model_config, tp)
     for key, t in full.items():
-        part = tp_partition(key, model_config)
+        part = partition(key)
         if part is None:
             continue
         dim, stride = part
@@ -127,7 +134,12 @@ def _shard(t: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.
 
 
 def shard_state_dict(
-    full_sd: Mapping[str, torch.Tensor], model_config: ModelConfig, tp: int, tp_rank: int
+    full_sd: Mapping[str, torch.Tensor],
+    model_config: ModelConfig,
+    tp: int,
+    tp_rank: int,
+    *,
+    partition: Partition | None = None,
 ) -> dict[str, torch.Tensor]:
     """The TP rank ``tp_rank`` shard of a full (TP=1) Megatron state dict.
 
@@ -136,15 +148,17 @@ def shard_state_dict(
         model_config: the architecture (``swiglu`` decides the stride of ``dense_h_to_4h``).
         tp: TP size ``p``.
         tp_rank: ``r`` in ``[0, p)``.
+        partition: the split rule (default :func:`tp_partition` of ``model_config``).
 
     Returns:
         Same keys; every tensor a fresh contiguous copy (safe to save: no view of the full storage).
     """
+    rule = partition or (lambda key: tp_partition(key, model_config))
     _check_tp(tp, tp_rank)
-    _check_divisible(full_sd, model_config, tp)
+    _check_divisible(full_sd, model_config, tp, rule)
     out: dict[str, torch.Tensor] = {}
     for key, t in full_sd.items():
-        part = tp_partition(key, model_config)
+        part = rule(key)
         out[key] = t.clone() if part is None else _shard(t, part[0], part[1], tp, tp_rank)
     return out
 
@@ -154,6 +168,7 @@ def merge_tp_shards(
     model_config: ModelConfig,
     *,
     check_replicated: bool = True,
+    partition: Partition | None = None,
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_state_dict`: the full state dict from all TP shards, in rank order.
 
@@ -162,6 +177,7 @@ def merge_tp_shards(
         model_config: the architecture.
         check_replicated: require replicated tensors to be bitwise equal on every rank (they are in a
             correct run); ``False`` takes rank 0's copy.
+        partition: the split rule (default :func:`tp_partition` of ``model_config``).
 
     Raises:
         ValueError: missing/extra keys across shards, or diverged replicated tensors.
@@ -174,9 +190,10 @@ def merge_tp_shards(
         if set(shard) != set(keys):
             diff = sorted(set(shard) ^ set(keys))[:5]
             raise ValueError(f"TP shard {r} has different keys from shard 0 (e.g. {diff}).")
+    rule = partition or (lambda key: tp_partition(key, model_config))
     out: dict[str, torch.Tensor] = {}
     for key in keys:
-        part = tp_partition(key, model_config)
+        part = rule(key)
         if part is None:
             ref = shards[0][key]
             if check_replicated:

@@ -17,6 +17,9 @@ Attention is causal. Default path: ``torch.nn.functional.scaled_dot_product_atte
 ``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V path (fp32 scores and softmax), whose scaled,
 masked softmax is one fused kernel where built (unless ``--no-masked-softmax-fusion``). Attention dropout
 runs under ``get_cuda_rng_tracker().fork()`` (it acts on TP-sharded heads).
+
+DeepSpeed-Ulysses (a ``ParallelContext`` with ``sp_group``): the block sees ``s/N`` tokens; the core attention runs
+through ``model/ulysses.py`` (all-to-all to ``[s, b, np/N, hn]``, attention, all-to-all back), after RoPE.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
 from megatron.model.rotary import apply_rotary_pos_emb
+from megatron.model.ulysses import UlyssesAttention
 from megatron.model.utils import init_seed, tp_linear_kwargs
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
@@ -147,6 +151,8 @@ class ParallelAttention(nn.Module):
         self.masked_softmax_fusion = config.masked_softmax_fusion
         self.rope_fusion = config.apply_rope_fusion
         self.selective_recompute = config.recompute_granularity == "selective"
+        # DeepSpeed-Ulysses: the core attention runs on all tokens and n/N heads (``ulysses.py``); no parameters.
+        self.ulysses = None if parallel.sp_group is None else UlyssesAttention(parallel.sp_group)
 
         def seed_of(suffix: str) -> int | None:
             return init_seed(
@@ -199,6 +205,19 @@ class ParallelAttention(nn.Module):
         with get_cuda_rng_tracker().fork():
             return fn(q, k, v, attention_mask=attention_mask, dropout_p=p, **kwargs)
 
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The core attention ``[s, b, np*hn]``; under Ulysses over the whole sequence via all-to-alls."""
+        if self.ulysses is None:
+            return self._core(q, k, v, attention_mask)
+        # [s/N, b, np, hn] -> [s/N, b, np*hn]: all-to-all, core attention over s, all-to-all back
+        return self.ulysses(self._core, q, k, v, attention_mask)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -209,7 +228,8 @@ class ParallelAttention(nn.Module):
         """Self-attention of ``hidden_states``.
 
         Args:
-            hidden_states: ``[s, b, h]`` (``[s/p, b, h]`` under sequence parallelism).
+            hidden_states: ``[s, b, h]`` (``[s/p, b, h]`` under sequence parallelism, ``[s/N, b, h]`` under
+                DeepSpeed-Ulysses, with ``rotary`` and the output likewise ``s/N``).
             rotary: ``(cos, sin)`` each ``[s, b, 1, hn]`` (see ``rotary_cos_sin``), or None for no RoPE.
             attention_mask: None = causal; else bool ``[b or 1, 1, s, s]``, True = masked.
             inference_params: KV cache for generation (``inference.py``): K/V of earlier tokens are reused and
@@ -225,11 +245,16 @@ class ParallelAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin, fused=self.rope_fusion)
             k = apply_rotary_pos_emb(k, cos, sin, fused=self.rope_fusion)
         if inference_params is not None:
+            if self.ulysses is not None:
+                raise RuntimeError(
+                    "generation with a KV cache is not supported under --ds-sequence-parallel-size > 1; "
+                    "build the model for generation without DeepSpeed-Ulysses"
+                )
             attention_mask = inference_params.attention_mask(q.shape[0], q.device)
             k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]
         if self.selective_recompute and self.training:
             ctx = checkpoint(
-                lambda q_, k_, v_: self._core(q_, k_, v_, attention_mask),
+                lambda q_, k_, v_: self._attend(q_, k_, v_, attention_mask),
                 False,
                 q,
                 k,
@@ -237,5 +262,5 @@ class ParallelAttention(nn.Module):
                 group=self.tp_group,
             )
         else:
-            ctx = self._core(q, k, v, attention_mask)  # [s, b, np*hn]
+            ctx = self._attend(q, k, v, attention_mask)  # [s, b, np*hn]
         return self.dense(ctx)  # [s, b, np*hn] -> [s(/p), b, h] (+ bias, not added)

@@ -41,6 +41,7 @@ from megatron.model.language_model import (
     mask_padded_vocab,
     parallel_lm_logits,
 )
+from megatron.model.moe_pipe import add_layer_moe_loss, record_moe_loss, with_moe_loss
 from megatron.model.norms import LayerNorm, RMSNorm
 from megatron.model.rotary import rotary_cos_sin, rotary_dim
 from megatron.model.transformer import ParallelTransformerLayer, checkpoint_chunk, norm_kwargs
@@ -49,7 +50,7 @@ from megatron.mpu.context import ParallelContext
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.parallel_state import ProcessGroup
 
-PipeActivation = tuple[torch.Tensor, torch.Tensor]
+PipeActivation = tuple[torch.Tensor, ...]
 
 
 class _VocabLogits:
@@ -89,8 +90,11 @@ class EmbeddingPipe(Embedding):
         return super().forward(input_ids, position_ids), position_ids
 
 
-def _tied_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """Output layer tied to the word embeddings: ``[s(/p), b, h] -> [s, b, vp]`` (padded columns ``-inf``)."""
+def _tied_logits(embedding: EmbeddingPipe, hidden: Any) -> Any:
+    """Output layer tied to the word embeddings: ``[s(/p), b, h] -> [s, b, vp]`` (padded columns ``-inf``); an MoE
+    model's ``(hidden, moe_loss)`` -> ``(logits, moe_loss)``."""
+    if isinstance(hidden, tuple):
+        return _tied_logits(embedding, hidden[0]), hidden[1]
     return embedding.vocab_logits.logits(hidden, embedding.word_embeddings.weight)
 
 
@@ -101,31 +105,41 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
         self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
     ) -> None:
         super().__init__(config, parallel, layer_number=layer_number)
+        self.moe_model = config.moe.is_moe(config.num_layers)
         self.rope = config.use_rotary_position_embeddings
         self.head_dim = rotary_dim(config.head_dim, config.rotary_percent)  # rotated channels d
         self.theta = config.rotary_position_embeddings_theta
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
-        """``(hidden [s(/p), b, h], position_ids [b, s]) -> (hidden, position_ids)`` (causal attention)."""
-        hidden, position_ids = inputs
+        """``(hidden [s(/p), b, h], position_ids [b, s]) -> (hidden, position_ids)`` (causal attention).
+
+        MoE models carry a third tensor, the running MoE loss ``[1]`` fp32 (``--moe-loss-coeff`` x aux losses of
+        the layers so far), through the pipeline; layer 0 starts it (``megatron/model/moe_pipe.py``).
+        """
+        hidden, position_ids, *aux = inputs  # aux: [] or [running MoE loss [1]]
         rotary = None
         if self.rope:
             rotary = rotary_cos_sin(position_ids, self.head_dim, self.theta, hidden.dtype)
-        return super().forward(hidden, rotary, None), position_ids
+        out = super().forward(hidden, rotary, None)
+        if not self.moe_model:
+            return out, position_ids
+        return out, position_ids, add_layer_moe_loss(self.mlp, aux[0] if aux else None, out)
 
 
 class LayerNormPipe(LayerNorm):
-    """Final LayerNorm on the pipe tuple: ``(hidden, position_ids) -> hidden``."""
+    """Final LayerNorm on the pipe tuple: ``(hidden, position_ids) -> hidden`` (MoE: ``(.., moe_loss) ->
+    (hidden, moe_loss)``)."""
 
-    def forward(self, inputs: PipeActivation) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(inputs[0])
+    def forward(self, inputs: PipeActivation) -> Any:  # type: ignore[override]
+        return with_moe_loss(super().forward(inputs[0]), inputs)
 
 
 class RMSNormPipe(RMSNorm):
-    """Final RMSNorm on the pipe tuple: ``(hidden, position_ids) -> hidden``."""
+    """Final RMSNorm on the pipe tuple: ``(hidden, position_ids) -> hidden`` (MoE: ``(.., moe_loss) ->
+    (hidden, moe_loss)``)."""
 
-    def forward(self, inputs: PipeActivation) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(inputs[0])
+    def forward(self, inputs: PipeActivation) -> Any:  # type: ignore[override]
+        return with_moe_loss(super().forward(inputs[0]), inputs)
 
 
 class LMHeadPipe(nn.Module):
@@ -138,7 +152,9 @@ class LMHeadPipe(nn.Module):
         self.vocab_logits = _VocabLogits(config.vocab_size, parallel)
         self.lm_head = build_output_layer(config, parallel, padded_vocab=padded_vocab)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Any) -> Any:
+        if isinstance(hidden, tuple):  # an MoE model's (hidden, moe_loss)
+            return self.forward(hidden[0]), hidden[1]
         return self.vocab_logits.logits(hidden, self.lm_head.weight)
 
 
@@ -163,8 +179,10 @@ def _check_pipe_inputs(inputs: PipeActivation) -> PipeActivation:
     return input_ids, position_ids
 
 
-def _logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """Last pipe layer: the cross entropy runs in fp32."""
+def _logits_to_fp32(logits: Any) -> Any:
+    """Last pipe layer: the cross entropy runs in fp32 (an MoE model's moe_loss passes along)."""
+    if isinstance(logits, tuple):
+        return logits[0].float(), logits[1]
     return logits.float()
 
 
@@ -174,8 +192,10 @@ def pipe_loss_fn(
     *,
     group: ProcessGroup | None = None,
     fused: bool = False,
+    moe_losses: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy.
+    """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy (+ an MoE model's MoE term,
+    appended to ``moe_losses`` for the log).
 
     Args:
         logits: ``[s, b, vp]`` fp32 (padded columns ``-inf``).
@@ -184,6 +204,10 @@ def pipe_loss_fn(
         fused: the fused cross-entropy kernels where built (``--cross-entropy-loss-fusion``); they write the
             gradient over ``logits``.
     """
+    if isinstance(logits, tuple):  # an MoE model: (logits, moe_loss [1])
+        logits, moe_loss = logits
+        lm = pipe_loss_fn(logits, labels_and_mask, group=group, fused=fused)
+        return lm + record_moe_loss(moe_loss, moe_losses)
     labels, loss_mask = labels_and_mask
     kernels = fused_kernels.cross_entropy_kernels(logits) if fused else None
     per_token = vocab_parallel_cross_entropy(
@@ -286,11 +310,15 @@ class GPTModelPipe(PipelineModule):
             else tied_embedding(with_position_embeddings=False, forward_fn=_tied_logits),
         ]
         specs.append(_logits_to_fp32)
+        moe_losses: list[torch.Tensor] = []  # each micro-batch's MoE term (last stage), logged
         super().__init__(
             layers=specs,
             topology=topology,
             loss_fn=functools.partial(
-                pipe_loss_fn, group=parallel.tp_group, fused=config.cross_entropy_loss_fusion
+                pipe_loss_fn,
+                group=parallel.tp_group,
+                fused=config.cross_entropy_loss_fusion,
+                moe_losses=moe_losses,
             ),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,
@@ -303,3 +331,4 @@ class GPTModelPipe(PipelineModule):
         )
         self.config = config
         self.padded_vocab = padded
+        self.moe_losses = moe_losses

@@ -40,19 +40,26 @@ class ParallelMLP(nn.Module):
         parallel: the TP group the FFN width is split over; sequence parallelism (input and output
             ``[s/p, b, h]``); the seed; dtype, device.
         layer_number: global 0-based layer index (names/seeds ``layers.{i}.mlp.*``).
+        name: the module's name in its layer, the prefix of its seed names (an MoE expert's is
+            ``mlp.deepspeed_moe.experts.deepspeed_experts.{global expert id}``).
 
     The forward returns ``(output, bias)``: ``dense_4h_to_h``'s bias is not added (bias-dropout-add does it).
     """
 
     def __init__(
-        self, config: ModelConfig, parallel: ParallelContext, *, layer_number: int
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        *,
+        layer_number: int,
+        name: str = "mlp",
     ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         self.fused = config.bias_swiglu_fusion if config.swiglu else config.bias_gelu_fusion
 
         def seed_of(suffix: str) -> int | None:
-            return init_seed(config, parallel, layer_param_name(layer_number, f"mlp.{suffix}"))
+            return init_seed(config, parallel, layer_param_name(layer_number, f"{name}.{suffix}"))
 
         ffn = config.ffn_size
         self.dense_h_to_4h = ColumnParallelLinear(

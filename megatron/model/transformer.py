@@ -27,7 +27,9 @@ from megatron.config import ModelConfig
 from megatron.model.attention import ParallelAttention
 from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
+from megatron.model.moe import MoEMLP
 from megatron.model.norms import build_norm
+from megatron.model.switch_mlp import SwitchMLP
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.parallel_state import ProcessGroup
 from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
@@ -125,7 +127,16 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = config_norm(config, parallel)
         self.self_attention = ParallelAttention(config, parallel, layer_number=layer_number)
         self.post_attention_layernorm = config_norm(config, parallel)
-        self.mlp = ParallelMLP(config, parallel, layer_number=layer_number)
+        num_experts = config.moe.experts_per_layer(config.num_layers)[layer_number]
+        # an MoE layer where --num-experts / --expert-interval make one (megatron/model/moe.py); else a Switch
+        # MLP with --num-experts-switch (megatron/model/switch_mlp.py), as Megatron-DeepSpeed; else the dense MLP
+        self.mlp: nn.Module
+        if num_experts > 1:
+            self.mlp = MoEMLP(config, parallel, layer_number=layer_number, num_experts=num_experts)
+        elif config.moe.num_experts_switch is not None:
+            self.mlp = SwitchMLP(config, parallel, layer_number=layer_number)
+        else:
+            self.mlp = ParallelMLP(config, parallel, layer_number=layer_number)
 
     def forward(
         self,

@@ -18,6 +18,8 @@ import torch
 from megatron.config import ModelConfig
 from megatron.config.rules import check_head_layout, check_tensor_parallel_split
 from megatron.mpu.context import ParallelContext
+from megatron.mpu.mappings import reduce_from_ulysses_region
+from megatron.mpu.parallel_state import ProcessGroup
 from megatron.mpu.random import param_seed
 
 
@@ -37,12 +39,20 @@ def tp_linear_kwargs(parallel: ParallelContext) -> dict[str, Any]:
     }
 
 
-def loss_func(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def loss_func(
+    per_token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    sequence_parallel_group: ProcessGroup | None = None,
+) -> torch.Tensor:
     """Masked mean of a per-token loss: ``sum(loss * mask) / sum(mask)`` in fp32.
 
     Args:
-        per_token_loss: ``[b, s]`` (any float dtype).
+        per_token_loss: ``[b, s]`` (any float dtype); ``[b, s/N]`` under DeepSpeed-Ulysses.
         loss_mask: ``[b, s]``, 1 where the token counts, 0 elsewhere (float, int or bool).
+        sequence_parallel_group: the Ulysses group the sequence is split over (None: not split). The sum and
+            the count are then summed over it (``reduce_from_ulysses_region``), so the result is the mean over
+            the WHOLE sequence on every rank of the group; each rank's backward covers its own tokens.
 
     Returns:
         A 0-dim fp32 tensor. A mask summing to 0 gives 0 (not NaN), so an all-masked micro-batch is harmless.
@@ -53,7 +63,12 @@ def loss_func(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Te
             f"{tuple(loss_mask.shape)} must have the same [b, s] shape."
         )
     mask = loss_mask.to(torch.float32)
-    return torch.sum(per_token_loss.to(torch.float32) * mask) / mask.sum().clamp_min(1.0)
+    total = torch.sum(per_token_loss.to(torch.float32) * mask)
+    count = mask.sum()
+    if sequence_parallel_group is not None:
+        sums = reduce_from_ulysses_region(torch.stack([total, count]), sequence_parallel_group)
+        total, count = sums[0], sums[1]  # [2] summed over the Ulysses group
+    return total / count.clamp_min(1.0)
 
 
 def _norm_params(config: ModelConfig) -> int:

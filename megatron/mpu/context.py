@@ -20,9 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.expert_parallel import expert_parallel_rank
 from megatron.mpu.parallel_state import (
     ProcessGroup,
+    get_pipeline_model_parallel_world_size,
+    get_sequence_parallel_group,
+    get_sequence_parallel_world_size,
     get_tensor_model_parallel_group,
+    get_tensor_model_parallel_world_size,
     group_rank,
     group_world_size,
 )
@@ -51,6 +56,16 @@ class ParallelContext:
     """Where the parameters live (None = CPU)."""
     async_tensor_model_parallel_allreduce: bool = True
     """Column-parallel linears overlap the input-grad all-reduce with the weight-grad matmul (``mpu/layers.py``)."""
+    sp_group: ProcessGroup | None = None
+    """DeepSpeed-Ulysses group: attention all-to-alls its heads over it (``model/ulysses.py``); None: no Ulysses."""
+
+    expert_parallel_size: int = 1
+    """DeepSpeed-MoE expert-parallel degree ``ep``: an MoE layer holds ``E/ep`` of its experts on this rank."""
+    expert_parallel_rank: int = 0
+    """This rank's index in its expert-parallel group (``mpu/expert_parallel.py``): its experts are
+    ``rank * E/ep .. (rank + 1) * E/ep - 1``."""
+    expert_tensor_parallel: bool = False
+    """Experts are TP-split like the dense MLP (--enable-expert-tensor-parallelism); else held whole."""
 
     def __post_init__(self) -> None:
         if self.tp_group is None and dist.is_available() and dist.is_initialized():
@@ -81,15 +96,31 @@ class ParallelContext:
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         async_tensor_model_parallel_allreduce: bool = True,
+        force_ds_sequence_parallel: bool = False,
+        moe_expert_parallel_size: int = 1,
+        enable_expert_tensor_parallelism: bool = False,
     ) -> ParallelContext:
         """A context on the run's TP group (``initialize_model_parallel``), or TP = 1 without torch.distributed.
+
+        The run's Ulysses group comes with it when its size is > 1, or always with ``force_ds_sequence_parallel``.
 
         Raises:
             RuntimeError: torch.distributed is initialized but the model-parallel groups are not.
         """
-        group = None
+        group = sp_group = None
+        ep_rank = 0
         if dist.is_available() and dist.is_initialized():
             group = get_tensor_model_parallel_group()
+            ep_rank = expert_parallel_rank(
+                dist.get_rank(),
+                world_size=dist.get_world_size(),
+                tensor_model_parallel_size=get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=get_pipeline_model_parallel_world_size(),
+                expert_parallel_size=moe_expert_parallel_size,
+                expert_tensor_parallel=enable_expert_tensor_parallelism,
+            )
+            if force_ds_sequence_parallel or get_sequence_parallel_world_size() > 1:
+                sp_group = get_sequence_parallel_group()
         return cls(
             seed=seed,
             tp_group=group,
@@ -97,4 +128,8 @@ class ParallelContext:
             params_dtype=params_dtype,
             device=device,
             async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
+            sp_group=sp_group,
+            expert_parallel_size=moe_expert_parallel_size,
+            expert_parallel_rank=ep_rank,
+            expert_tensor_parallel=enable_expert_tensor_parallelism,
         )

@@ -235,6 +235,18 @@ def reduce_from_tensor_model_parallel_region(
     return _ReduceFromRegion.apply(x, group)
 
 
+def reduce_from_ulysses_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """forward: all-reduce (sum) over the Ulysses sequence-parallel ``group`` (None: one rank); backward: identity.
+
+    For the loss sum and token count of a sequence split over the group (``model.utils.loss_func``): every rank
+    then holds the whole sequence's mean, and its backward covers its own tokens only; DeepSpeed sums the
+    parameter gradients over the group (sequence-data-parallel reduction), which completes them.
+    """
+    if group is None or group_world_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
+
+
 def scatter_to_tensor_model_parallel_region(
     x: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.Tensor:

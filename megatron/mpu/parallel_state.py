@@ -1,12 +1,14 @@
-"""Process groups of 3D parallelism: the ONLY module of Trident with process-wide state.
+"""Process groups of 3D parallelism (+ DeepSpeed-Ulysses): the ONLY module of Trident with process-wide state.
 
 Legend: ``p`` tensor-parallel (TP) size, ``pp`` pipeline-parallel (PP) size, ``dp`` data-parallel (DP) size,
-``W = p * dp * pp`` the world size.
+``sp`` DeepSpeed-Ulysses sequence-parallel size (``--ds-sequence-parallel-size``), ``W = p * sp * dp * pp`` the
+world size.
 
 Rank order (identical to Megatron and to DeepSpeed's ``PipeModelDataParallelTopology`` with axes
-``pipe, data, model``): TP fastest, then DP, then PP::
+``pipe, data, model`` when ``sp = 1``): TP fastest, then Ulysses SP, then DP, then PP::
 
-    rank = pp_rank * (dp * p) + dp_rank * p + tp_rank        grid = arange(W).reshape(pp, dp, p)
+    rank = pp_rank * (dp * sp * p) + dp_rank * (sp * p) + sp_rank * p + tp_rank
+    grid = arange(W).reshape(pp, dp, sp, p)
 
 Worked example, W = 16, p = 2, pp = 4 (so dp = 2)::
 
@@ -22,11 +24,25 @@ Worked example, W = 16, p = 2, pp = 4 (so dp = 2)::
     model-parallel (TP x PP, one DP index)  [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]  grid[:, j, :]
     embedding (first + last stage)          [0,12] [1,13] [2,14] [3,15]
     position-embedding (first stage)        [0] [1] [2] [3]
-    sequence-parallel (DeepSpeed Ulysses; always size 1 here)  [0] [1] ... [15]
-    sequence-data-parallel (= data-parallel while sequence-parallel size is 1)
+    sequence-parallel (Ulysses, sp = 1)     [0] [1] ... [15]
+    sequence-data-parallel (= data-parallel while sp = 1)
 
-Megatron's sequence parallelism (``--sequence-parallel``) reuses the TP group; the size-1 "sequence-parallel"
-getters only exist because DeepSpeed asks the ``mpu`` for them.
+Worked example with Ulysses, W = 8, p = 2, sp = 2, pp = 1 (so dp = 2)::
+
+               sp_rank 0     sp_rank 1
+    dp_rank 0  [0, 1]        [2, 3]             each [a, b] is one TP group
+    dp_rank 1  [4, 5]        [6, 7]
+
+    tensor-model-parallel   [0,1] [2,3] [4,5] [6,7]                     grid[k, j, m, :]
+    sequence-parallel       [0,2] [1,3] [4,6] [5,7]                     grid[k, j, :, i]
+    data-parallel           [0,4] [1,5] [2,6] [3,7]                     grid[k, :, m, i]
+    sequence-data-parallel  [0,2,4,6] [1,3,5,7]                         grid[k, :, :, i]
+    model-parallel (TP x PP, one DP and SP index)  [0,1] [2,3] [4,5] [6,7]   grid[:, j, m, :]
+
+A Ulysses group holds the ``sp`` slices of the same samples (one DP index), so its ranks read the same micro-batch
+and keep ``s/sp`` tokens each. DeepSpeed reduces dense gradients over sequence-data-parallel (summing over SP,
+averaging over DP) and shards ZeRO states over it; "data-parallel" stays the DP axis (the data sampler, the
+reported loss). Megatron's sequence parallelism (``--sequence-parallel``) is another thing: it reuses the TP group.
 
 ``initialize_model_parallel`` validates the degrees (identically on every rank, before any group exists), builds
 every group on every rank with ``torch.distributed.new_group`` and returns a :class:`ParallelState`; the module
@@ -66,6 +82,10 @@ class RankGrid:
     embedding: list[list[int]]
     position_embedding: list[list[int]]
     sequence_parallel: list[list[int]]
+    sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses degree N (``--ds-sequence-parallel-size``)."""
+    sequence_data_parallel: list[list[int]] = field(default_factory=list)
+    """DP x Ulysses SP ranks at one stage and TP rank (DeepSpeed reduces dense gradients and shards ZeRO over it)."""
 
     def group_of(self, kind: str, rank: int) -> list[int] | None:
         """The ranks of the ``kind`` group holding ``rank`` (None when no such group holds it)."""
@@ -76,54 +96,84 @@ class RankGrid:
 
 
 def validate_degrees(
-    world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    *,
+    ds_sequence_parallel_size: int = 1,
 ) -> int:
-    """Check the parallel degrees and return the derived data-parallel size.
+    """Check the parallel degrees and return the derived data-parallel size ``W / (p * pp * sp)``.
 
     Raises:
-        ValueError: one message with world size, TP and PP when a degree is not a positive integer or
-            ``world_size`` is not divisible by ``tp * pp``.
+        ValueError: one message with world size, TP, PP and Ulysses SP when a degree is not a positive integer or
+            ``world_size`` is not divisible by ``tp * pp * sp``.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, ds_sequence_parallel_size
     values = (
         f"world size {world_size}, --tensor-model-parallel-size {tp}, "
         f"--pipeline-model-parallel-size {pp}"
     )
-    for name, v in (("world size", world_size), ("tensor", tp), ("pipeline", pp)):
+    if sp != 1:
+        values += f", --ds-sequence-parallel-size {sp}"
+    for name, v in (
+        ("world size", world_size),
+        ("tensor", tp),
+        ("pipeline", pp),
+        ("sequence", sp),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(
                 f"invalid parallel degrees ({values}): the {name} size must be a positive integer; "
                 "pass 1 to disable that kind of parallelism."
             )
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * sp) != 0:
+        what = "tensor x pipeline" + (" x sequence" if sp != 1 else "")
         raise ValueError(
             f"invalid parallel degrees ({values}): the world size must be divisible by "
-            f"tensor x pipeline = {tp * pp} (data-parallel size = world / (tensor x pipeline)); "
-            f"choose tensor x pipeline among the divisors of {world_size}: {', '.join(map(str, divisors(world_size)))}."
+            f"{what} = {tp * pp * sp} (data-parallel size = world / ({what})); "
+            f"choose {what} among the divisors of {world_size}: {', '.join(map(str, divisors(world_size)))}."
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * sp)
 
 
 def rank_grid(
-    world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    ds_sequence_parallel_size: int = 1,
 ) -> RankGrid:
     """The rank lists of every group kind for a layout (pure function, no torch.distributed needed).
 
     Raises:
         ValueError: see :func:`validate_degrees`.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = validate_degrees(world_size, tp, pp)
-    grid = torch.arange(world_size).reshape(pp, dp, tp)  # [pp, dp, p]
-    tensor = [grid[k, j, :].tolist() for k in range(pp) for j in range(dp)]
-    data = [grid[k, :, i].tolist() for k in range(pp) for i in range(tp)]
-    pipe = [grid[:, j, i].tolist() for j in range(dp) for i in range(tp)]
-    model = [grid[:, j, :].flatten().tolist() for j in range(dp)]
+    tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, ds_sequence_parallel_size
+    dp = validate_degrees(world_size, tp, pp, ds_sequence_parallel_size=sp)
+    grid = torch.arange(world_size).reshape(pp, dp, sp, tp)  # [pp, dp, sp, p]
+    stages, dps, sps, tps = range(pp), range(dp), range(sp), range(tp)
+    tensor = [grid[k, j, m, :].tolist() for k in stages for j in dps for m in sps]
+    data = [grid[k, :, m, i].tolist() for k in stages for m in sps for i in tps]
+    pipe = [grid[:, j, m, i].tolist() for j in dps for m in sps for i in tps]
+    model = [grid[:, j, m, :].flatten().tolist() for j in dps for m in sps]
     embedding = [[r[0], r[-1]] if len(r) > 1 else [r[0]] for r in pipe]
     position = [[r[0]] for r in pipe]
-    sequence = [[r] for r in range(world_size)]
+    sequence = [grid[k, j, :, i].tolist() for k in stages for j in dps for i in tps]
+    sequence_data = [grid[k, :, :, i].flatten().tolist() for k in stages for i in tps]
     return RankGrid(
-        world_size, tp, pp, dp, tensor, data, pipe, model, embedding, position, sequence
+        world_size=world_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        tensor_model_parallel=tensor,
+        data_parallel=data,
+        pipeline_model_parallel=pipe,
+        model_parallel=model,
+        embedding=embedding,
+        position_embedding=position,
+        sequence_parallel=sequence,
+        sequence_parallel_size=sp,
+        sequence_data_parallel=sequence_data,
     )
 
 
@@ -261,22 +311,31 @@ class ParallelState:
         """First stage of this rank's PP group (raises on other stages)."""
         return self._group("position_embedding")
 
-    # DeepSpeed-Ulysses sequence parallelism is not supported: size 1, and sequence-data = data parallel.
+    # DeepSpeed-Ulysses sequence parallelism (DeepSpeed's engine and ZeRO read these through ``mpu``).
     def get_sequence_parallel_group(self) -> ProcessGroup:
-        """A group holding only this rank (DeepSpeed-Ulysses sequence parallelism is not used)."""
+        """The Ulysses group of this rank (same stage, DP index and TP rank; only this rank at size 1)."""
         return self._group("sequence_parallel")
 
     def get_sequence_parallel_world_size(self) -> int:
-        """Always 1."""
-        return 1
+        """Ulysses degree ``sp`` (``--ds-sequence-parallel-size``)."""
+        return self.grid.sequence_parallel_size
 
     def get_sequence_parallel_rank(self) -> int:
-        """Always 0."""
-        return 0
+        """Index of this rank in its Ulysses group: which ``s/sp`` slice of the sequence it holds."""
+        return self._ranks("sequence_parallel").index(self.rank)
 
-    get_sequence_data_parallel_group = get_data_parallel_group
-    get_sequence_data_parallel_world_size = get_data_parallel_world_size
-    get_sequence_data_parallel_rank = get_data_parallel_rank
+    def get_sequence_data_parallel_group(self) -> ProcessGroup:
+        """DP x SP ranks of this stage and TP rank (the DP group at sp = 1): dense gradients are reduced and
+        ZeRO states sharded over it."""
+        return self._group("sequence_data_parallel")
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        """``dp * sp``."""
+        return self.grid.data_parallel_size * self.grid.sequence_parallel_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        """Index of this rank in its sequence-data-parallel group."""
+        return self._ranks("sequence_data_parallel").index(self.rank)
 
 
 _STATE: ParallelState | None = None
@@ -286,6 +345,7 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     *,
+    ds_sequence_parallel_size: int = 1,
     timeout: timedelta | None = None,
 ) -> ParallelState:
     """Build every TP / PP / DP / model / embedding group on every rank and keep them as the default.
@@ -295,6 +355,7 @@ def initialize_model_parallel(
     Args:
         tensor_model_parallel_size: TP degree p.
         pipeline_model_parallel_size: PP degree.
+        ds_sequence_parallel_size: DeepSpeed-Ulysses degree (``--ds-sequence-parallel-size``).
         timeout: the timeout of every collective on every group built here (--distributed-timeout-minutes);
             None: torch's default for new groups (30 minutes on gloo), which the default group's timeout does
             NOT change, so a stalled rank would block TP/PP/DP collectives that long.
@@ -315,7 +376,10 @@ def initialize_model_parallel(
             "model parallel is already initialized; call destroy_model_parallel() before initializing again"
         )
     grid = rank_grid(
-        dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        ds_sequence_parallel_size=ds_sequence_parallel_size,
     )
     rank = dist.get_rank()
     made: dict[tuple[int, ...], ProcessGroup] = {}
@@ -328,6 +392,7 @@ def initialize_model_parallel(
         "embedding",
         "position_embedding",
         "sequence_parallel",
+        "sequence_data_parallel",
     )
     for kind in kinds:
         groups[kind] = None

@@ -209,7 +209,8 @@ def parse_curriculum(
     if bad:
         raise ValueError(
             f"{where}: lengths {bad} must be at most --seq-length ({seq_length}) and multiples of "
-            f"{sequence_multiple} (--tensor-model-parallel-size with --sequence-parallel splits the sequence)."
+            f"{sequence_multiple} (the sequence is split over that many ranks: --tensor-model-parallel-size "
+            "with --sequence-parallel, or --ds-sequence-parallel-size)."
         )
     return SeqlenCurriculum(json.dumps(section, sort_keys=True), hi)
 

@@ -20,7 +20,7 @@ import torch
 
 from megatron import mpu
 from megatron.config import RunPlan, TridentConfig
-from megatron.data.batch import prepare_gpt_batch
+from megatron.data.batch import prepare_gpt_batch, slice_sequence
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.exit_codes import ConfigError
@@ -239,6 +239,7 @@ def _micro_batches(
     seqlen: CurrentSeqlen | None = None,
 ) -> Iterator[Batch]:
     d = cfg.data
+    sp_rank, sp_size = mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
     for raw in loader:
         batch = prepare_gpt_batch(
             raw["text"],
@@ -251,6 +252,7 @@ def _micro_batches(
         batch = {k: v for k, v in batch.items() if v is not None}
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
+        batch = slice_sequence(batch, sp_rank, sp_size)  # DeepSpeed-Ulysses: this rank's s/N tokens
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

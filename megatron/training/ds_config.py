@@ -77,11 +77,26 @@ def _owned_entries(cfg: TridentConfig, plan: RunPlan) -> list[tuple[str, Any, st
             ("fp16.hysteresis", t.hysteresis, f"--hysteresis ({t.hysteresis})"),
             ("fp16.min_loss_scale", t.min_loss_scale, f"--min-loss-scale ({t.min_loss_scale})"),
         ]
+    sp = cfg.parallel.ds_sequence_parallel_size
+    if sp > 1 and stage == 3:
+        # ZeRO-3 + Ulysses: one gradient-reduction path for every bucket, the one ulysses_backward_scale corrects.
+        why = f"--ds-sequence-parallel-size {sp} with --zero-stage 3 (see megatron/training/ulysses.py)"
+        entries.append(("zero_optimization.reduce_scatter", True, why))
     if plan.pipeline_engine and plan.sequence_parallel:
         # DeepSpeed's pipe engine sends 1/TP of an activation per TP rank and all-gathers it on the receiver, which
         # assumes the activation is identical over TP. Under sequence parallelism every TP rank holds a different
         # sequence shard, so partitioning would mix shards: send whole tensors instead.
         why = "--sequence-parallel with --pipeline-model-parallel-size > 1 (True)"
+        entries += [
+            ("pipeline.pipe_partitioned", False, why),
+            ("pipeline.grad_partitioned", False, why),
+        ]
+    moe = cfg.model.moe.is_moe(cfg.model.num_layers)
+    tp = plan.tensor_model_parallel_size
+    if plan.pipeline_engine and moe and tp > 1 and not plan.sequence_parallel:
+        # MoE: the running MoE loss travels as a second activation that requires grad; like Megatron-DeepSpeed,
+        # send whole tensors (its pipe engine does not partition such tuples).
+        why = "MoE layers (--num-experts) with --pipeline-model-parallel-size > 1"
         entries += [
             ("pipeline.pipe_partitioned", False, why),
             ("pipeline.grad_partitioned", False, why),
@@ -348,8 +363,10 @@ def build_ds_config(
 
 
 def _sequence_multiple(cfg: TridentConfig) -> int:
+    # Megatron SP splits s over TP, Ulysses over its N ranks (validate() keeps the two exclusive).
     p = cfg.parallel
-    return p.tensor_model_parallel_size if p.sequence_parallel else 1
+    megatron_sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
+    return megatron_sp * p.ds_sequence_parallel_size
 
 
 def curriculum_of(cfg: TridentConfig) -> SeqlenCurriculum | None:

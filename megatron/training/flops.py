@@ -2,7 +2,8 @@
 
     FLOPs per token = 6 * N + 12 * L * h * s            (PaLM, Chowdhery et al. 2022, appendix B)
 
-``N`` here is every parameter that takes part in a matmul: all transformer-layer weights and biases, the final norm,
+``N`` here is every parameter that takes part in a token's matmuls: all transformer-layer weights and biases (in an
+MoE layer the gate and the top-k experts a token is routed to, not all experts), the final norm,
 and the output projection (``v x h``, padded vocab, counted once whether tied or not). The input embedding tables
 (word and learned position) are left out: a lookup is not a matmul. This differs from PaLM's "non-embedding N"
 only by the logit projection, which is real compute and large for small models. ``12 * L * h * s`` is the
@@ -59,8 +60,17 @@ def layer_params(m: ModelConfig, padded_vocab: int) -> int:
         mlp = 3 * h * ffn + bias * (2 * ffn + h)
     else:
         mlp = 2 * h * ffn + bias * (ffn + h)
-    per_layer = qkv + proj + mlp + 2 * norm
-    return m.num_layers * per_layer + norm + padded_vocab * h
+    per_layer = qkv + proj + 2 * norm
+    total = 0
+    for experts in m.moe.experts_per_layer(m.num_layers):
+        # an MoE layer: the gate, and the top-k experts each token goes through (+ PR-MoE's dense MLP and mix)
+        moe = (
+            experts * h
+            + m.moe.topk * mlp
+            + (mlp + 2 * h + 2 if m.moe.mlp_type == "residual" else 0)
+        )
+        total += per_layer + (mlp if experts == 1 else moe)
+    return total + norm + padded_vocab * h
 
 
 def flops_per_token(m: ModelConfig, padded_vocab: int) -> float:

@@ -195,6 +195,7 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     mpu.initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
+        ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
         timeout=timeout,
     )
     agree_on_fused_kernels(device.type)

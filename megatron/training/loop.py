@@ -239,6 +239,8 @@ def _log(
         tflops_per_device=tflops,
         mfu=mfu,
         curriculum_seqlen=curriculum_seqlen,
+        moe_loss=result.moe_loss,
+        expert_load=None if result.expert_load is None else result.expert_load.as_dict(),
     )
     writer.train(rec)
     if writer.enabled:
@@ -318,6 +320,8 @@ def train(
             interval_tokens += tokens
             state.history.append(result.loss)
             state.grad_norms.append(result.grad_norm)
+            if result.moe_loss is not None:
+                state.moe_history.append(result.moe_loss)
             interval_iters += 1
             if result.skipped:
                 state.skipped_iterations += 1

@@ -315,7 +315,16 @@ def pipeline_buffer_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_b
 
 
 def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
-    """Saved activations of one micro-batch on ``stage`` (recompute setting applied), in bytes."""
+    """Saved activations of one micro-batch on ``stage`` (recompute setting applied), in bytes.
+
+    DeepSpeed-Ulysses divides them by N: a rank holds ``s/N`` tokens, and attention's gathered q, k, v ``n/N`` heads
+    (``tools/bench_ulysses_memory.py`` measures 1.05/N: one extra ``[s/N, h]`` buffer per layer, not modelled).
+    """
+    ulysses = cfg.parallel.ds_sequence_parallel_size
+    return _stage_activation_bytes(cfg, plan, stage, micro_batch) // ulysses
+
+
+def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
     m = cfg.model
     layers = layers_of_stage(m.num_layers, plan.pipeline_model_parallel_size, stage)
     per_layer = layer_activation_bytes(cfg, plan, micro_batch)

@@ -63,6 +63,11 @@ class TrainRecord:
     mfu: float | None
     curriculum_seqlen: int | None = None
     """The sequence length of the DeepSpeed JSON's curriculum this iteration (absent without one)."""
+    moe_loss: float | None = None
+    """MoE models: the term added to the LM loss (--moe-loss-coeff x summed aux losses; absent for dense)."""
+    expert_load: dict[str, list] | None = None
+    """MoE models: ``{"layers", "tokens_per_expert", "dropped_tokens"}`` over the global batch (absent for dense;
+    ``moe_log.ExpertLoad``)."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,8 @@ def format_train_line(
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
             f" learning rate: {rec.lr:.3E} |"
             f" lm loss: {rec.lm_loss:.6E} |"
-            f" grad norm: {gn} |",
+            + ("" if rec.moe_loss is None else f" moe loss: {rec.moe_loss:.6E} |")
+            + f" grad norm: {gn} |",
             f" loss scale: {rec.loss_scale:.1f} |"
             f" number of skipped iterations: {skipped_total:3d} |"
             f" tokens per second: {rec.tokens_per_sec:.1f} |"
@@ -256,16 +262,35 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = asdict(rec)
-        if rec.curriculum_seqlen is None:
-            del record["curriculum_seqlen"]
+        for key in ("curriculum_seqlen", "moe_loss", "expert_load"):
+            if record[key] is None:
+                del record[key]
         self._write(record)
         step = rec.iteration
+        self._expert_load_scalars(rec)
         if rec.curriculum_seqlen is not None:
             self.scalar("seqlen/curriculum_seqlen", rec.curriculum_seqlen, step)
         self.scalar("throughput/tokens_per_sec", rec.tokens_per_sec, step)
         self.scalar("throughput/tflops_per_device", rec.tflops_per_device, step)
         if rec.mfu is not None:
             self.scalar("throughput/mfu", rec.mfu, step)
+
+    def _expert_load_scalars(self, rec: TrainRecord) -> None:
+        """An MoE model's MoE loss and per-layer load: ``moe-loss/moe loss``, ``moe-load/layer {i} expert {e}``
+        (tokens routed), ``moe-dropped/layer {i}`` (tokens dropped)."""
+        step = rec.iteration
+        if rec.moe_loss is not None:
+            self.scalar("moe-loss/moe loss", rec.moe_loss, step)
+        load = rec.expert_load or {}
+        for layer, counts, dropped in zip(
+            load.get("layers", []),
+            load.get("tokens_per_expert", []),
+            load.get("dropped_tokens", []),
+            strict=True,
+        ):
+            for e, n in enumerate(counts):
+                self.scalar(f"moe-load/layer {layer} expert {e}", float(n), step)
+            self.scalar(f"moe-dropped/layer {layer}", float(dropped), step)
 
     def evaluation(self, rec: EvalRecord) -> None:
         """Record one evaluation (the perplexity in TensorBoard with --log-validation-ppl-to-tensorboard)."""

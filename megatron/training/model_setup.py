@@ -63,6 +63,9 @@ def build_model(
         params_dtype=params_dtype,
         device=device,
         async_tensor_model_parallel_allreduce=cfg.parallel.async_tensor_model_parallel_allreduce,
+        force_ds_sequence_parallel=cfg.parallel.force_ds_sequence_parallel,
+        moe_expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+        enable_expert_tensor_parallelism=cfg.parallel.enable_expert_tensor_parallelism,
     )
     if zero3_config is not None:
         with zero3_init(zero3_config, params_dtype=params_dtype):
@@ -95,7 +98,9 @@ def build_engine(
     configure_deepspeed_checkpointing(cfg.model)  # before the first forward; no-op without the flag
     if model is None:
         model = build_model(cfg, plan, device=device, ds_config=ds_config)
-    optimizer = build_optimizer(model, cfg.training)
+    optimizer = build_optimizer(
+        model, cfg.training, moe_groups=cfg.model.moe.create_moe_param_group
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

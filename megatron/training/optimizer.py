@@ -44,10 +44,15 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or len(full_shape(param)) == 1
 
 
-def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def get_param_groups(
+    model: torch.nn.Module, weight_decay: float, *, moe_groups: bool = False
+) -> list[dict[str, Any]]:
     """Two groups (decay, no decay), each holding parameters in ``named_parameters`` order; empty groups dropped.
 
     Every group carries ``wd_mult`` and ``lr_mult`` like Megatron's; trainable parameters only.
+    ``moe_groups`` (--create-moe-param-group): DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``
+    then moves the expert parameters into groups of their own (``moe: True``, named by their expert-parallel group),
+    each keeping its decay setting; DeepSpeed's ZeRO optimizer needs them.
     """
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
@@ -59,18 +64,25 @@ def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
         {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0},
     ]
+    if moe_groups:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        named = [{**g, "name": n} for g, n in zip(groups, ("decay", "no_decay"), strict=True)]
+        groups = split_params_into_different_moe_groups_for_optimizer(named)
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over :func:`get_param_groups` of ``model``; with ``--cpu-optimizer`` DeepSpeed's CPU Adam (AdamW
+def build_optimizer(
+    model: torch.nn.Module, t: TrainingConfig, *, moe_groups: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW or SGD over :func:`get_param_groups` of ``model`` (``moe_groups``: experts in groups of their own); with ``--cpu-optimizer`` DeepSpeed's CPU Adam (AdamW
     mode), or torch's AdamW with ``--cpu_torch_adam`` (DeepSpeed's ZeRO offload moves the master weights to CPU).
 
     Raises:
         ValueError: the model has no trainable parameter.
         ConfigError: DeepSpeed's CPU Adam op cannot be built or loaded (one line: the cause and the fixes).
     """
-    groups = get_param_groups(model, t.weight_decay)
+    groups = get_param_groups(model, t.weight_decay, moe_groups=moe_groups)
     if not groups:
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     if t.optimizer == "sgd":

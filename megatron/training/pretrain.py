@@ -63,6 +63,8 @@ class TrainResult:
     """lm loss of each iteration run (global-batch mean, same on every rank)."""
     grad_norms: list[float | None] = field(default_factory=list)
     """Global grad norm of each iteration (None where DeepSpeed computed none: clipping off)."""
+    moe_losses: list[float] = field(default_factory=list)
+    """MoE loss term of each iteration (--moe-loss-coeff x summed aux losses; empty for a dense model)."""
     valid_loss: float | None = None
     """The final evaluation's loss (None without a validation set or with --eval-iters 0)."""
     test_loss: float | None = None
@@ -243,6 +245,7 @@ def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainRes
         consumed_train_tokens=state.consumed_train_tokens,
         losses=list(state.history),
         grad_norms=list(state.grad_norms),
+        moe_losses=list(state.moe_history),
         valid_loss=state.last_valid_loss,
         test_loss=test_loss,
     )

@@ -20,6 +20,8 @@ class TrainState:
     history: list[float] = field(default_factory=list)
     """lm loss of every iteration run by this process (for library callers and tests)."""
     grad_norms: list[float | None] = field(default_factory=list)
+    moe_history: list[float] = field(default_factory=list)
+    """MoE loss term (--moe-loss-coeff x aux losses) of every iteration run by this process (MoE models only)."""
     """grad norm of every iteration run by this process (None where DeepSpeed computed none)."""
     last_valid_loss: float | None = None
     """The latest validation loss."""

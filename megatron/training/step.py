@@ -10,6 +10,10 @@ Two engines (see ``ds_config`` for the choice):
   micro-batches ``((input_ids, position_ids), (labels, loss_mask))`` on the first/last stages, runs 1F1B, and returns
   the loss already averaged over micro-batches and DP and broadcast to every stage.
 
+DeepSpeed-Ulysses (PP = 1 only): each rank holds ``s/N`` tokens of every sample; the micro-batch loss is the mean
+over the WHOLE sequence (sum and token count reduced over the Ulysses group in ``loss_func``), and DeepSpeed sums
+gradients over the group (its sequence-data-parallel reduction), so the step equals the ``N = 1`` step.
+
 Either way the loss is the GLOBAL-batch mean: every micro-batch is a fixed slice of the global batch whatever the
 layout, so the number is identical (to rounding) on every layout.
 """
@@ -24,9 +28,12 @@ import torch
 
 from megatron import mpu
 from megatron.deepspeed_internals import loss_scale
+from megatron.model.moe import clear_moe_state, moe_aux_loss
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
+from megatron.training.moe_log import ExpertLoad, collect_expert_load
 from megatron.training.timers import Timers
+from megatron.training.ulysses import ulysses_backward_scale
 
 Batch = dict[str, torch.Tensor]
 
@@ -43,6 +50,10 @@ class StepResult:
     """True when the fp16 loss scaler skipped the update."""
     loss_scale: float
     """Current loss scale (1.0 without fp16)."""
+    moe_loss: float | None = None
+    """Global-batch mean of the MoE term added to the LM loss (--moe-loss-coeff x summed aux losses; None: dense)."""
+    expert_load: ExpertLoad | None = None
+    """Tokens per expert and dropped tokens of each MoE layer over the global batch (None: dense)."""
 
 
 def _forward_loss(engine: Any, batch: Batch) -> torch.Tensor:
@@ -51,8 +62,10 @@ def _forward_loss(engine: Any, batch: Batch) -> torch.Tensor:
         batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
         labels=batch["labels"],
-    )  # [b, s] fp32
-    return loss_func(per_token, batch["loss_mask"])
+    )  # [b, s] fp32 ([b, s/N] under DeepSpeed-Ulysses)
+    ulysses = mpu.get_sequence_parallel_world_size() > 1
+    group = mpu.get_sequence_parallel_group() if ulysses else None
+    return loss_func(per_token, batch["loss_mask"], sequence_parallel_group=group)
 
 
 def _grad_norm(engine: Any) -> float | None:
@@ -90,6 +103,8 @@ def train_step_engine(
     )
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    backward_scale = ulysses_backward_scale(engine)  # 1 except ZeRO-3 + Ulysses (``ulysses.py``)
+    moe_total: torch.Tensor | None = None  # MoE term summed over micro-batches
     fwd_bwd.start()
     for i in range(gas):
         if explicit_boundary:
@@ -98,16 +113,21 @@ def train_step_engine(
         batch = next(micro_batches)
         batch_gen.stop()
         fwd.start()
+        clear_moe_state(engine.module)
         loss = _forward_loss(engine, batch)
+        moe_loss = moe_aux_loss(engine.module)  # --moe-loss-coeff x the layers' aux losses, or None
         fwd.stop()
         bwd.start()
-        engine.backward(loss)
+        objective = loss if moe_loss is None else loss + moe_loss
+        engine.backward(objective if backward_scale == 1.0 else objective * backward_scale)
         bwd.stop()
         if i == gas - 1:
             fwd_bwd.stop()
             opt.start()
         engine.step()
         total += loss.detach().float()
+        if moe_loss is not None:
+            moe_total = moe_loss.detach() + (0.0 if moe_total is None else moe_total)
     opt.stop()
     loss_mean = dp_mean(total / gas)
     return StepResult(
@@ -115,6 +135,8 @@ def train_step_engine(
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
         loss_scale=loss_scale(engine),
+        moe_loss=None if moe_total is None else float(dp_mean(moe_total / gas).item()),
+        expert_load=_expert_load(engine),
     )
 
 
@@ -127,13 +149,43 @@ def train_step_pipe(
     """
     if timers is not None:
         timers("forward-backward", 1).start()
-    loss = engine.train_batch(data_iter=pipe_batches)
+    record = getattr(engine.module, "moe_losses", None)
+    if record is not None:
+        record.clear()
+    loss = float(engine.train_batch(data_iter=pipe_batches).float().item())
+    moe = _pipe_moe_loss(engine)
     return StepResult(
-        loss=float(loss.float().item()),
+        loss=loss if moe is None else loss - moe,  # the engine's loss includes the MoE term
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
         loss_scale=loss_scale(engine),
+        moe_loss=moe,
+        expert_load=_expert_load(engine),
     )
+
+
+def _expert_load(engine: Any) -> ExpertLoad | None:
+    """This step's expert load (a collective over every rank; None for a dense model)."""
+    cfg = engine.module.config
+    return collect_expert_load(
+        engine.module, cfg.num_layers, cfg.moe.experts_per_layer(cfg.num_layers)
+    )
+
+
+def _pipe_moe_loss(engine: Any) -> float | None:
+    """The MoE term of the last pipeline batch (mean over micro-batches and DP), on every stage; None: dense.
+
+    The last stage's loss_fn recorded each micro-batch's term (``GPTModelPipe.moe_losses``); the other stages
+    contribute 0 to a sum over the pipeline group.
+    """
+    model = engine.module
+    if not model.config.moe.is_moe(model.config.num_layers):
+        return None
+    record = model.moe_losses
+    mean = torch.stack(record).float().mean() if record else torch.zeros(())
+    value = dp_mean(mean.to(engine.device)) if engine.is_last_stage() else mean.zero_()
+    total = all_reduce_sum_(value.reshape(1).clone(), group=mpu.get_pipeline_model_parallel_group())
+    return float(total.item())
 
 
 @torch.no_grad()
@@ -148,5 +200,9 @@ def eval_step_engine(engine: Any, micro_batches: Iterator[Batch], gas: int) -> f
 
 def eval_step_pipe(engine: Any, pipe_batches: Iterator[Any]) -> float:
     """Validation loss of one global batch with the pipeline engine (already averaged, on every stage)."""
-    loss = engine.eval_batch(data_iter=pipe_batches)
-    return float(loss.float().item())
+    record = getattr(engine.module, "moe_losses", None)
+    if record is not None:
+        record.clear()
+    loss = float(engine.eval_batch(data_iter=pipe_batches).float().item())
+    moe = _pipe_moe_loss(engine)
+    return loss if moe is None else loss - moe  # the LM loss, as eval_step_engine reports

@@ -15,7 +15,8 @@ Layout-invariant init still holds: every parameter is drawn from ``(seed, global
 write to a parameter after its module's ``__init__`` returned would see a placeholder; none is left in
 ``megatron/model`` (the padded-vocabulary rows of the output layer are zeroed by its init method).
 
-What we pass: ``data_parallel_group`` = our DP group (``megatron.mpu``), ``config_dict_or_path`` = the run's
+What we pass: ``data_parallel_group`` = our sequence-data-parallel group (``megatron.mpu``: the DP group, times the
+Ulysses group under --ds-sequence-parallel-size, as the engine partitions over it), ``config_dict_or_path`` = the run's
 DeepSpeed config (``offload_param`` gives the remote device, ``bf16`` the parameter dtype), ``mpu=megatron.mpu``
 (DeepSpeed's config reads the DP size from it). ``tensor_overrides=[]``: DeepSpeed's default would also cast every
 floating tensor created inside the context to the run's dtype, including the fp32 masters the init draws from,
@@ -66,7 +67,8 @@ def zero3_init(ds_config: dict[str, Any], *, params_dtype: torch.dtype) -> Itera
     import deepspeed
 
     with deepspeed.zero.Init(
-        data_parallel_group=mpu.get_data_parallel_group(),
+        # DP x Ulysses SP (= DP at sp 1): the group the engine shards ZeRO-3 parameters over.
+        data_parallel_group=mpu.get_sequence_data_parallel_group(),
         config_dict_or_path=ds_config,
         mpu=mpu,
         dtype=params_dtype,

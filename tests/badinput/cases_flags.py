@@ -86,6 +86,19 @@ CASES: list[Case] = [
         2,
         "--train-iters and --train-samples are exclusive",
     ),
+    Case(
+        "flag-ulysses-seq-length-not-divisible",
+        (*TRAIN, "--ds-sequence-parallel-size", "3"),
+        2,
+        "--seq-length (16) must be divisible by --ds-sequence-parallel-size (3)",
+    ),
+    Case(
+        "flag-ulysses-heads-not-divisible",
+        (*TRAIN, "--ds-sequence-parallel-size", "8"),
+        2,
+        "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (1) x "
+        "--ds-sequence-parallel-size (8) = 8",
+    ),
     Case("flag-bf16-and-fp16", (*TRAIN, "--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
     Case("flag-fp16-on-cpu", (*TRAIN, "--fp16"), 2, "--fp16 needs a CUDA GPU"),
     Case(

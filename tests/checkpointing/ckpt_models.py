@@ -70,3 +70,38 @@ def make_llama(
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def make_mixtral(*, experts: int = 4, tied: bool = False, seed: int = 0, layers: int = 2):
+    """A tiny random ``MixtralForCausalLM`` (top-2, GQA 4/2 heads, no sliding window); the router is drawn with
+    a larger std than the other weights so routing probabilities are far from ties."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=None,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+        initializer_range=INIT_STD,
+    )
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    return model

@@ -133,8 +133,8 @@ def _pretrain(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[st
     "argv",
     [
         ["--kd", "--load-teacher", "/ckpt/teacher"],
-        ["--num-experts", "1", "--num-experts", "64", "--moe-expert-parallel-size", "8"],
-        ["--ds-sequence-parallel-size", "4"],
+        ["--num-experts", "64", "--use-tutel"],  # MoE yes, Tutel no
+        ["--ds-sequence-parallel-size", "4", "--ds-sequence-parallel-fpdt"],  # Ulysses yes, FPDT no
         ["--enable-zbh1-pipeline"],
         ["--inference"],
     ],

@@ -40,6 +40,10 @@ def test_examples_exist() -> None:
         # Megatron-DeepSpeed-style: token schedule + DeepSpeed activation checkpointing; their LLaMA-2 script.
         "ds_pretrain_gpt_1.3B_token_schedule.sh",
         "ds_pretrain_llama2_distributed.sh",
+        # Megatron-DeepSpeed-style DeepSpeed-Ulysses long-sequence script.
+        "ds_pretrain_gpt_ulysses_long_seq.sh",
+        # Megatron-DeepSpeed-style Mixtral-like MoE script (DeepSpeed-MoE, expert parallelism).
+        "ds_pretrain_mixtral_moe.sh",
     } <= names
 
 

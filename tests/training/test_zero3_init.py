@@ -76,8 +76,8 @@ def _train(argv: list[str], *, zero_init: bool) -> dict:
             seen["values"] = {n: p.detach().float().clone() for n, p in params.items()}
         return model
 
-    def recording_optimizer(model, t):
-        optimizer = build_optimizer(model, t)
+    def recording_optimizer(model, t, **kwargs):
+        optimizer = build_optimizer(model, t, **kwargs)
         names = {id(p): n for n, p in model.named_parameters()}
         seen["groups"] = [sorted(names[id(p)] for p in g["params"]) for g in optimizer.param_groups]
         return optimizer

@@ -87,5 +87,6 @@ def run_checkpoint_writer(
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp})")
+    ep = f", EP={kwargs['ep']}" if kwargs.get("ep", 1) != 1 else ""
+    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp}{ep})")
     return report(result, a.tolerance)

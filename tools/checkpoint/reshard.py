@@ -1,6 +1,7 @@
-"""Offline reshard of a Trident checkpoint's weights: (TP, PP) -> (TP', PP') (iteration 0, weights only).
+"""Offline reshard of a Trident checkpoint's weights: (TP, PP, EP) -> (TP', PP', EP') (iteration 0, weights only).
 
     python -m tools.checkpoint.reshard --load ckpt_tp2pp2/ --save ckpt_tp1pp4/ --tp 1 --pp 4 [--no-verify]
+    python -m tools.checkpoint.reshard --load moe_ep2/ --save moe_ep1/ --tp 1 --pp 1 --ep 1   (MoE experts)
 
 For resuming training WITH optimizer state at another layout use tools/checkpoint/to_universal.py instead.
 Exit codes: 0 done (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
@@ -22,9 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", required=True, help="output Trident checkpoint directory")
     p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     p.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
+    p.add_argument(
+        "--ep",
+        "--moe-expert-parallel-size",
+        dest="ep",
+        type=int,
+        default=1,
+        help="target expert-parallel size of an MoE model's experts (TP x PP x EP ranks write it)",
+    )
     add_verify_args(p)
     a = p.parse_args(argv)
-    return run_checkpoint_writer(reshard_checkpoint, a, a.load, a.save, tag=a.tag)
+    return run_checkpoint_writer(reshard_checkpoint, a, a.load, a.save, tag=a.tag, ep=a.ep)
 
 
 if __name__ == "__main__":
