@@ -120,6 +120,8 @@ class MemoryPlan:
     """Model FLOPs of one optimizer step, all ranks together (``flops.py``; no recompute credit)."""
     collective_bytes: Mapping[str, int]
     """Bytes per step per rank handed to collectives, by group (``tp``, ``sp``, ``pp``, ``dp``)."""
+    caveats: tuple[str, ...] = ()
+    """Parts of the model the arithmetic does not cover (reported under the plan, never silently wrong)."""
 
     @property
     def worst(self) -> StageMemory:
@@ -458,6 +460,7 @@ def plan_memory(
     )
     plan_b = plan if b == plan.micro_batch_size else replace(plan, micro_batch_size=b)
     return MemoryPlan(
+        caveats=_caveats(cfg),
         stages=tuple(stages),
         flops_per_step=flops,
         collective_bytes=collective_bytes(
@@ -467,6 +470,23 @@ def plan_memory(
             pipe_partitioned=bool((ds_config.get("pipeline") or {}).get("pipe_partitioned", True)),
         ),
     )
+
+
+def _caveats(cfg: TridentConfig) -> tuple[str, ...]:
+    """What the plan leaves out for ``cfg``: expert layers are counted as the dense MLP they replace."""
+    moe = cfg.model.moe
+    out = []
+    if moe.is_moe(cfg.model.num_layers):
+        out.append(
+            "DeepSpeed-MoE layers (--num-experts) are planned as dense MLPs: their experts' parameters, "
+            "gradients, optimizer states, all-to-all bytes and dispatch buffers are not counted"
+        )
+    if moe.num_experts_switch is not None:
+        out.append(
+            f"Switch MLP layers (--num-experts-switch {moe.num_experts_switch}) are planned as one dense MLP: "
+            "the other experts' parameters and states are not counted"
+        )
+    return tuple(out)
 
 
 def largest_micro_batch(
@@ -512,6 +532,7 @@ def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
     lines.append(
         f"  FLOPs per step {mp.flops_per_step:.3e}; collective bytes per step per rank: {comm or 'none'}"
     )
+    lines.extend(f"  not modeled: {c}" for c in mp.caveats)
     return lines
 
 

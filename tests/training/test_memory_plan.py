@@ -185,3 +185,12 @@ def test_largest_micro_batch() -> None:
     assert mpl.largest_micro_batch(cfg, plan, {}, capacity) == 3
     assert mpl.largest_micro_batch(cfg, plan, {}, capacity - 1) == 2
     assert mpl.largest_micro_batch(cfg, plan, {}, 1) == 0
+
+
+def test_expert_layers_are_reported_as_not_modeled(capsys: pytest.CaptureFixture[str]) -> None:
+    """MoE and Switch MLP layers are planned as dense MLPs, and the plan says so under its numbers."""
+    assert not mpl.plan_memory(*_plan(), {}).caveats
+    assert plan_memory.main(["--world-size", "4", *SMALL, "--num-experts", "4"]) == 0
+    assert "not modeled: DeepSpeed-MoE layers (--num-experts)" in capsys.readouterr().out
+    switch = mpl.plan_memory(*_plan("--num-experts-switch", "2"), {})
+    assert len(switch.caveats) == 1 and "--num-experts-switch 2" in switch.caveats[0]
