@@ -11,10 +11,13 @@ Not a test: the numbers depend on the machine. Shapes (``--small`` divides the t
 
 Each case times ``fused=True`` (the kernel) and ``fused=False`` (the reference) of the same op in
 ``megatron.fused_kernels``: forward, then backward of a fixed gradient, median of ``--repeats`` runs after one
-warm-up. GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the
-fused time. Peak extra memory: on CUDA ``max_memory_allocated`` above the inputs; on CPU the peak resident set
-(``VmHWM``, reset through ``/proc/self/clear_refs``) above the inputs, which sees tensors of 32 MB and more (the
-ones that matter here: glibc maps those directly and returns them on free).
+warm-up, the two sides alternating run by run. On CPU the times are taken with the allocator setting training
+applies (``--cpu-allocator reuse``, see ``megatron.training.cpu_allocator``: freed memory is kept, so outputs are
+not page-faulted in again every step) unless ``--cpu-allocator system``. GB/s counts the bytes the op must read and
+write at least once (inputs, outputs, gradients) over the fused time. Peak extra memory, measured first with
+glibc's defaults: on CUDA ``max_memory_allocated`` above the inputs; on CPU the peak resident set (``VmHWM``, reset
+through ``/proc/self/clear_refs``) above the inputs, which sees tensors of 32 MB and more (the ones that matter
+here: glibc maps those directly and returns them on free).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 
 from megatron import fused_kernels as fk
+from megatron.training.cpu_allocator import keep_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -78,21 +82,31 @@ def _current_bytes(device: torch.device) -> int:
     return 0
 
 
-def _run(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, float]:
-    """Median ms of ``step`` and its peak extra bytes above what was live before."""
-    step()  # warm-up (and first-use kernel loading)
+def _time_pair(
+    ref: Callable[[], None], fused: Callable[[], None], device: torch.device, repeats: int
+) -> tuple[float, float]:
+    """Median ms of ``ref`` and of ``fused`` after one warm-up each (first-use kernel loading); the two alternate
+    run by run, so a slow spell of a shared machine hits both sides alike."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for rep in range(repeats + 1):
+        for side in (0, 1) if rep % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            (ref, fused)[side]()
+            _sync(device)
+            if rep > 0:
+                times[side].append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _peak_extra_mb(step: Callable[[], None], device: torch.device) -> float:
+    """Peak MB of one ``step`` above what was live before it (after one warm-up)."""
+    step()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
     base = _current_bytes(device)
     _peak_reset(device)
     step()
     _sync(device)
-    return statistics.median(times), max(0, _peak_bytes(device) - base) / 2**20
+    return max(0, _peak_bytes(device) - base) / 2**20
 
 
 def _leaf(
@@ -201,16 +215,32 @@ def cases(small: bool) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def run(
-    *, device: torch.device, dtype: torch.dtype, ops: set[str] | None, repeats: int, small: bool
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: set[str] | None,
+    repeats: int,
+    small: bool,
+    cpu_allocator: str = "reuse",
 ) -> list[Result]:
-    """Time every case (fused and reference); ``ops`` None means all."""
+    """Time every case (fused and reference); ``ops`` None means all.
+
+    Peak memory is measured first, for every case, with glibc's allocator defaults (the resident-set peak only sees
+    memory that is mapped for a step and returned after it). On CPU the times are then taken with the allocator
+    setting ``pretrain`` applies (``cpu_allocator`` 'reuse': freed memory is kept, so a step does not page-fault its
+    outputs in again) or with glibc's defaults ('system'); both sides of a ratio run under the same setting.
+    """
+    chosen = [(op, shape) for op, shape in cases(small) if ops is None or op in ops]
+    built = [(op, shape, *_case(op, shape, dtype, device)) for op, shape in chosen]
+    peaks = [
+        (_peak_extra_mb(make(False), device), _peak_extra_mb(make(True), device))
+        for *_, make, _m in built
+    ]
+    if device.type == "cpu" and cpu_allocator == "reuse":
+        keep_freed_memory({})
     out = []
-    for op, shape in cases(small):
-        if ops is not None and op not in ops:
-            continue
-        make, moved = _case(op, shape, dtype, device)
-        ref_ms, ref_mb = _run(make(False), device, repeats)
-        fused_ms, fused_mb = _run(make(True), device, repeats)
+    for (op, shape, make, moved), (ref_mb, fused_mb) in zip(built, peaks, strict=True):
+        ref_ms, fused_ms = _time_pair(make(False), make(True), device, repeats)
         out.append(
             Result(
                 op=op,
@@ -237,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--small", action="store_true", help="1/8 of the tokens (quick look)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--cpu-allocator",
+        default="reuse",
+        choices=["reuse", "system"],
+        help="CPU times with the allocator setting training applies (reuse: freed memory kept) or glibc's defaults",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
@@ -248,10 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no fused kernels for {device.type}: {fk.status()[device.type]}")
     ops = set(args.ops.split(",")) if args.ops else None
     results = run(
-        device=device, dtype=DTYPES[args.dtype], ops=ops, repeats=args.repeats, small=args.small
+        device=device,
+        dtype=DTYPES[args.dtype],
+        ops=ops,
+        repeats=args.repeats,
+        small=args.small,
+        cpu_allocator=args.cpu_allocator,
     )
     header = f"{'op':16} {'shape':20} {'ref ms':>9} {'fused ms':>9} {'speedup':>8} {'GB/s':>7}"
-    print(f"# fused kernels ({fk.status()[device.type]}), {args.dtype}, {device}")  # noqa: T201
+    allocator = f", CPU allocator {args.cpu_allocator}" if device.type == "cpu" else ""
+    print(f"# fused kernels ({fk.status()[device.type]}), {args.dtype}, {device}{allocator}")  # noqa: T201
     print(header + f" {'ref MB':>8} {'fused MB':>9}")  # noqa: T201
     for r in results:
         print(  # noqa: T201

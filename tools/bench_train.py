@@ -8,7 +8,9 @@ Not a test: the numbers depend on the machine. What is measured:
 1. Throughput: the same tiny GPT-2 (TP = 1, one process) trained by Trident (``pretrain``: DeepSpeed engine, our
    model, Megatron data path) and by a plain loop over Hugging Face ``GPT2LMHeadModel`` + ``torch.optim.AdamW``
    (same layers, width, heads, sequence, vocabulary, batch, clipping and thread count; dropout 0). Median tokens/s
-   over the iterations after a warm-up.
+   over the iterations after a warm-up. The HF loop runs in fresh processes, twice: as a plain loop (glibc's
+   allocator defaults) and with the CPU allocator setting Trident's training applies (``TRIDENT_CPU_ALLOCATOR``,
+   ``megatron.training.cpu_allocator``), so the second ratio is the one without that setting's share.
 2. ZeRO memory: a ~50M-parameter GPT (fp32 + Adam) at DP = 4 for ZeRO 0, 1, 2, 3. Per rank, the bytes of all live
    tensors (deduplicated by storage) right after backward and right after the optimizer step; the peak of the two
    is the model + gradient + optimizer memory. On CUDA also ``torch.cuda.max_memory_allocated``. ZeRO theory for
@@ -23,6 +25,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron.training.cpu_allocator import keep_freed_memory
 from megatron.training.spawn import spawn_local_ranks
 
 BUCKET_KEYS = (
@@ -110,6 +114,19 @@ def hf_tokens_per_sec(
         opt.zero_grad(set_to_none=True)
         rates.append(batch * seq / (time.perf_counter() - start))
     return _median_tail(rates, warmup)
+
+
+def hf_in_subprocess(args: list[str], allocator: str) -> float:
+    """:func:`hf_tokens_per_sec` in a fresh process (glibc's allocator state is per process): ``allocator`` 'system'
+    (a plain loop) or 'reuse' (Trident's CPU setting, ``megatron.training.cpu_allocator``)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.bench_train", *args, "--hf-only", allocator],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRIDENT_CPU_ALLOCATOR": "system"},
+    ).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["hf_tokens_per_sec"])
 
 
 def live_tensor_bytes() -> int:
@@ -221,10 +238,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--memory-dp", type=int, default=4)
+    p.add_argument(
+        "--hf-only",
+        choices=["system", "reuse"],
+        help="(internal) run only the HF loop, with glibc's default allocator or Trident's CPU setting; print JSON",
+    )
     a = p.parse_args(argv)
     cpu_env_defaults()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     torch.set_num_threads(a.threads)
+    if a.hf_only:
+        if a.hf_only == "reuse":
+            keep_freed_memory({})
+        rate = hf_tokens_per_sec(
+            num_layers=a.num_layers,
+            hidden=a.hidden_size,
+            heads=a.num_attention_heads,
+            seq=a.seq_length,
+            vocab=a.vocab,
+            batch=a.batch,
+            iters=a.iters,
+            warmup=a.warmup,
+            lr=1e-4,
+            seed=1234,
+        )
+        print(json.dumps({"hf_tokens_per_sec": rate}))
+        return 0
     if not a.skip_throughput:
         shape = [
             "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -258,21 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             ],  # fmt: skip
             a.warmup,
         )
-        hf = hf_tokens_per_sec(
-            num_layers=a.num_layers,
-            hidden=a.hidden_size,
-            heads=a.num_attention_heads,
-            seq=a.seq_length,
-            vocab=a.vocab,
-            batch=a.batch,
-            iters=a.iters,
-            warmup=a.warmup,
-            lr=1e-4,
-            seed=1234,
-        )
+        hf_args = [
+            "--threads", str(a.threads), "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+            "--num-attention-heads", str(a.num_attention_heads), "--seq-length", str(a.seq_length),
+            "--vocab", str(a.vocab), "--batch", str(a.batch), "--iters", str(a.iters), "--warmup", str(a.warmup),
+        ]  # fmt: skip
+        hf = hf_in_subprocess(hf_args, "system")
+        hf_reuse = hf_in_subprocess(hf_args, "reuse")
         print(
-            f"threads {a.threads}: trident {ours:.0f} tokens/s, HF GPT2LMHeadModel+AdamW {hf:.0f} tokens/s, "
-            f"ratio {ours / hf:.2f}x"
+            f"threads {a.threads}: trident {ours:.0f} tokens/s; HF GPT2LMHeadModel+AdamW, a plain loop: {hf:.0f} "
+            f"tokens/s, ratio {ours / hf:.2f}x; the same HF loop with Trident's CPU allocator setting: "
+            f"{hf_reuse:.0f} tokens/s, ratio {ours / hf_reuse:.2f}x"
         )
     if not a.skip_memory:
         # DeepSpeed's default reduce bucket (5e8 elements = 1.9 GiB in fp32) is allocated up front by ZeRO-3 and

@@ -59,34 +59,42 @@ float hsum(const Vec& v) {
   return s;
 }
 
+// The row reductions below keep four vector accumulators (four independent add / FMA chains): with
+// one or two, a row of 768 floats is bound by the adds' latency, not by the loads.
+
 // sum_j (a_j - m)^2  (m = 0: sum of squares)
 float row_sq_dev(const float* a, float m, int64_t n) {
-  Vec s0(0.f), s1(0.f);
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
   const Vec vm(m);
   int64_t j = 0;
-  for (; j + 2 * kW <= n; j += 2 * kW) {
+  for (; j + 4 * kW <= n; j += 4 * kW) {
     const Vec d0 = Vec::loadu(a + j) - vm, d1 = Vec::loadu(a + j + kW) - vm;
+    const Vec d2 = Vec::loadu(a + j + 2 * kW) - vm, d3 = Vec::loadu(a + j + 3 * kW) - vm;
     s0 = at::vec::fmadd(d0, d0, s0);
     s1 = at::vec::fmadd(d1, d1, s1);
+    s2 = at::vec::fmadd(d2, d2, s2);
+    s3 = at::vec::fmadd(d3, d3, s3);
   }
   for (; j + kW <= n; j += kW) {
     const Vec d = Vec::loadu(a + j) - vm;
     s0 = at::vec::fmadd(d, d, s0);
   }
-  float s = hsum(s0 + s1);
+  float s = hsum((s0 + s1) + (s2 + s3));
   for (; j < n; ++j) s += (a[j] - m) * (a[j] - m);
   return s;
 }
 
 float row_sum(const float* a, int64_t n) {
-  Vec s0(0.f), s1(0.f);
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
   int64_t j = 0;
-  for (; j + 2 * kW <= n; j += 2 * kW) {
+  for (; j + 4 * kW <= n; j += 4 * kW) {
     s0 += Vec::loadu(a + j);
     s1 += Vec::loadu(a + j + kW);
+    s2 += Vec::loadu(a + j + 2 * kW);
+    s3 += Vec::loadu(a + j + 3 * kW);
   }
   for (; j + kW <= n; j += kW) s0 += Vec::loadu(a + j);
-  float s = hsum(s0 + s1);
+  float s = hsum((s0 + s1) + (s2 + s3));
   for (; j < n; ++j) s += a[j];
   return s;
 }
@@ -94,15 +102,23 @@ float row_sum(const float* a, int64_t n) {
 // {sum_j dy_j g_j, sum_j dy_j g_j (x_j - m)} in one pass.
 void row_grad_sums(const float* dy, const float* g, const float* x, float m, int64_t n, float* s_g,
                    float* s_gx) {
-  Vec a(0.f), b(0.f);
+  Vec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
   const Vec vm(m);
   int64_t j = 0;
+  for (; j + 2 * kW <= n; j += 2 * kW) {
+    const Vec g0 = Vec::loadu(dy + j) * Vec::loadu(g + j);
+    const Vec g1 = Vec::loadu(dy + j + kW) * Vec::loadu(g + j + kW);
+    a0 += g0;
+    a1 += g1;
+    b0 = at::vec::fmadd(g0, Vec::loadu(x + j) - vm, b0);
+    b1 = at::vec::fmadd(g1, Vec::loadu(x + j + kW) - vm, b1);
+  }
   for (; j + kW <= n; j += kW) {
     const Vec gg = Vec::loadu(dy + j) * Vec::loadu(g + j);
-    a += gg;
-    b = at::vec::fmadd(gg, Vec::loadu(x + j) - vm, b);
+    a0 += gg;
+    b0 = at::vec::fmadd(gg, Vec::loadu(x + j) - vm, b0);
   }
-  float sa = hsum(a), sb = hsum(b);
+  float sa = hsum(a0 + a1), sb = hsum(b0 + b1);
   for (; j < n; ++j) {
     const float gg = dy[j] * g[j];
     sa += gg;

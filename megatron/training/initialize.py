@@ -28,6 +28,7 @@ from megatron.config import TridentConfig
 from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
 from megatron.log import log_rank_0
 from megatron.mpu.mappings import all_gather_object
+from megatron.training.cpu_allocator import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -167,13 +168,15 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
 
     On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built: that build costs
-    30-50 s per cold start and needs a compiler. --distributed-timeout-minutes reaches the default group, every
+    30-50 s per cold start and needs a compiler; and glibc keeps freed memory for reuse (``cpu_allocator``). --distributed-timeout-minutes reaches the default group, every
     group of ``parallel_state`` and the groups DeepSpeed creates later (``set_default_group_timeout``).
     """
     dev = device_type(cfg)
+    allocator = None
     if dev == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         skip_cpu_shm_build()
+        allocator = keep_freed_memory()
     import deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -199,6 +202,8 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
         timeout=timeout,
     )
     agree_on_fused_kernels(device.type)
+    if allocator is not None:
+        log_rank_0(logger, "%s", allocator)
     return device
 
 

@@ -1,14 +1,15 @@
 """``preflight(cfg)``: every check of user input, before any process group exists, and the run plan it yields.
 
 Identical on every rank, so all ranks fail together with the same one-line error (``ValueError`` or
-``FileNotFoundError``): the installed DeepSpeed, the rendezvous environment, ``validate()``, data and tokenizer flags,
-the LR schedule, output paths, the tokenizer's files, the DeepSpeed config with its conflict check, the token ids in
-the data, and the checkpoint rules (``megatron.checkpointing.rules``). The result carries the :class:`RunPlan` every
-later stage uses.
+``FileNotFoundError``): the installed DeepSpeed, the rendezvous environment, ``TRIDENT_CPU_ALLOCATOR``, ``validate()``,
+data and tokenizer flags, the LR schedule, output paths, the tokenizer's files, the DeepSpeed config with its conflict
+check, the token ids in the data, and the checkpoint rules (``megatron.checkpointing.rules``). The result carries the
+:class:`RunPlan` every later stage uses.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from megatron.config.plan import global_batch_size, train_samples_and_iters
 from megatron.deepspeed_internals import check_deepspeed_version
 from megatron.tokenizer import encoding_fingerprint
 from megatron.training import initialize
+from megatron.training.cpu_allocator import allocator_choice
 from megatron.training.data_iterators import build_run_tokenizer, check_data_flags, check_data_vocab
 from megatron.training.ds_config import build_ds_config
 from megatron.training.lr_scheduler import build_lr_scheduler
@@ -67,6 +69,8 @@ def preflight(cfg: TridentConfig) -> Preflight:
     initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
     world_size = initialize.world_size_from_env()
     device_type = initialize.device_type(cfg)
+    if device_type == "cpu":
+        allocator_choice(os.environ)
     validate(cfg, world_size=world_size, device_type=device_type)
     check_data_flags(cfg)
     gbs = global_batch_size(cfg, world_size)

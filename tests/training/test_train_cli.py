@@ -113,6 +113,16 @@ def test_bad_flags_one_line_exit_2(extra: list[str], pattern: str, monkeypatch, 
     assert len(errors) == 1 and re.search(pattern, errors[0]), err
 
 
+def test_bad_cpu_allocator_env_one_line_exit_2(monkeypatch, capsys) -> None:
+    """TRIDENT_CPU_ALLOCATOR is checked with the flags, before any group (rank 0 of a world of 4)."""
+    for k, v in ALONE_IN_4.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TRIDENT_CPU_ALLOCATOR", "jemalloc")
+    assert _main()(_argv([])) == EXIT_CONFIG_ERROR
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "TRIDENT_CPU_ALLOCATOR='jemalloc' is not a choice" in errors[0]
+
+
 def test_missing_data_prefix_is_file_not_found(monkeypatch, capsys) -> None:
     for k, v in ALONE_IN_4.items():
         monkeypatch.setenv(k, v)
@@ -200,6 +210,7 @@ def test_plain_python_no_env_and_exit_interval(tmp_path: Path) -> None:
     assert [r["iteration"] for r in evals] == [2]
     assert all(r["grad_norm"] > 0 and r["mfu"] is None and r["tokens_per_sec"] > 0 for r in train)
     assert " iteration        3/       6 |" in p.stderr and "MFU: n/a" in p.stderr
+    assert "CPU allocator: freed tensor memory is kept for reuse" in p.stderr
     assert list((tmp_path / "tb").iterdir())
 
 
