@@ -65,7 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ce_local_stats", &trident::ce_local_stats,
         "Per-row [max, sum exp, target logit, sum logits] of the local vocab shard",
         py::arg("logits"), py::arg("local_target"));
-  m.def("ce_grad_inplace", &trident::ce_grad_inplace, "Overwrite logits with d loss / d logits",
+  m.def("ce_grad_inplace", &trident::ce_grad_inplace,
+        "Overwrite logits with d loss / d logits, times row_scale per row (empty: 1)",
         py::arg("logits"), py::arg("local_target"), py::arg("global_max"), py::arg("log_sum_exp"),
-        py::arg("smoothing"), py::arg("vocab_size"));
+        py::arg("smoothing"), py::arg("vocab_size"), py::arg("row_scale"));
 }

@@ -20,9 +20,10 @@
 //   loss = log SE - (z_t - M),   and with label smoothing a':
 //   loss = (1 - a') * loss - a' * (sum_j (z_j - M) - v * log SE) / v.
 //
-// ce_grad_inplace overwrites z with d loss / d z (for a unit upstream grad), with
-// gm = global_max, lse = log_sum_exp = log SE, a' = smoothing, v = vocab_size (global):
-//   g_j = exp(z_j - gm - lse) - a' / v - (j == t ? 1 - a' : 0)
+// ce_grad_inplace overwrites z with d loss / d z, with gm = global_max, lse = log_sum_exp = log SE,
+// a' = smoothing, v = vocab_size (global), s = row_scale[r] (the upstream grad of the row's loss; 1
+// when row_scale is EMPTY):
+//   g_j = s * (exp(z_j - gm - lse) - a' / v - (j == t ? 1 - a' : 0))
 // computed in fp32 (exp_u20 again: p_j off by <= ~4 ulp relative, i.e. <= 3e-7 of max |g|) and
 // stored in the logits' dtype; nothing of size [N, vp] is allocated.
 #include <ATen/ATen.h>
@@ -192,7 +193,7 @@ at::Tensor ce_local_stats(const at::Tensor& logits, const at::Tensor& local_targ
 
 void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
                      const at::Tensor& global_max, const at::Tensor& log_sum_exp, double smoothing,
-                     int64_t vocab_size) {
+                     int64_t vocab_size, const at::Tensor& row_scale) {
   const char* op = "ce_grad_inplace";
   check_logits_target(op, logits, local_target);
   const int64_t rows = logits.size(0), vp = logits.size(1);
@@ -203,6 +204,12 @@ void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
                 op, ": ", name, " must be a contiguous fp32 CPU tensor [N] with N = ", rows,
                 ", got ", p->scalar_type(), " ", p->sizes());
   }
+  const bool scaled = row_scale.defined() && row_scale.numel() > 0;
+  TORCH_CHECK(
+      !scaled || (row_scale.device().is_cpu() && row_scale.scalar_type() == at::kFloat &&
+                  row_scale.dim() == 1 && row_scale.size(0) == rows && row_scale.is_contiguous()),
+      op, ": row_scale must be empty or a contiguous fp32 CPU tensor [N] with N = ", rows, ", got ",
+      row_scale.scalar_type(), " ", row_scale.sizes());
   TORCH_CHECK(vocab_size >= vp && vocab_size >= 1, op, ": vocab_size (", vocab_size,
               ") must be >= the local vocab columns (", vp, ")");
   TORCH_CHECK(smoothing >= 0.0 && smoothing <= 1.0, op, ": smoothing (", smoothing,
@@ -216,18 +223,19 @@ void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
     const int64_t* tp = local_target.data_ptr<int64_t>();
     const float* gmp = global_max.data_ptr<float>();
     const float* lsep = log_sum_exp.data_ptr<float>();
+    const float* scp = scaled ? row_scale.data_ptr<float>() : nullptr;
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* z = zp + r * vp;
         const int64_t last = (r1 - r) * vp;  // prefetch only inside this task's rows
         const int64_t t = tp[r];
         check_target_value(op, t, vp, r);
-        const float gm = gmp[r], lse = lsep[r];
+        const float gm = gmp[r], lse = lsep[r], sc = scp ? scp[r] : 1.0f;
         // (z - gm) - lse as two fp32 subtractions, like the reference's (z - max) then
         // exp / sum: the rounding error then scales with the (small) exponent of the
         // large probabilities, not with |gm + lse|.
         const float zt = t >= 0 ? float(z[t]) : 0.0f;
-        const Vec vgm(gm), vlse(lse), veps(eps);
+        const Vec vgm(gm), vlse(lse), veps(eps), vsc(sc);
         for (int64_t j = 0; j < vp; j += kChunk) {
           const int64_t n = std::min(kChunk, vp - j);
           if (j + kPrefetch < last) __builtin_prefetch(z + j + kPrefetch, 1);
@@ -237,8 +245,8 @@ void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
           } else {
             Io<scalar_t>::load(z + j, n, a, b);
           }
-          a = ((a - vgm) - vlse).exp_u20() - veps;
-          b = ((b - vgm) - vlse).exp_u20() - veps;
+          a = (((a - vgm) - vlse).exp_u20() - veps) * vsc;
+          b = (((b - vgm) - vlse).exp_u20() - veps) * vsc;
           if (n == kChunk) {
             Io<scalar_t>::store(z + j, a, b);
           } else {
@@ -246,7 +254,7 @@ void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
           }
         }
         if (t >= 0) {
-          z[t] = static_cast<scalar_t>(std::exp((zt - gm) - lse) - eps - on_target);
+          z[t] = static_cast<scalar_t>((std::exp((zt - gm) - lse) - eps - on_target) * sc);
         }
       }
     });

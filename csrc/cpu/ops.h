@@ -61,8 +61,9 @@ at::Tensor rope_bwd(const at::Tensor& dy, const at::Tensor& cos, const at::Tenso
 
 // ---- Vocab-parallel cross-entropy, local passes (cross_entropy.cpp) ----
 at::Tensor ce_local_stats(const at::Tensor& logits, const at::Tensor& local_target);
+// row_scale: fp32 [N], the upstream grad per row, or EMPTY for 1
 void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
                      const at::Tensor& global_max, const at::Tensor& log_sum_exp, double smoothing,
-                     int64_t vocab_size);
+                     int64_t vocab_size, const at::Tensor& row_scale);
 
 }  // namespace trident

@@ -430,21 +430,24 @@ at::Tensor ce_local_stats(const at::Tensor& logits, const at::Tensor& local_targ
 
 void ce_grad_inplace(at::Tensor logits, const at::Tensor& local_target,
                      const at::Tensor& global_max, const at::Tensor& log_sum_exp, double smoothing,
-                     int64_t vocab_size) {
+                     int64_t vocab_size, const at::Tensor& row_scale) {
   constexpr const char* op = "ce_grad_inplace";
   const int64_t n = check_ce(logits, local_target, op);
   check_fp32(global_max, logits, n, op, "global_max");
   check_fp32(log_sum_exp, logits, n, op, "log_sum_exp");
+  const bool scaled = row_scale.defined() && row_scale.numel() > 0;
+  if (scaled) check_fp32(row_scale, logits, n, op, "row_scale");
   TORCH_CHECK(vocab_size > 0, op, ": vocab_size must be positive, got ", vocab_size);
   TORCH_CHECK(smoothing >= 0.0 && smoothing <= 1.0, op, ": smoothing must be in [0, 1], got ",
               smoothing);
   const at::cuda::OptionalCUDAGuard guard(logits.device());
   dispatch(logits.scalar_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    check_launch(gpu::ce_grad_inplace<T>(ptr<T>(logits), ptr<int64_t>(local_target),
-                                         ptr<float>(global_max), ptr<float>(log_sum_exp), n,
-                                         logits.size(1), smoothing, vocab_size, stream()),
-                 op);
+    check_launch(
+        gpu::ce_grad_inplace<T>(ptr<T>(logits), ptr<int64_t>(local_target), ptr<float>(global_max),
+                                ptr<float>(log_sum_exp), scaled ? ptr<float>(row_scale) : nullptr,
+                                n, logits.size(1), smoothing, vocab_size, stream()),
+        op);
   });
 }
 
@@ -493,7 +496,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ce_local_stats", &trident::ce_local_stats,
         "Per-row [max, sum exp, target logit, sum logits] of the local vocab shard",
         py::arg("logits"), py::arg("local_target"));
-  m.def("ce_grad_inplace", &trident::ce_grad_inplace, "Overwrite logits with d loss / d logits",
+  m.def("ce_grad_inplace", &trident::ce_grad_inplace,
+        "Overwrite logits with d loss / d logits, times row_scale per row (empty: 1)",
         py::arg("logits"), py::arg("local_target"), py::arg("global_max"), py::arg("log_sum_exp"),
-        py::arg("smoothing"), py::arg("vocab_size"));
+        py::arg("smoothing"), py::arg("vocab_size"), py::arg("row_scale"));
 }

@@ -9,7 +9,8 @@
 //           se = sum_i s_i exp(m_i - M).
 //   grad (in place, the backward of the mean-free loss  -(1 - eps) z_t - eps/V sum_j z_j + lse):
 //           p_j = exp(z_j - (global_max + log_sum_exp));
-//           z_j <- p_j - (j == t ? 1 - smoothing : 0) - smoothing / vocab_size
+//           z_j <- (p_j - (j == t ? 1 - smoothing : 0) - smoothing / vocab_size) * row_scale[row]
+//           (row_scale: the upstream grad of the row's loss; nullptr = 1)
 //
 // Thread mapping: one row per group of `width` threads (row_launch in kernels.h; a block of up to
 // 512 threads for real vocabularies), a thread strides over the row by 16-byte vectors (one
@@ -82,12 +83,14 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(kMaxRowThreads)
     ce_grad_kernel(T* __restrict__ logits, const int64_t* __restrict__ target,
                    const float* __restrict__ global_max, const float* __restrict__ log_sum_exp,
-                   int64_t rows, int vp, float on_target, float off_target, int width) {
+                   const float* __restrict__ row_scale, int64_t rows, int vp, float on_target,
+                   float off_target, int width) {
   const RowSlot s = row_slot(width, rows);
   if (!s.valid) return;  // no reduction in this kernel
   T* zr = logits + s.row * vp;
   // two subtractions, not z - (gm + lse): gm + lse would be rounded once more (~ulp(40) / 2)
   const float gm = global_max[s.row], lse = log_sum_exp[s.row];
+  const float scale = row_scale != nullptr ? row_scale[s.row] : 1.f;
   const int64_t t = target[s.row];
   const int vecs = vp / kVec;
   for (int v = s.lane; v < vecs; v += width) {
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     for (int k = 0; k < kVec; ++k) {
       float p = expf((e[k] - gm) - lse);
       if (v * kVec + k == t) p -= on_target;
-      e[k] = p - off_target;
+      e[k] = (p - off_target) * scale;
     }
     store_vec<T, kVec>(zr + v * kVec, e);
   }
@@ -129,8 +132,8 @@ cudaError_t ce_local_stats(const T* logits, const int64_t* target, float* stats,
 
 template <typename T>
 cudaError_t ce_grad_inplace(T* logits, const int64_t* target, const float* global_max,
-                            const float* log_sum_exp, int64_t n, int64_t vp, double smoothing,
-                            int64_t vocab_size, cudaStream_t stream) {
+                            const float* log_sum_exp, const float* row_scale, int64_t n, int64_t vp,
+                            double smoothing, int64_t vocab_size, cudaStream_t stream) {
   if (n <= 0 || vp <= 0) return cudaSuccess;
   // The same scalars (rounded from double once) as the PyTorch reference subtracts.
   const float on_target = static_cast<float>(1.0 - smoothing);
@@ -141,21 +144,22 @@ cudaError_t ce_grad_inplace(T* logits, const int64_t* target, const float* globa
   const detail::RowLaunch l = detail::row_launch(n, vec ? vp / kVec : vp);
   if (vec) {
     ce_grad_kernel<T, kVec>
-        <<<l.blocks, l.threads, 0, stream>>>(logits, target, global_max, log_sum_exp, n,
+        <<<l.blocks, l.threads, 0, stream>>>(logits, target, global_max, log_sum_exp, row_scale, n,
                                              static_cast<int>(vp), on_target, off_target, l.width);
   } else {
-    ce_grad_kernel<T, 1><<<l.blocks, l.threads, 0, stream>>>(logits, target, global_max,
-                                                             log_sum_exp, n, static_cast<int>(vp),
-                                                             on_target, off_target, l.width);
+    ce_grad_kernel<T, 1>
+        <<<l.blocks, l.threads, 0, stream>>>(logits, target, global_max, log_sum_exp, row_scale, n,
+                                             static_cast<int>(vp), on_target, off_target, l.width);
   }
   return cudaGetLastError();
 }
 
-#define TRIDENT_INSTANTIATE_CE(T)                                                                  \
-  template cudaError_t ce_local_stats<T>(const T*, const int64_t*, float*, int64_t, int64_t,       \
-                                         cudaStream_t);                                            \
-  template cudaError_t ce_grad_inplace<T>(T*, const int64_t*, const float*, const float*, int64_t, \
-                                          int64_t, double, int64_t, cudaStream_t);
+#define TRIDENT_INSTANTIATE_CE(T)                                                            \
+  template cudaError_t ce_local_stats<T>(const T*, const int64_t*, float*, int64_t, int64_t, \
+                                         cudaStream_t);                                      \
+  template cudaError_t ce_grad_inplace<T>(T*, const int64_t*, const float*, const float*,    \
+                                          const float*, int64_t, int64_t, double, int64_t,   \
+                                          cudaStream_t);
 
 TRIDENT_INSTANTIATE_CE(float)
 TRIDENT_INSTANTIATE_CE(__half)

@@ -85,11 +85,12 @@ cudaError_t rope_bwd(const T* dy, const T* cos, const T* sin, T* dx, int64_t sb,
 template <typename T>
 cudaError_t ce_local_stats(const T* logits, const int64_t* target, float* stats, int64_t n,
                            int64_t vp, cudaStream_t stream);
-// logits <- exp(z - (global_max + log_sum_exp)) - (1 - smoothing) [target] - smoothing / vocab.
+// logits <- row_scale * (exp(z - (global_max + log_sum_exp)) - (1 - smoothing) [target]
+//           - smoothing / vocab), row_scale the upstream grad per row (nullptr: 1).
 template <typename T>
 cudaError_t ce_grad_inplace(T* logits, const int64_t* target, const float* global_max,
-                            const float* log_sum_exp, int64_t n, int64_t vp, double smoothing,
-                            int64_t vocab_size, cudaStream_t stream);
+                            const float* log_sum_exp, const float* row_scale, int64_t n, int64_t vp,
+                            double smoothing, int64_t vocab_size, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace trident

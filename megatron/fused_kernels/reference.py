@@ -101,12 +101,16 @@ def ce_grad_inplace(
     log_sum_exp: torch.Tensor,
     smoothing: float,
     vocab_size: int,
+    row_scale: torch.Tensor | None = None,
 ) -> None:
-    """Overwrite ``logits`` ``[N, vp]`` with ``softmax(z) - q`` (``q`` the smoothed one-hot target of this shard)."""
+    """Overwrite ``logits`` ``[N, vp]`` with ``(softmax(z) - q) * row_scale`` (``q`` the smoothed one-hot target of
+    this shard, ``row_scale`` ``[N]`` fp32 the upstream grad per row; None or empty: 1)."""
     p = (logits.float() - (global_max + log_sum_exp).unsqueeze(-1)).exp()  # [N, vp]
     owned = local_target >= 0
     rows = torch.nonzero(owned).squeeze(-1)
     p[rows, local_target[rows]] -= 1.0 - smoothing
     if smoothing > 0:
         p -= smoothing / vocab_size
+    if row_scale is not None and row_scale.numel() > 0:
+        p *= row_scale.unsqueeze(-1)
     logits.copy_(p)

@@ -23,11 +23,12 @@ Backward: ``d loss / d z = softmax(z) - q`` (q the smoothed target distribution)
 Fused path (``local_kernels`` given, ``--cross-entropy-loss-fusion``, the default where the kernels are built):
 one kernel pass per row of the shard gives the local ``m_r``, ``se_r = sum_j exp(z_j - m_r)``, ``z_t - m_r`` and
 ``sum_j (z_j - m_r)``; one all-reduce MAX gives ``m``, one all-reduce SUM of the rescaled
-``[se_r e^(m_r - m), z_t - m_r + m_r - m, sum_j (z_j - m_r) + vp (m_r - m)]`` gives the three global sums. A second
-kernel pass writes ``softmax(z) - q`` into the logits buffer itself (no softmax-sized tensor is kept); backward
-only scales it by the incoming grad (in place: one backward per forward). The logits passed in are overwritten:
+``[se_r e^(m_r - m), z_t - m_r + m_r - m, sum_j (z_j - m_r) + vp (m_r - m)]`` gives the three global sums. Forward
+saves the logits buffer and three ``[N]`` vectors; backward makes one more kernel pass that writes
+``(softmax(z) - q) * grad`` over the logits buffer itself (no softmax-sized tensor is allocated; the incoming grad is
+applied in the same pass). So the logits passed in are overwritten by the backward (one backward per forward):
 callers hand over a buffer nobody reads afterwards (the model's last-layer output); the write bumps the buffer's
-autograd version, so a backward that saved it fails loudly instead of computing with gradients.
+autograd version, so another backward that saved it fails loudly instead of computing with gradients.
 """
 
 from __future__ import annotations
@@ -150,21 +151,24 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             sum_log_probs = sums[:, 2] - vocab_size * log_sum_exp
             loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab_size
         if needs_grad:  # (forward runs with grad mode off: the caller decides)
-            kernels.ce_grad_inplace(
-                logits, local_target, global_max, log_sum_exp, smoothing, vocab_size
-            )
-            # tell autograd the buffer changed: a backward that saved these logits fails loudly
-            torch.autograd.graph.increment_version(buffer)
-            ctx.save_for_backward(buffer)
+            ctx.kernels, ctx.smoothing, ctx.vocab_size = kernels, smoothing, vocab_size
+            ctx.save_for_backward(buffer, local_target, global_max, log_sum_exp)
         return loss.view(shape)
 
     @staticmethod
     def backward(
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None, None, None]:
-        (grad,) = ctx.saved_tensors  # softmax - q, written over the logits in forward
-        grad.mul_(grad_output.unsqueeze(-1))
-        return grad, None, None, None, None, None
+        buffer, local_target, global_max, log_sum_exp = ctx.saved_tensors
+        logits = buffer.view(-1, buffer.size(-1))  # [s, b, vp] -> [N, vp], the same memory
+        row_scale = grad_output.reshape(-1).float().contiguous()  # [s, b] -> [N]
+        # (softmax - q) * grad, written over the logits
+        ctx.kernels.ce_grad_inplace(
+            logits, local_target, global_max, log_sum_exp, ctx.smoothing, ctx.vocab_size, row_scale
+        )
+        # tell autograd the buffer changed: another backward that saved these logits fails loudly
+        torch.autograd.graph.increment_version(buffer)
+        return buffer, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -185,7 +189,7 @@ def vocab_parallel_cross_entropy(
         group: the TP group (default: the one from parallel_state).
         local_kernels: None for the unfused path; else the module with the fused local passes
             (``ce_local_stats``, ``ce_grad_inplace``; ``megatron.fused_kernels.cross_entropy_kernels``). The fused
-            path overwrites ``vocab_parallel_logits`` with their gradient.
+            path's backward overwrites ``vocab_parallel_logits`` with their gradient.
 
     Returns:
         ``[s, b]`` fp32 loss; the caller reduces it (e.g. masked mean). Backward gives the logits' grad in

@@ -179,11 +179,26 @@ def test_cross_entropy_local_passes(device: str, dtype: torch.dtype, n: int, vp:
     assert _rel(got, want) <= 1e-6, _rel(got, want)
     m = want[:, 0] + 0.25
     lse = want[:, 1].log() - 0.25
+    # the upstream grad per row: none (empty = 1), or mixed with 0 (a masked token) and a negative value
+    scales = [
+        torch.empty(0, device=device),
+        torch.linspace(-1.0, 2.0, n, device=device).index_fill_(
+            0, torch.tensor([0], device=device), 0.0
+        ),
+    ]
     for smoothing in (0.0, 0.1):
-        a, b = z.clone(), z.clone()
-        ext.ce_grad_inplace(a, target, m, lse, smoothing, 4 * vp)
-        reference.ce_grad_inplace(b, target, m, lse, smoothing, 4 * vp)
-        assert _rel(a, b) <= TOL[dtype], (smoothing, _rel(a, b))
+        for scale in scales:
+            a, b = z.clone(), z.clone()
+            ext.ce_grad_inplace(a, target, m, lse, smoothing, 4 * vp, scale)
+            reference.ce_grad_inplace(b, target, m, lse, smoothing, 4 * vp, scale)
+            assert _rel(a, b) <= TOL[dtype], (smoothing, scale.numel(), _rel(a, b))
+        if n > 1:  # the scaled gradient is the unit one times the row's scale
+            unit, scaled = z.clone(), z.clone()
+            ext.ce_grad_inplace(unit, target, m, lse, smoothing, 4 * vp, scales[0])
+            ext.ce_grad_inplace(scaled, target, m, lse, smoothing, 4 * vp, scales[1])
+            want = (unit.float() * scales[1].unsqueeze(-1)).to(dtype)
+            assert _rel(scaled, want) <= TOL[dtype]
+            assert not scaled[0].any()
 
 
 def test_fused_flag_off_is_the_reference() -> None:
