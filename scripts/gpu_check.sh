@@ -3,7 +3,8 @@
 # GPT-2 124M training run (s=1024, bf16, one GPU), then print one summary. Not part of CI (CI has no GPU).
 #
 #   bash scripts/gpu_check.sh                  # uses the python on PATH (torch with CUDA must be installed)
-#   WHEELS=dir bash scripts/gpu_check.sh       # first pip-installs every wheel in dir (deepspeed, hjson, ...)
+#   WHEELS=dir bash scripts/gpu_check.sh       # first pip-installs every wheel in dir (deepspeed, hjson, ...;
+#                                              # scripts/gpu_wheels.sh makes them in .whl for the GPU image)
 #   OUT=dir                                    # where logs and JSON go (default /tmp/trident-gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -167,9 +167,10 @@ def _backend(cfg: TridentConfig, dev: str) -> str:
 def init_distributed(cfg: TridentConfig) -> torch.device:
     """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
 
-    On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built: that build costs
-    30-50 s per cold start and needs a compiler; and glibc keeps freed memory for reuse (``cpu_allocator``). --distributed-timeout-minutes reaches the default group, every
-    group of ``parallel_state`` and the groups DeepSpeed creates later (``set_default_group_timeout``).
+    On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built (that build costs
+    30-50 s per cold start and needs a compiler), and glibc is told to keep freed memory for reuse
+    (``cpu_allocator``). --distributed-timeout-minutes reaches the default group, every group of ``parallel_state``
+    and the groups DeepSpeed creates later (``set_default_group_timeout``).
     """
     dev = device_type(cfg)
     allocator = None
