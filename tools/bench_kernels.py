@@ -11,13 +11,13 @@ Not a test: the numbers depend on the machine. Shapes (``--small`` divides the t
 
 Each case times ``fused=True`` (the kernel) and ``fused=False`` (the reference) of the same op in
 ``megatron.fused_kernels``: forward, then backward of a fixed gradient, median of ``--repeats`` runs after one
-warm-up, the two sides alternating run by run. On CPU the times are taken with the allocator setting training
-applies (``--cpu-allocator reuse``, see ``megatron.training.cpu_allocator``: freed memory is kept, so outputs are
-not page-faulted in again every step) unless ``--cpu-allocator system``. GB/s counts the bytes the op must read and
-write at least once (inputs, outputs, gradients) over the fused time. Peak extra memory, measured first with
-glibc's defaults: on CUDA ``max_memory_allocated`` above the inputs; on CPU the peak resident set (``VmHWM``, reset
-through ``/proc/self/clear_refs``) above the inputs, which sees tensors of 32 MB and more (the ones that matter
-here: glibc maps those directly and returns them on free).
+warm-up, the two sides alternating run by run. On CPU the times are taken with glibc's allocator defaults, as
+training runs, or with ``--cpu-allocator reuse`` under the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see
+``megatron.training.cpu_allocator``: freed memory is kept, so outputs are not page-faulted in again every call).
+GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the fused time.
+Peak extra memory, measured first with glibc's defaults: on CUDA ``max_memory_allocated`` above the inputs; on CPU
+the peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) above the inputs, which sees tensors of
+32 MB and more (the ones that matter here: glibc maps those directly and returns them on free).
 """
 
 from __future__ import annotations
@@ -221,14 +221,15 @@ def run(
     ops: set[str] | None,
     repeats: int,
     small: bool,
-    cpu_allocator: str = "reuse",
+    cpu_allocator: str = "system",
 ) -> list[Result]:
     """Time every case (fused and reference); ``ops`` None means all.
 
     Peak memory is measured first, for every case, with glibc's allocator defaults (the resident-set peak only sees
-    memory that is mapped for a step and returned after it). On CPU the times are then taken with the allocator
-    setting ``pretrain`` applies (``cpu_allocator`` 'reuse': freed memory is kept, so a step does not page-fault its
-    outputs in again) or with glibc's defaults ('system'); both sides of a ratio run under the same setting.
+    memory that is mapped for a step and returned after it). On CPU the times are then taken with glibc's defaults
+    (``cpu_allocator`` 'system', what training runs with) or with ``TRIDENT_CPU_ALLOCATOR=reuse``'s setting ('reuse':
+    freed memory is kept, so a step does not page-fault its outputs in again); both sides of a ratio run under the
+    same setting.
     """
     chosen = [(op, shape) for op, shape in cases(small) if ops is None or op in ops]
     built = [(op, shape, *_case(op, shape, dtype, device)) for op, shape in chosen]
@@ -237,7 +238,7 @@ def run(
         for *_, make, _m in built
     ]
     if device.type == "cpu" and cpu_allocator == "reuse":
-        keep_freed_memory({})
+        keep_freed_memory({"TRIDENT_CPU_ALLOCATOR": "reuse"})
     out = []
     for (op, shape, make, moved), (ref_mb, fused_mb) in zip(built, peaks, strict=True):
         ref_ms, fused_ms = _time_pair(make(False), make(True), device, repeats)
@@ -269,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--cpu-allocator",
-        default="reuse",
-        choices=["reuse", "system"],
-        help="CPU times with the allocator setting training applies (reuse: freed memory kept) or glibc's defaults",
+        default="system",
+        choices=["system", "reuse"],
+        help="CPU times with glibc's defaults (training's default) or TRIDENT_CPU_ALLOCATOR=reuse (freed memory kept)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
