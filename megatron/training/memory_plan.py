@@ -20,7 +20,9 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
     2      pb Psi                 pb P + 4 P                 (4 + 8) P                      pb R
     3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
 
-DeepSpeed's ZeRO optimizers keep an fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced
+DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP`` local experts) have the same rows
+with ``N`` the expert-data-parallel size ``DP / EP`` (DeepSpeed partitions each expert parameter group over it); one
+reduce bucket serves both. DeepSpeed's ZeRO optimizers keep an fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced
 gradient partition in a contiguous buffer next to the fp32 partition's gradient. ZeRO-3 keeps tensors below
 ``stage3_param_persistence_threshold`` elements whole (``Psi_s``) and was measured holding every partitioned one
 (``Psi_p``) gathered at the end of backward. ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights,
@@ -157,30 +159,60 @@ def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
     return max(1, min(pp - stage, micro_batches))
 
 
-def _layer_param_count(cfg: TridentConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (row-parallel biases and norms are whole)."""
-    return sum(_layer_param_tensors(cfg, tp))
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """0-based indices of the transformer layers on ``stage`` (the split of :func:`layers_of_stage`)."""
+    first = sum(layers_of_stage(num_layers, pp, k) for k in range(stage))
+    return range(first, first + layers_of_stage(num_layers, pp, stage))
 
 
-def _layer_param_tensors(cfg: TridentConfig, tp: int) -> list[int]:
-    """Element counts of one transformer layer's parameter tensors on one TP rank."""
+def _mlp_tensors(cfg: TridentConfig, tp: int) -> list[int]:
+    """Element counts of one MLP's (``ParallelMLP``) parameter tensors split over ``tp`` ranks."""
     m = cfg.model
-    h, hn, ffn = m.hidden_size, m.head_dim, m.ffn_size
-    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
+    h, ffn = m.hidden_size, m.ffn_size
     fc1_out = (2 * ffn if m.swiglu else ffn) // tp
+    sizes = [h * fc1_out, ffn // tp * h]
+    return sizes + [fc1_out, h] if m.add_bias_linear else sizes
+
+
+def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[list[int], list[int]]:
+    """Element counts of transformer layer ``layer``'s parameter tensors on one rank: (non-expert, expert).
+
+    Experts are DeepSpeed-MoE's (``--num-experts``): a layer with ``E > 1`` holds the gate ``[E, h]`` (+ with
+    ``--mlp-type residual`` a dense MLP and the ``[2, h]`` + ``[2]`` coefficient) and ``E / ep`` local experts,
+    whole or TP-split (``--enable-expert-tensor-parallelism``). The other layers hold the dense MLP, or with
+    ``--num-experts-switch N`` a router ``[N, h]`` + ``[N]`` and N TP-split expert MLPs (not expert-parallel, so
+    counted as non-expert).
+    """
+    m, par = cfg.model, cfg.parallel
+    h, hn = m.hidden_size, m.head_dim
+    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
     norms = [h] * (4 if m.normalization == "layernorm" else 2)
-    sizes = [h * qkv_out, m.num_attention_heads * hn * h // tp, h * fc1_out, ffn // tp * h, *norms]
+    dense = [h * qkv_out, m.num_attention_heads * hn * h // tp, *norms]
     if m.add_bias_linear:
-        sizes += [qkv_out, h, fc1_out, h]
-    return sizes
+        dense += [qkv_out, h]
+    experts = m.moe.experts_per_layer(m.num_layers)[layer] if m.moe.is_moe(m.num_layers) else 1
+    if experts > 1:
+        dense.append(experts * h)  # the gate
+        if m.moe.mlp_type == "residual":
+            dense += [*_mlp_tensors(cfg, tp), 2 * h, 2]
+        expert_tp = tp if par.enable_expert_tensor_parallelism else 1
+        return dense, _mlp_tensors(cfg, expert_tp) * (experts // par.moe_expert_parallel_size)
+    switch = m.moe.num_experts_switch
+    if switch is not None:
+        return [*dense, switch * h, switch, *_mlp_tensors(cfg, tp) * switch], []
+    return dense + _mlp_tensors(cfg, tp), []
 
 
 def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: int) -> int:
     """Parameters of ``stage`` that ZeRO-3 keeps whole on every rank (tensors below
     ``stage3_param_persistence_threshold`` elements)."""
     m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
-    small = sum(n for n in _layer_param_tensors(cfg, tp) if n < threshold)
-    count = layers_of_stage(m.num_layers, pp, stage) * small
+    count = sum(
+        n
+        for layer in stage_layers(m.num_layers, pp, stage)
+        for n in layer_param_tensors(cfg, tp, layer)[0]
+        if n < threshold
+    )
     extra = []
     if stage == 0:
         extra.append(plan.padded_vocab_size // tp * m.hidden_size)
@@ -191,11 +223,22 @@ def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: 
     return count + sum(n for n in extra if n < threshold)
 
 
+def stage_expert_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+    """DeepSpeed-MoE expert parameters of one rank of pipeline stage ``stage`` (part of :func:`stage_param_count`;
+    ZeRO partitions them over the expert-data-parallel group, DP / EP ranks)."""
+    m, tp = cfg.model, plan.tensor_model_parallel_size
+    layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
+    return sum(sum(layer_param_tensors(cfg, tp, layer)[1]) for layer in layers)
+
+
 def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
-    """Parameters Psi of one TP rank of pipeline stage ``stage``."""
+    """Parameters Psi of one TP rank of pipeline stage ``stage`` (its local experts included)."""
     m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = m.hidden_size
-    count = layers_of_stage(m.num_layers, pp, stage) * _layer_param_count(cfg, tp)
+    count = sum(
+        sum(map(sum, layer_param_tensors(cfg, tp, layer)))
+        for layer in stage_layers(m.num_layers, pp, stage)
+    )
     word = plan.padded_vocab_size // tp * h
     if stage == 0:
         count += word
@@ -211,10 +254,24 @@ def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
 
 
 def _state_bytes(
-    cfg: TridentConfig, plan: RunPlan, psi: int, ds: Mapping[str, Any], *, persistent: int = 0
+    cfg: TridentConfig,
+    plan: RunPlan,
+    psi: int,
+    ds: Mapping[str, Any],
+    *,
+    persistent: int = 0,
+    n: int | None = None,
+    bucket_psi: int | None = None,
 ) -> dict[str, int]:
-    """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring)."""
-    stage, n = plan.zero_stage, plan.data_parallel_size
+    """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring).
+
+    Args:
+        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts: DP / EP).
+        bucket_psi: the parameters the communication buckets are sized for (default ``psi``; 0: none).
+    """
+    stage = plan.zero_stage
+    n = plan.data_parallel_size if n is None else n
+    bucket_psi = psi if bucket_psi is None else bucket_psi
     pb = 4 if plan.precision == "fp32" else 2
     t = cfg.training
     moments = (
@@ -230,7 +287,7 @@ def _state_bytes(
             (master + moments) * psi,
         )
         # DeepSpeedEngine all-reduces a flat copy of the gradients (skipped at DP = 1)
-        buckets = pb * min(psi, _bucket(ds, "reduce_bucket_size")) if n > 1 else 0
+        buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size")) if n > 1 else 0
     else:
         params = pb * psi  # ZeRO-3: below
         # the reduced gradient partition, and its fp32 copy for the optimizer (measured: ZeRO-1 and 3 in fp32
@@ -238,7 +295,7 @@ def _state_bytes(
         grads = pb * part + (4 * part if pb == 2 or stage == 2 else 0)
         opt = (master + moments) * part
         # ZeRO-1 reduces at the accumulation boundary, after backward (like ZeRO-0); 2 and 3 during backward
-        buckets = pb * min(psi, _bucket(ds, "reduce_bucket_size"))
+        buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size"))
     if stage == 3:
         params = pb * (persistent + -(-(psi - persistent) // n))
         # Measured (tools/bench_memory_plan.py): at the end of backward DeepSpeed 0.19.8 holds the whole shard
@@ -436,7 +493,14 @@ def plan_memory(
     for k in range(pp):
         psi = stage_param_count(cfg, plan, k)
         persistent = persistent_params(cfg, plan, k, threshold) if plan.zero_stage == 3 else 0
-        st = _state_bytes(cfg, plan, psi, ds_config, persistent=persistent)
+        experts = stage_expert_param_count(cfg, plan, k)
+        st = _state_bytes(
+            cfg, plan, psi - experts, ds_config, persistent=persistent, bucket_psi=psi
+        )
+        if experts:  # partitioned over the expert-data-parallel group
+            edp = plan.data_parallel_size // cfg.parallel.moe_expert_parallel_size
+            ex = _state_bytes(cfg, plan, experts, ds_config, n=edp, bucket_psi=0)
+            st = {key: st[key] + ex[key] for key in st}
         flight = in_flight_micro_batches(pp, k, mb) if pp > 1 else 1
         stages.append(
             StageMemory(
@@ -473,18 +537,20 @@ def plan_memory(
 
 
 def _caveats(cfg: TridentConfig) -> tuple[str, ...]:
-    """What the plan leaves out for ``cfg``: expert layers are counted as the dense MLP they replace."""
+    """What the plan leaves out for ``cfg``: the activations of expert layers are counted as the dense MLP's."""
     moe = cfg.model.moe
     out = []
     if moe.is_moe(cfg.model.num_layers):
         out.append(
-            "DeepSpeed-MoE layers (--num-experts) are planned as dense MLPs: their experts' parameters, "
-            "gradients, optimizer states, all-to-all bytes and dispatch buffers are not counted"
+            "DeepSpeed-MoE layers (--num-experts): their parameters and states are counted, but their activations "
+            "as the dense MLP's: the gate's dispatch and combine tensors ([tokens, E, capacity]), the experts' "
+            "capacity-sized activations and the all-to-all bytes are not"
         )
     if moe.num_experts_switch is not None:
         out.append(
-            f"Switch MLP layers (--num-experts-switch {moe.num_experts_switch}) are planned as one dense MLP: "
-            "the other experts' parameters and states are not counted"
+            f"Switch MLP layers (--num-experts-switch {moe.num_experts_switch}): their parameters and states are "
+            "counted, but their activations as one dense MLP's (the router's probabilities and the per-expert "
+            "token gathers are not)"
         )
     return tuple(out)
 

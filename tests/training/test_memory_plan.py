@@ -187,10 +187,74 @@ def test_largest_micro_batch() -> None:
     assert mpl.largest_micro_batch(cfg, plan, {}, 1) == 0
 
 
-def test_expert_layers_are_reported_as_not_modeled(capsys: pytest.CaptureFixture[str]) -> None:
-    """MoE and Switch MLP layers are planned as dense MLPs, and the plan says so under its numbers."""
+# SMALL with --num-experts 4: layer 2 of 2 is an MoE layer. Its attention and norms hold 16,896, the gate 4 x 64 =
+# 256; each expert (fc1 64 x 256 + 256, fc2 256 x 64 + 64) 33,088. At EP 2 a rank holds 2 experts = 66,176
+# (partitioned by ZeRO over the DP / EP = 2 expert-data-parallel ranks), and 49,984 + 17,152 + 10,240 + 128 =
+# 77,504 other parameters (over DP = 4).
+MOE = ("--num-experts", "4", "--moe-expert-parallel-size", "2", "--create-moe-param-group")
+MOE_DENSE, MOE_EXPERT = 77_504, 66_176
+
+
+def test_expert_params_match_built_models() -> None:
+    """Per rank, the planner counts what a built MoE / PR-MoE / Switch MLP model holds (EP rank 0 of 2 and 1 of 1)."""
+    cases = [
+        (MOE, 2),
+        (("--num-experts", "4", "--mlp-type", "residual", "--swiglu", "--topk", "2"), 1),
+        (
+            (
+                "--num-experts",
+                "2",
+                "4",
+                "--expert-interval",
+                "1",
+                "--moe-expert-parallel-size",
+                "2",
+            ),
+            2,
+        ),
+        (("--num-experts-switch", "3", "--swiglu"), 1),
+    ]
+    for extra, ep in cases:
+        cfg, plan = _plan(*extra, world=4)
+        model = GPTModel(
+            cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 100}),
+            ParallelContext(seed=1, expert_parallel_size=ep, expert_parallel_rank=0),
+        )
+        built = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for n, p in model.named_parameters() if "deepspeed_experts" in n)
+        assert mpl.stage_param_count(cfg, plan, 0) == built, extra
+        assert mpl.stage_expert_param_count(cfg, plan, 0) == experts, extra
+    cfg, plan = _plan(*MOE)
+    assert mpl.stage_param_count(cfg, plan, 0) == MOE_DENSE + MOE_EXPERT
+    assert mpl.stage_expert_param_count(cfg, plan, 0) == MOE_EXPERT
+
+
+def test_expert_states_partition_over_expert_data_parallel() -> None:
+    """ZeRO-1, DP 4, EP 2: other parameters' states over 4 ranks, the experts' over 2; expert TP splits experts."""
+    cfg, plan = _plan(*MOE, "--zero-stage", "1")
+    st = mpl.plan_memory(cfg, plan, {}).stages[0]
+    dense_part, expert_part = MOE_DENSE // 4, MOE_EXPERT // 2
+    assert st.parameter_bytes == 4 * (MOE_DENSE + MOE_EXPERT)
+    assert st.gradient_bytes == 4 * (dense_part + expert_part)
+    assert st.optimizer_bytes == 12 * (dense_part + expert_part)
+    assert st.bucket_bytes == 4 * (
+        MOE_DENSE + MOE_EXPERT
+    )  # one reduce bucket, sized for everything
+    # TP 2: whole experts on each TP rank, unless --enable-expert-tensor-parallelism halves them
+    whole = _plan(*MOE, "--tensor-model-parallel-size", "2")
+    split = _plan(*MOE, "--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism")
+    assert mpl.stage_expert_param_count(*whole, 0) == MOE_EXPERT
+    assert mpl.stage_expert_param_count(*split, 0) == 2 * (64 * 128 + 128 * 64 + 128 + 64)
+
+
+def test_expert_layers_caveat(capsys: pytest.CaptureFixture[str]) -> None:
+    """MoE and Switch MLP activations are planned as dense MLPs', and the plan says so under its numbers."""
     assert not mpl.plan_memory(*_plan(), {}).caveats
     assert plan_memory.main(["--world-size", "4", *SMALL, "--num-experts", "4"]) == 0
-    assert "not modeled: DeepSpeed-MoE layers (--num-experts)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "not modeled: DeepSpeed-MoE layers (--num-experts): their parameters and states are counted"
+        in out
+    )
     switch = mpl.plan_memory(*_plan("--num-experts-switch", "2"), {})
     assert len(switch.caveats) == 1 and "--num-experts-switch 2" in switch.caveats[0]
