@@ -9,7 +9,8 @@
 //   gelu'(u) = 0.5 * (1 + t) + 0.5 * u * (1 - t^2) * k0 * (1 + 3 * k1 * u^2),  t = tanh(z)
 // Evaluated with one exp through 0.5 * (1 + tanh(z)) = sigmoid(2z) =: s (so 1 - t^2 = 4 s (1 - s)):
 //   y = u * s,   gelu'(u) = s * (1 + 2 * u * (1 - s) * (k0 + 3 * k0 * k1 * u^2))
-//   bias_gelu_bwd returns {dx = dy * gelu'(u), dbias = sum_rows dx}.
+//   bias_gelu_bwd returns {dx = dy * gelu'(u), dbias = sum_rows dx}; bias_gelu_bwd_into_dy writes dx
+//   over dy (no new [rows, f] tensor) and returns dbias.
 //
 // SwiGLU, a = x[:, :f] + bias[:f] (gate), c = x[:, f:] + bias[f:] (up), sg = sigmoid(a):
 //   y [rows, f] = silu(a) * c = a * sg * c
@@ -225,13 +226,12 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias) {
   return y;
 }
 
-std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                      const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() >= 1, "bias_gelu_bwd: x must have at least one dim");
+namespace {
+
+// dx into `dx` (a new tensor, or dy itself: every element is read before its own slot is written).
+at::Tensor bias_gelu_bwd_into(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& bias,
+                              at::Tensor& dx) {
   const int64_t f = x.size(-1);
-  check_x_bias("bias_gelu_bwd", x, bias, f);
-  check_dy("bias_gelu_bwd", dy, x, x.sizes());
-  at::Tensor dx = at::empty(x.sizes(), x.options());
   const int64_t rows = f == 0 ? 0 : x.numel() / f;
   at::Tensor dbias;
   TRIDENT_DISPATCH_FLOATS(x.scalar_type(), "bias_gelu_bwd", [&] {
@@ -251,7 +251,29 @@ std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
       }
     });
   });
+  return dbias;
+}
+
+void check_gelu_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x,
+                    const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dim");
+  check_x_bias(op, x, bias, x.size(-1));
+  check_dy(op, dy, x, x.sizes());
+}
+
+}  // namespace
+
+std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                      const at::Tensor& bias) {
+  check_gelu_bwd("bias_gelu_bwd", dy, x, bias);
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor dbias = bias_gelu_bwd_into(dy, x, bias, dx);
   return {dx, dbias};
+}
+
+at::Tensor bias_gelu_bwd_into_dy(at::Tensor dy, const at::Tensor& x, const at::Tensor& bias) {
+  check_gelu_bwd("bias_gelu_bwd_into_dy", dy, x, bias);
+  return bias_gelu_bwd_into(dy, x, bias, dy);
 }
 
 at::Tensor bias_swiglu_fwd(const at::Tensor& x, const at::Tensor& bias) {

@@ -50,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"));
   m.def("bias_gelu_bwd", &trident::bias_gelu_bwd, "Bias + tanh-GELU backward -> [dx, dbias]",
         py::arg("dy"), py::arg("x"), py::arg("bias"));
+  m.def("bias_gelu_bwd_into_dy", &trident::bias_gelu_bwd_into_dy,
+        "Bias + tanh-GELU backward, dx written over dy -> dbias", py::arg("dy"), py::arg("x"),
+        py::arg("bias"));
   m.def("bias_swiglu_fwd", &trident::bias_swiglu_fwd, "Bias + SwiGLU forward", py::arg("x"),
         py::arg("bias"));
   m.def("bias_swiglu_bwd", &trident::bias_swiglu_bwd, "Bias + SwiGLU backward -> [dx, dbias]",

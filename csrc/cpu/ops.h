@@ -51,6 +51,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias);
 // {dx [rows, f], dbias [f] (sum_rows dx in fp32, cast to bias's dtype; EMPTY without a bias)}
 std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
                                       const at::Tensor& bias);
+// dx written over dy (CPU only; the caller owns dy) -> dbias (EMPTY without bias)
+at::Tensor bias_gelu_bwd_into_dy(at::Tensor dy, const at::Tensor& x, const at::Tensor& bias);
 at::Tensor bias_swiglu_fwd(const at::Tensor& x, const at::Tensor& bias);
 // {dx [rows, 2f], dbias [2f] (as bias_gelu_bwd)}
 std::vector<at::Tensor> bias_swiglu_bwd(const at::Tensor& dy, const at::Tensor& x,

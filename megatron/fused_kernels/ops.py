@@ -172,14 +172,21 @@ def scaled_masked_softmax(
 
 
 class _BiasAct(torch.autograd.Function):
-    """``bias_gelu`` / ``bias_swiglu``: the kernel computes ``dx`` and the bias grad (``dx`` summed over rows)."""
+    """``bias_gelu`` / ``bias_swiglu``: the kernel computes ``dx`` and the bias grad (``dx`` summed over rows).
+
+    ``into_dy`` (GeLU, where the extension has ``bias_gelu_bwd_into_dy``: the CPU one): ``dx`` is written over the
+    incoming gradient instead of a new tensor (on CPU a fresh ``[rows, f]`` tensor costs page faults as long as the
+    math)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, kind: str, ext: Any):
+    def forward(
+        ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, kind: str, ext: Any, into_dy: bool
+    ):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [*, f] -> [rows, f]
         b = _empty_bias(x) if bias is None else bias.contiguous()
         y = getattr(ext, f"bias_{kind}_fwd")(x2, b)
         ctx.ext, ctx.kind, ctx.has_bias = ext, kind, bias is not None
+        ctx.into_dy = into_dy and kind == "gelu" and hasattr(ext, "bias_gelu_bwd_into_dy")
         ctx.save_for_backward(x2, b)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -189,19 +196,33 @@ class _BiasAct(torch.autograd.Function):
         dy2 = dy.reshape(
             x2.shape[0], dy.shape[-1]
         ).contiguous()  # [*, f'] -> [rows, f'] (rows may be 0)
-        dx, dbias = getattr(ctx.ext, f"bias_{ctx.kind}_bwd")(
-            dy2, x2, b
-        )  # dbias: empty without bias
+        if ctx.into_dy:
+            dx, dbias = dy2, ctx.ext.bias_gelu_bwd_into_dy(dy2, x2, b)
+        else:
+            dx, dbias = getattr(ctx.ext, f"bias_{ctx.kind}_bwd")(
+                dy2, x2, b
+            )  # dbias: empty without bias
         dbias = dbias if ctx.has_bias and ctx.needs_input_grad[1] else None
-        return dx.view(*dy.shape[:-1], x2.shape[-1]), dbias, None, None
+        return dx.view(*dy.shape[:-1], x2.shape[-1]), dbias, None, None, None
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
-    """tanh-GeLU of ``x + bias``: ``[*, f] -> [*, f]``."""
+def bias_gelu(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    fused: bool = True,
+    overwrite_grad: bool = False,
+) -> torch.Tensor:
+    """tanh-GeLU of ``x + bias``: ``[*, f] -> [*, f]``.
+
+    ``overwrite_grad``: backward may write the input gradient over the incoming one (no new tensor). Only for
+    callers that own that gradient, e.g. an MLP whose GeLU output feeds one matmul (its backward hands over a fresh
+    tensor that nothing else reads); never where the output is used twice as the same tensor or by a user.
+    """
     ext = kernels_for(x, bias) if fused and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_gelu(x, bias)
-    return _apply(_BiasAct, x, bias, "gelu", ext)
+    return _apply(_BiasAct, x, bias, "gelu", ext, overwrite_grad)
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = True) -> torch.Tensor:
@@ -210,7 +231,7 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = Tru
     ext = kernels_for(x, bias) if fused and even and _vectors(x.shape[-1], bias) else None
     if ext is None:
         return reference.bias_swiglu(x, bias)
-    return _apply(_BiasAct, x, bias, "swiglu", ext)
+    return _apply(_BiasAct, x, bias, "swiglu", ext, False)
 
 
 class _Rope(torch.autograd.Function):

@@ -92,5 +92,7 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             inter = fused_kernels.bias_swiglu(inter, bias, fused=self.fused)  # -> [s, b, fp]
         else:
-            inter = fused_kernels.bias_gelu(inter, bias, fused=self.fused)
+            # inter feeds dense_4h_to_h alone, whose backward hands over a fresh gradient: the GeLU backward may
+            # write its own over it
+            inter = fused_kernels.bias_gelu(inter, bias, fused=self.fused, overwrite_grad=True)
         return self.dense_4h_to_h(inter)  # [s, b, fp] -> [s(/p), b, h]

@@ -201,6 +201,24 @@ def test_cross_entropy_local_passes(device: str, dtype: torch.dtype, n: int, vp:
             assert not scaled[0].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_gelu_grad_written_over_the_incoming_one(dtype: torch.dtype) -> None:
+    """``overwrite_grad=True`` (the MLP's call): the same x and bias gradients, bit for bit; on CPU the input
+    gradient is the incoming gradient's own buffer (no new tensor); the default leaves the incoming one intact."""
+    x = _randn(16, 3, 40, dtype=dtype, device="cpu", seed=7, scale=3.0)
+    bias = _randn(40, dtype=dtype, device="cpu", seed=8)
+    grads = []
+    for overwrite in (False, True):
+        xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        g = _randn(16, 3, 40, dtype=dtype, device="cpu", seed=9)
+        g_before = g.clone()
+        fk.bias_gelu(xg, bg, overwrite_grad=overwrite).backward(g)
+        grads.append((xg.grad, bg.grad))
+        assert (xg.grad.data_ptr() == g.data_ptr()) == overwrite
+        assert torch.equal(g, g_before) != overwrite
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_fused_flag_off_is_the_reference() -> None:
     """``fused=False`` runs the reference exactly (what every --no-*-fusion flag selects)."""
     x = _randn(4, 2, 96, dtype=torch.float32, device="cpu", seed=1)
