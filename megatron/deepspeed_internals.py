@@ -15,6 +15,8 @@ internal                               why
                                        DeepSpeed inference
 ``engine.clip_fp32_gradients``,        fp32 ZeRO-0 with clipping computes the global grad norm and drops it;
 ``engine._global_grad_norm``           kept so ``get_global_grad_norm()`` reports it
+``engine.enable_backward_allreduce``   off where ZeRO-0's gradient all-reduce is over one rank (an identity
+                                       that still copies every gradient into a bucket and back)
 optimizer ``cur_scale``/``loss_scale`` the fp16 loss scale for the progress line
 param ``ds_id`` / ``ds_shape``         ZeRO-3 partitioned parameters and their full shapes
 param ``_hp_mapping`` +                the fp32 master copy of a parameter under ZeRO-1/2 and the bf16
@@ -180,6 +182,28 @@ def keep_fp32_clip_norm(engine: Any) -> None:
         engine._global_grad_norm = norm
 
     engine.clip_fp32_gradients = clip_and_keep
+
+
+def skip_single_rank_allreduce(engine: Any) -> bool:
+    """Turn off the engine's post-backward gradient all-reduce where it reduces over one rank; True if it did.
+
+    Without ZeRO (stage 0) and without a pipeline, DeepSpeed 0.19.8 flattens every gradient into a bucket,
+    all-reduces it over the sequence-data-parallel group, scales it by ``gradient_predivide_factor / DP`` and copies
+    it back, even when that group is this rank alone: at DP = 1 (and no Ulysses) a bitwise identity that costs a
+    parameter-sized copy out and back every step (~2 % of a small CPU step). Skipped only there, with
+    ``gradient_predivide_factor`` 1 (so no scaling is skipped); ZeRO 1-3 keep theirs (their reduce also fills the
+    partitioned fp32 buffers), and so does the pipeline engine (its own reduce step, with the tied weights).
+    """
+    check_deepspeed_version()
+    single = (
+        not hasattr(engine, "pipeline_enable_backward_allreduce")  # PipelineEngine's attribute
+        and engine.zero_optimization_stage() == 0
+        and engine.seq_dp_world_size == 1
+        and float(engine.gradient_predivide_factor()) == 1.0
+    )
+    if single:
+        engine.enable_backward_allreduce = False
+    return single
 
 
 def loss_scale(engine: Any) -> float:

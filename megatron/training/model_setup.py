@@ -21,7 +21,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron import mpu
 from megatron.config import RunPlan, TridentConfig
-from megatron.deepspeed_internals import keep_fp32_clip_norm
+from megatron.deepspeed_internals import keep_fp32_clip_norm, skip_single_rank_allreduce
 from megatron.model import GPTModel, GPTModelPipe
 from megatron.mpu.context import ParallelContext
 from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
@@ -110,6 +110,7 @@ def build_engine(
     if plan.pipeline_engine:
         check_pipe_grid(engine.grid)
     keep_fp32_clip_norm(engine)
+    skip_single_rank_allreduce(engine)
     return EngineBundle(engine=engine, client_optimizer=optimizer, is_pipe=plan.pipeline_engine)
 
 
