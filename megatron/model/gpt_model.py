@@ -26,7 +26,7 @@ from megatron.model.inference import InferenceParams
 from megatron.model.language_model import (
     Embedding,
     build_output_layer,
-    mask_padded_vocab,
+    logits_buffer,
     parallel_lm_logits,
 )
 from megatron.model.rotary import model_rotary
@@ -78,6 +78,7 @@ class TransformerLanguageModel(nn.Module):
             config.vocab_size, config.make_vocab_size_divisible_by, parallel.tp_size
         )
         self.embedding = Embedding(config, parallel, padded_vocab=self.padded_vocab)
+        self.logits_buffer = logits_buffer(parallel)  # CPU: the training logits reuse their memory
         self.encoder = ParallelTransformer(config, parallel)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
@@ -100,10 +101,9 @@ class TransformerLanguageModel(nn.Module):
         hidden = self.embedding(input_ids, position_ids)  # [b, s] -> [s(/p), b, h]
         rotary = model_rotary(self.config, position_ids, hidden.dtype)  # 2 x [s, b, 1, d] or None
         hidden = self.encoder(hidden, rotary, attention_mask, inference_params)  # [s(/p), b, h]
-        logits = parallel_lm_logits(
-            hidden, self.output_weight(), self.parallel
+        return parallel_lm_logits(
+            hidden, self.output_weight(), self.parallel, self.config.vocab_size, self.logits_buffer
         )  # [s(/p), b, h] -> [s, b, vp]
-        return mask_padded_vocab(logits, self.config.vocab_size, self.parallel.tp_rank)
 
 
 class GPTModel(nn.Module):

@@ -38,7 +38,7 @@ from megatron.config.rules import padded_vocab_size
 from megatron.model.language_model import (
     Embedding,
     build_output_layer,
-    mask_padded_vocab,
+    logits_buffer,
     parallel_lm_logits,
 )
 from megatron.model.moe_pipe import add_layer_moe_loss, record_moe_loss, with_moe_loss
@@ -59,10 +59,12 @@ class _VocabLogits:
     def __init__(self, vocab_size: int, parallel: ParallelContext) -> None:
         self.vocab_size = vocab_size
         self.parallel = parallel
+        self.buffer = logits_buffer(parallel)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = parallel_lm_logits(hidden, weight, self.parallel)  # [s(/p), b, h] -> [s, b, vp]
-        return mask_padded_vocab(out, self.vocab_size, self.parallel.tp_rank)
+        return parallel_lm_logits(
+            hidden, weight, self.parallel, self.vocab_size, self.buffer
+        )  # [s(/p), b, h] -> [s, b, vp]
 
 
 class EmbeddingPipe(Embedding):

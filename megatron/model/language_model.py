@@ -18,6 +18,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.layout.names import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from megatron.model.output_logits import LogitsBuffer, local_logits
 from megatron.model.utils import init_seed
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
@@ -159,13 +160,19 @@ def build_output_layer(
 
 
 def parallel_lm_logits(
-    hidden_states: torch.Tensor, weight: torch.Tensor, parallel: ParallelContext
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    parallel: ParallelContext,
+    vocab_size: int,
+    buffer: LogitsBuffer | None = None,
 ) -> torch.Tensor:
-    """Vocab-parallel logits ``[s(/p), b, h] x [vp, h] -> [s, b, vp]``.
+    """Vocab-parallel logits ``[s(/p), b, h] x [vp, h] -> [s, b, vp]``, padded columns ``-inf``.
 
     Under sequence parallelism the input is first all-gathered on ``s`` (backward: reduce-scatter); otherwise it
     goes through ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of the input gradient over TP),
-    overlapped with the weight-grad matmul unless --no-async-tensor-model-parallel-allreduce.
+    overlapped with the weight-grad matmul unless --no-async-tensor-model-parallel-allreduce. ``vocab_size``: the
+    true vocabulary ``V`` (columns ``>= V`` are padding); ``buffer``: where training logits may be written (CPU;
+    ``megatron/model/output_logits.py``).
     """
     group = parallel.tp_group
     if parallel.sequence_parallel:
@@ -174,9 +181,19 @@ def parallel_lm_logits(
         )  # [s/p, b, h] -> [s, b, h]
     elif parallel.tp_size > 1:
         if parallel.async_tensor_model_parallel_allreduce:
-            return linear_with_async_allreduce(hidden_states, weight, None, group)  # -> [s, b, vp]
+            logits = linear_with_async_allreduce(
+                hidden_states, weight, None, group
+            )  # -> [s, b, vp]
+            return mask_padded_vocab(logits, vocab_size, parallel.tp_rank)
         hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group)
-    return F.linear(hidden_states, weight)  # [s, b, h] -> [s, b, vp]
+    vp = weight.shape[0]
+    pad_from = min(vp, max(0, vocab_size - parallel.tp_rank * vp))  # first padded local column
+    return local_logits(hidden_states, weight, pad_from, buffer)  # [s, b, h] -> [s, b, vp]
+
+
+def logits_buffer(parallel: ParallelContext) -> LogitsBuffer:
+    """The recycled training-logits buffer for a module on ``parallel.device``: on for CPU, off for CUDA."""
+    return LogitsBuffer(enabled=torch.device(parallel.device or "cpu").type == "cpu")
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:

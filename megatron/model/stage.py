@@ -29,7 +29,6 @@ from megatron.model.inference import InferenceParams
 from megatron.model.language_model import (
     Embedding,
     build_output_layer,
-    mask_padded_vocab,
     parallel_lm_logits,
 )
 from megatron.model.rotary import model_rotary
@@ -186,7 +185,6 @@ class GPTStage(nn.Module):
         if last_only:
             hidden = hidden[-1:]  # [s, b, h] -> [1, b, h]
         hidden = norm(hidden)
-        logits = parallel_lm_logits(
-            hidden, self.output_weight(), self.parallel
+        return parallel_lm_logits(
+            hidden, self.output_weight(), self.parallel, self.config.vocab_size
         )  # [s, b, h] -> [s, b, vp]
-        return mask_padded_vocab(logits, self.config.vocab_size, self.parallel.tp_rank)
