@@ -10,8 +10,11 @@ Not a test: the numbers depend on the machine. Shapes (``--small`` divides the t
 - LLaMA-7B-like rows: h = 4096, 32 heads (hn 128), SwiGLU width 11008, s = 1024, b = 2.
 
 Each case times ``fused=True`` (the kernel) and ``fused=False`` (the reference) of the same op in
-``megatron.fused_kernels``: forward, then backward of a fixed gradient, median of ``--repeats`` runs after one
-warm-up, the two sides alternating run by run. On CPU the times are taken with glibc's allocator defaults, as
+``megatron.fused_kernels``: forward, then the gradients of every input (``torch.autograd.grad``, not accumulated
+into ``.grad``) for an upstream gradient of ones made before the clock starts (the op's caller makes it, for
+either side; the cross-entropy's fresh fp32 logits likewise), median of ``--repeats`` runs after one warm-up, the two sides
+alternating run by run. ``bias_gelu_mlp`` is bias + GeLU as ``ParallelMLP`` calls it on CPU (``overwrite_grad``:
+the backward writes the input gradient over the upstream one); ``bias_gelu`` is the default call. On CPU the times are taken with glibc's allocator defaults, as
 training runs, or with ``--cpu-allocator reuse`` under the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see
 ``megatron.training.cpu_allocator``: freed memory is kept, so outputs are not page-faulted in again every call).
 GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the fused time.
@@ -36,6 +39,15 @@ from megatron import fused_kernels as fk
 from megatron.training.cpu_allocator import keep_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Step:
+    """One side of a case: ``prepare`` (untimed: clear the grads, make the upstream gradient, as the op's caller
+    would have it) and ``run`` (timed: forward, then backward of that gradient)."""
+
+    prepare: Callable[[], None]
+    run: Callable[[], None]
 
 
 @dataclass
@@ -82,29 +94,35 @@ def _current_bytes(device: torch.device) -> int:
     return 0
 
 
-def _time_pair(
-    ref: Callable[[], None], fused: Callable[[], None], device: torch.device, repeats: int
-) -> tuple[float, float]:
-    """Median ms of ``ref`` and of ``fused`` after one warm-up each (first-use kernel loading); the two alternate
-    run by run, so a slow spell of a shared machine hits both sides alike."""
+def _time_pair(ref: Step, fused: Step, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median ms of ``ref`` and of ``fused`` (forward + backward; the upstream gradient is made before the clock
+    starts) after one warm-up each (first-use kernel loading); the two alternate run by run, so a slow spell of a
+    shared machine hits both sides alike."""
     times: dict[int, list[float]] = {0: [], 1: []}
     for rep in range(repeats + 1):
         for side in (0, 1) if rep % 2 == 0 else (1, 0):
+            step = (ref, fused)[side]
+            step.prepare()
+            _sync(device)
             t0 = time.perf_counter()
-            (ref, fused)[side]()
+            step.run()
             _sync(device)
             if rep > 0:
                 times[side].append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _peak_extra_mb(step: Callable[[], None], device: torch.device) -> float:
-    """Peak MB of one ``step`` above what was live before it (after one warm-up)."""
-    step()
+def _peak_extra_mb(step: Step, device: torch.device) -> float:
+    """Peak MB of one forward + backward above what was live before it, the upstream gradient included in the
+    inputs (after one warm-up)."""
+    step.prepare()
+    step.run()
+    _sync(device)
+    step.prepare()
     _sync(device)
     base = _current_bytes(device)
     _peak_reset(device)
-    step()
+    step.run()
     _sync(device)
     return max(0, _peak_bytes(device) - base) / 2**20
 
@@ -118,7 +136,7 @@ def _leaf(
 
 def _case(
     op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[Callable[[bool], Callable[[], None]], int]:
+) -> tuple[Callable[[bool], Step], int]:
     """``make(fused) -> step`` and the bytes the op must move once (fwd + bwd)."""
     esize = torch.empty(0, dtype=dtype).element_size()
     numel = 1
@@ -132,7 +150,7 @@ def _case(
         else:
             call = lambda fused: fk.rms_norm(x, gamma, 1e-5, fused=fused)  # noqa: E731
         moved = 5 * numel * esize  # x, y; dy, x again, dx
-        params = [x, gamma, beta]
+        params = [x, gamma, beta] if op == "layer_norm" else [x, gamma]
     elif op in ("causal_softmax", "masked_softmax"):
         x = _leaf(shape, dtype, device, 1)
         scale = 0.125
@@ -145,12 +163,15 @@ def _case(
             call = lambda fused: fk.scaled_masked_softmax(x, mask, scale, fused=fused)  # noqa: E731
         moved = 5 * numel * esize  # x, y; dy, y, dx
         params = [x]
-    elif op in ("bias_gelu", "bias_swiglu"):
+    elif op in ("bias_gelu", "bias_gelu_mlp", "bias_swiglu"):
         x = _leaf(shape, dtype, device, 1)
         bias = _leaf((shape[-1],), dtype, device, 2)
-        kernel = fk.bias_gelu if op == "bias_gelu" else fk.bias_swiglu
-        call = lambda fused: kernel(x, bias, fused=fused)  # noqa: E731
-        out = numel if op == "bias_gelu" else numel // 2
+        if op == "bias_swiglu":
+            call = lambda fused: fk.bias_swiglu(x, bias, fused=fused)  # noqa: E731
+        else:  # bias_gelu_mlp: as ParallelMLP calls it (backward writes over the gradient it is handed)
+            mlp = op == "bias_gelu_mlp"
+            call = lambda fused: fk.bias_gelu(x, bias, fused=fused, overwrite_grad=mlp)  # noqa: E731
+        out = numel // 2 if op == "bias_swiglu" else numel
         moved = (2 * numel + 2 * out + numel) * esize  # x, y; dy, x, dx
         params = [x, bias]
     elif op == "rope":
@@ -170,27 +191,42 @@ def _case(
         z = _leaf((n, 1, v), dtype, device, 1)
         gen = torch.Generator().manual_seed(5)
         target = torch.randint(0, v, (n, 1), generator=gen).to(device)
+        held: list[torch.Tensor] = [z]
+
+        def fresh_logits() -> (
+            None
+        ):  # a fresh fp32 buffer, as the model hands the loss (made before the clock)
+            held[:] = [z.detach().float() if dtype != torch.float32 else z.detach().clone()]
+            held[0].requires_grad_()
 
         def call(fused: bool) -> torch.Tensor:
-            logits = (
-                z.float() if dtype != torch.float32 else z * 1.0
-            )  # a fresh buffer, as the model's
-            kernels = fk.cross_entropy_kernels(logits) if fused else None
-            return vocab_parallel_cross_entropy(logits, target, local_kernels=kernels)
+            kernels = fk.cross_entropy_kernels(held[0]) if fused else None
+            return vocab_parallel_cross_entropy(held[0], target, local_kernels=kernels)
 
         moved = 3 * numel * 4  # logits read twice (stats, gradient pass), gradient written once
-        params = [z]
+        params = held
     else:
         raise ValueError(f"unknown op {op!r}")
 
-    def make(fused: bool) -> Callable[[], None]:
-        def step() -> None:
-            for p in params:
-                p.grad = None
-            y = call(fused)
-            y.backward(torch.ones_like(y))
+    with torch.no_grad():
+        probe = call(False)
+    out_shape, out_dtype = probe.shape, probe.dtype
+    del probe
 
-        return step
+    def make(fused: bool) -> Step:
+        upstream: list[torch.Tensor] = []
+
+        def prepare() -> None:
+            if op == "cross_entropy":
+                fresh_logits()
+            upstream[:] = [torch.ones(out_shape, dtype=out_dtype, device=device)]
+
+        def run() -> None:
+            y = call(fused)
+            # every input gradient, not accumulated into .grad (no leaf's accumulation is part of the op)
+            torch.autograd.grad(y, list(params), upstream.pop())
+
+        return Step(prepare, run)
 
     return make, moved
 
@@ -207,6 +243,7 @@ def cases(small: bool) -> list[tuple[str, tuple[int, ...]]]:
         ("causal_softmax", (8 * 12 // (8 if small else 1), s, s)),
         ("masked_softmax", (8 // (8 if small else 1), 12, s, s)),
         ("bias_gelu", (tok, 3072)),
+        ("bias_gelu_mlp", (tok, 3072)),
         ("bias_swiglu", (tok7, 2 * 11008)),
         ("rope", (1024 // (8 if small else 1), 8, 12, 64)),
         ("rope", (1024 // (8 if small else 1), 2, 32, 128)),
