@@ -11,7 +11,8 @@ Not a test: the numbers depend on the machine. What is measured:
    over the iterations after a warm-up. The HF loop runs in fresh processes, twice: as a plain loop (glibc's
    allocator defaults) and with the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (``megatron.training.cpu_allocator``;
    Trident's own run follows that variable, default off), so that a run with the setting can be compared without
-   its share.
+   its share. ``--rounds N`` repeats the three runs N times, one after the other, and prints the median ratios: on a
+   shared machine a single round's ratio moves by several per cent.
 2. ZeRO memory: a ~50M-parameter GPT (fp32 + Adam) at DP = 4 for ZeRO 0, 1, 2, 3. Per rank, the bytes of all live
    tensors (deduplicated by storage) right after backward and right after the optimizer step; the peak of the two
    is the model + gradient + optimizer memory. On CUDA also ``torch.cuda.max_memory_allocated``. ZeRO theory for
@@ -236,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="throughput rounds (Trident, then the two HF loops, each round); >1 also prints the median ratios",
+    )
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--memory-dp", type=int, default=4)
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         help="(internal) run only the HF loop, with glibc's defaults or TRIDENT_CPU_ALLOCATOR=reuse's setting; print JSON",
     )
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     cpu_env_defaults()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     torch.set_num_threads(a.threads)
@@ -271,45 +280,57 @@ def main(argv: list[str] | None = None) -> int:
             "--num-attention-heads", str(a.num_attention_heads), "--seq-length", str(a.seq_length),
             "--max-position-embeddings", str(a.seq_length),
         ]  # fmt: skip
-        ours = trident_tokens_per_sec(
-            [
-                *shape,
-                "--micro-batch-size",
-                str(a.batch),
-                "--global-batch-size",
-                str(a.batch),
-                "--train-iters",
-                str(a.iters),
-                "--lr",
-                "1e-4",
-                "--lr-decay-style",
-                "constant",
-                "--mock-data",
-                "--vocab-size",
-                str(a.vocab - 1),
-                "--attention-dropout",
-                "0",
-                "--hidden-dropout",
-                "0",
-                "--eval-iters",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],  # fmt: skip
-            a.warmup,
-        )
         hf_args = [
             "--threads", str(a.threads), "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
             "--num-attention-heads", str(a.num_attention_heads), "--seq-length", str(a.seq_length),
             "--vocab", str(a.vocab), "--batch", str(a.batch), "--iters", str(a.iters), "--warmup", str(a.warmup),
         ]  # fmt: skip
-        hf = hf_in_subprocess(hf_args, "system")
-        hf_reuse = hf_in_subprocess(hf_args, "reuse")
-        print(
-            f"threads {a.threads}: trident {ours:.0f} tokens/s; HF GPT2LMHeadModel+AdamW, a plain loop: {hf:.0f} "
-            f"tokens/s, ratio {ours / hf:.2f}x; the same HF loop with TRIDENT_CPU_ALLOCATOR=reuse's setting: "
-            f"{hf_reuse:.0f} tokens/s, ratio {ours / hf_reuse:.2f}x"
-        )
+        ratios: list[tuple[float, float]] = []
+        for round_ in range(1, a.rounds + 1):
+            ours = trident_tokens_per_sec(
+                [
+                    *shape,
+                    "--micro-batch-size",
+                    str(a.batch),
+                    "--global-batch-size",
+                    str(a.batch),
+                    "--train-iters",
+                    str(a.iters),
+                    "--lr",
+                    "1e-4",
+                    "--lr-decay-style",
+                    "constant",
+                    "--mock-data",
+                    "--vocab-size",
+                    str(a.vocab - 1),
+                    "--attention-dropout",
+                    "0",
+                    "--hidden-dropout",
+                    "0",
+                    "--eval-iters",
+                    "0",
+                    "--log-level",
+                    "WARNING",
+                ],  # fmt: skip
+                a.warmup,
+            )
+            hf = hf_in_subprocess(hf_args, "system")
+            hf_reuse = hf_in_subprocess(hf_args, "reuse")
+            ratios.append((ours / hf, ours / hf_reuse))
+            label = f"round {round_}/{a.rounds}, " if a.rounds > 1 else ""
+            print(  # noqa: T201
+                f"{label}threads {a.threads}: trident {ours:.0f} tokens/s; HF GPT2LMHeadModel+AdamW, a plain loop: "
+                f"{hf:.0f} tokens/s, ratio {ours / hf:.2f}x; the same HF loop with TRIDENT_CPU_ALLOCATOR=reuse's "
+                f"setting: {hf_reuse:.0f} tokens/s, ratio {ours / hf_reuse:.2f}x",
+                flush=True,
+            )
+        if a.rounds > 1:
+            plain, reuse = (sorted(r[i] for r in ratios) for i in (0, 1))
+            print(  # noqa: T201
+                f"median of {a.rounds} rounds: {statistics.median(plain):.2f}x vs the plain HF loop (range "
+                f"{plain[0]:.2f}-{plain[-1]:.2f}x), {statistics.median(reuse):.2f}x vs the HF loop with the reuse "
+                f"setting ({reuse[0]:.2f}-{reuse[-1]:.2f}x)"
+            )
     if not a.skip_memory:
         # DeepSpeed's default reduce bucket (5e8 elements = 1.9 GiB in fp32) is allocated up front by ZeRO-3 and
         # would dwarf a 50M model; use 5e6-element buckets (a user --deepspeed_config key Trident does not own).
