@@ -11,12 +11,13 @@ Not a test: the numbers depend on the machine. Shapes (``--small`` divides the t
 
 Each case times ``fused=True`` (the kernel) and ``fused=False`` (the reference) of the same op in
 ``megatron.fused_kernels``: forward, then the gradients of every input (``torch.autograd.grad``, not accumulated
-into ``.grad``) for an upstream gradient of ones made before the clock starts (the op's caller makes it, for
-either side; the cross-entropy's fresh fp32 logits likewise), median of ``--repeats`` runs after one warm-up, the two sides
-alternating run by run. ``bias_gelu_mlp`` is bias + GeLU as ``ParallelMLP`` calls it on CPU (``overwrite_grad``:
-the backward writes the input gradient over the upstream one); ``bias_gelu`` is the default call. On CPU the times are taken with glibc's allocator defaults, as
-training runs, or with ``--cpu-allocator reuse`` under the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see
-``megatron.training.cpu_allocator``: freed memory is kept, so outputs are not page-faulted in again every call).
+into ``.grad``) for an upstream gradient of ones made before the clock starts (the op's caller makes it, for either
+side; the cross-entropy's fresh fp32 logits likewise), median of ``--repeats`` runs after one warm-up, the two sides
+alternating run by run. ``bias_gelu_mlp`` is bias + GeLU as ``ParallelMLP`` calls it on CPU (``overwrite_grad``: the
+backward writes the input gradient over the upstream one); ``bias_gelu`` is the default call. On CPU the times are
+taken with glibc's allocator defaults (what a large CPU run gets), or with ``--cpu-allocator reuse`` under the
+setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see ``megatron.training.cpu_allocator``: freed memory is kept, so
+outputs are not page-faulted in again every call).
 GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the fused time.
 Peak extra memory, measured first with glibc's defaults: on CUDA ``max_memory_allocated`` above the inputs; on CPU
 the peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) above the inputs, which sees tensors of
@@ -264,7 +265,7 @@ def run(
 
     Peak memory is measured first, for every case, with glibc's allocator defaults (the resident-set peak only sees
     memory that is mapped for a step and returned after it). On CPU the times are then taken with glibc's defaults
-    (``cpu_allocator`` 'system', what training runs with) or with ``TRIDENT_CPU_ALLOCATOR=reuse``'s setting ('reuse':
+    (``cpu_allocator`` 'system', what a large CPU run gets) or with ``TRIDENT_CPU_ALLOCATOR=reuse``'s setting ('reuse':
     freed memory is kept, so a step does not page-fault its outputs in again); both sides of a ratio run under the
     same setting.
     """
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-allocator",
         default="system",
         choices=["system", "reuse"],
-        help="CPU times with glibc's defaults (training's default) or TRIDENT_CPU_ALLOCATOR=reuse (freed memory kept)",
+        help="CPU times with glibc's defaults (a large run's) or TRIDENT_CPU_ALLOCATOR=reuse's setting (freed memory "
+        "kept: what the default 'auto' picks for a small run)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

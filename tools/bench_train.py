@@ -10,9 +10,10 @@ Not a test: the numbers depend on the machine. What is measured:
    (same layers, width, heads, sequence, vocabulary, batch, clipping and thread count; dropout 0). Median tokens/s
    over the iterations after a warm-up. The HF loop runs in fresh processes, twice: as a plain loop (glibc's
    allocator defaults) and with the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (``megatron.training.cpu_allocator``;
-   Trident's own run follows that variable, default off), so that a run with the setting can be compared without
-   its share. ``--rounds N`` repeats the three runs N times, one after the other, and prints the median ratios: on a
-   shared machine a single round's ratio moves by several per cent.
+   Trident's own run follows that variable: by default ``auto``, which picks ``reuse`` for a model this small), so
+   that Trident with the setting can be compared without its share. ``--rounds N`` repeats the three runs N times,
+   one after the other, and prints the median ratios: on a shared machine a single round's ratio moves by several
+   per cent.
 2. ZeRO memory: a ~50M-parameter GPT (fp32 + Adam) at DP = 4 for ZeRO 0, 1, 2, 3. Per rank, the bytes of all live
    tensors (deduplicated by storage) right after backward and right after the optimizer step; the peak of the two
    is the model + gradient + optimizer memory. On CUDA also ``torch.cuda.max_memory_allocated``. ZeRO theory for

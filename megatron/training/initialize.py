@@ -151,6 +151,16 @@ def world_size_from_env() -> int:
         raise ValueError(f"WORLD_SIZE={value!r} is not an integer.") from None
 
 
+def local_world_size() -> int:
+    """Ranks of this job on this node: LOCAL_WORLD_SIZE (torchrun, the spawner) or LOCAL_SIZE (DeepSpeed's launcher),
+    else WORLD_SIZE (every rank counted here: the safe side)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        value = os.environ.get(key, "")
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
 def device_type(cfg: TridentConfig) -> str:
     """'cuda' when a GPU is visible and neither --distributed-backend gloo nor DS_ACCELERATOR=cpu ask for CPU."""
     if cfg.parallel.distributed_backend == "gloo" or os.environ.get("DS_ACCELERATOR") == "cpu":
@@ -164,12 +174,13 @@ def _backend(cfg: TridentConfig, dev: str) -> str:
     return "nccl" if dev == "cuda" else "gloo"
 
 
-def init_distributed(cfg: TridentConfig) -> torch.device:
+def init_distributed(cfg: TridentConfig, *, planned_bytes: int | None = None) -> torch.device:
     """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
 
     On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built (that build costs
     30-50 s per cold start and needs a compiler), and glibc is told to keep freed memory for reuse
-    (``cpu_allocator``). --distributed-timeout-minutes reaches the default group, every group of ``parallel_state``
+    (``cpu_allocator``; ``planned_bytes``: the memory planner's peak of one rank, which the default ``auto`` decides
+    with). --distributed-timeout-minutes reaches the default group, every group of ``parallel_state``
     and the groups DeepSpeed creates later (``set_default_group_timeout``).
     """
     dev = device_type(cfg)
@@ -177,7 +188,7 @@ def init_distributed(cfg: TridentConfig) -> torch.device:
     if dev == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         skip_cpu_shm_build()
-        allocator = keep_freed_memory()
+        allocator = keep_freed_memory(planned_bytes=planned_bytes, local_ranks=local_world_size())
     import deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

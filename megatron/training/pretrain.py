@@ -102,7 +102,10 @@ def pretrain(
         ValueError / FileNotFoundError: from ``preflight``, before any process group is created.
     """
     pre = checked if checked is not None else preflight(cfg)
-    device = initialize.init_distributed(pre.cfg)
+    worst = plan_memory(pre.cfg, pre.plan, pre.ds_config).worst
+    device = initialize.init_distributed(
+        pre.cfg, planned_bytes=worst.total + worst.offloaded_bytes
+    )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
     lock: SaveLock | None = None
     try:
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
