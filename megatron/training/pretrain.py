@@ -40,7 +40,7 @@ from megatron.training.exit_codes import EXIT_OK, ConfigError
 from megatron.training.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
-from megatron.training.memory_plan import format_plan, plan_memory
+from megatron.training.memory_plan import MemoryPlan, format_plan, plan_memory
 from megatron.training.model_setup import build_engine
 from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
@@ -102,14 +102,15 @@ def pretrain(
         ValueError / FileNotFoundError: from ``preflight``, before any process group is created.
     """
     pre = checked if checked is not None else preflight(cfg)
-    worst = plan_memory(pre.cfg, pre.plan, pre.ds_config).worst
+    memory = plan_memory(pre.cfg, pre.plan, pre.ds_config)
+    worst = memory.worst
     device = initialize.init_distributed(
         pre.cfg, planned_bytes=worst.total + worst.offloaded_bytes
     )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
     lock: SaveLock | None = None
     try:
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
-        return _run(pre, device, checkpoint_hooks)
+        return _run(pre, memory, device, checkpoint_hooks)
     finally:
         if lock is not None:
             lock.release()
@@ -204,12 +205,14 @@ def _build_trainer(
     )
 
 
-def _run(pre: Preflight, device: Any, hooks: CheckpointHooks | None) -> TrainResult:
+def _run(
+    pre: Preflight, memory: MemoryPlan, device: Any, hooks: CheckpointHooks | None
+) -> TrainResult:
     cfg, plan = pre.cfg, pre.plan
     initialize.set_seeds(cfg.training.seed)
     log_zero_upgrade(cfg, plan)
     if global_rank() == 0:  # the planner's numbers (tools/plan_memory.py) as the run's first lines
-        for line in format_plan(plan_memory(cfg, plan, pre.ds_config), plan):
+        for line in format_plan(memory, plan):
             logger.info("%s", line)
     state = TrainState()
     trainer = _build_trainer(pre, device, hooks, state)
