@@ -192,11 +192,14 @@ def skip_single_rank_allreduce(engine: Any) -> bool:
     it back, even when that group is this rank alone: at DP = 1 (and no Ulysses) a bitwise identity that costs a
     parameter-sized copy out and back every step (~2 % of a small CPU step). Skipped only there, with
     ``gradient_predivide_factor`` 1 (so no scaling is skipped); ZeRO 1-3 keep theirs (their reduce also fills the
-    partitioned fp32 buffers), and so does the pipeline engine (its own reduce step, with the tied weights).
+    partitioned fp32 buffers), and so does the pipeline engine (its own reduce step, with the tied weights), and so
+    does a model with MoE layers: its expert gradients are all-reduced over the expert-data-parallel groups, which
+    span the TP ranks too (each TP rank routes its own slice of the tokens), so they are not one rank at DP = 1.
     """
     check_deepspeed_version()
     single = (
         not hasattr(engine, "pipeline_enable_backward_allreduce")  # PipelineEngine's attribute
+        and not engine.has_moe_layers
         and engine.zero_optimization_stage() == 0
         and engine.seq_dp_world_size == 1
         and float(engine.gradient_predivide_factor()) == 1.0

@@ -1,5 +1,6 @@
 """ZeRO-0's gradient all-reduce is skipped where it reduces over one rank (``skip_single_rank_allreduce``): the
-same losses and grad norms, bit for bit, as with DeepSpeed's all-reduce; kept at ZeRO-1 and at DP = 2.
+same losses and grad norms, bit for bit, as with DeepSpeed's all-reduce; kept at ZeRO-1, at DP = 2 and for MoE at
+TP = 2 x DP = 1 (the expert gradients are reduced over the TP ranks' expert-data-parallel group there).
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ def _one_rank() -> dict[str, Any]:
 
 
 def _two_ranks() -> dict[str, Any]:
-    return _train(_flags(0, 4))
+    tp2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"]
+    moe = ["--num-experts", "2", "--expert-interval", "1", "--disable-moe-token-dropping"]
+    return {
+        "dp2": _train(_flags(0, 4)),
+        "tp2": _train([*_flags(0, 2), *tp2]),
+        "tp2_moe": _train([*_flags(0, 2), *tp2, *moe]),
+    }
 
 
 def test_single_rank_allreduce_skipped_with_identical_numbers() -> None:
@@ -68,5 +75,8 @@ def test_single_rank_allreduce_skipped_with_identical_numbers() -> None:
     assert runs["skipped"]["norms"] == runs["kept"]["norms"]
     assert all(n is not None for n in runs["skipped"]["norms"])
     two = run_distributed(_two_ranks, 2, init_process_group=False, timeout=300)
-    assert [r["allreduce"] for r in two] == [True, True]
-    assert two[0]["losses"] == two[1]["losses"]
+    for rank in two:
+        assert rank["dp2"]["allreduce"] is True
+        assert rank["tp2"]["allreduce"] is False  # DP 1: skipped with TP too
+        assert rank["tp2_moe"]["allreduce"] is True  # the expert gradients need it
+        assert rank["dp2"]["losses"] == two[0]["dp2"]["losses"]
