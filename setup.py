@@ -86,8 +86,8 @@ def _kernel_extensions() -> list:
 
     from megatron.fused_kernels.loader import (
         CPU_LDFLAGS,
+        build_flavour,
         cpu_cflags,
-        host_has_avx2,
         prebuilt_flavour_file,
         sources,
     )
@@ -95,13 +95,17 @@ def _kernel_extensions() -> list:
     exts = []
     cpu = sources("cpu", ROOT / "csrc")
     if cpu:
-        # read by the loader before it imports the extension (AVX2 code must not load on other CPUs)
-        prebuilt_flavour_file().write_text("avx2\n" if host_has_avx2() else "default\n")
+        # read by the loader before it imports the extension (AVX2/AVX512 code must not load on other CPUs)
+        try:
+            flavour = build_flavour()  # $TRIDENT_CPU_FLAVOUR, else the widest this CPU runs
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        prebuilt_flavour_file().write_text(flavour + "\n")
         exts.append(
             cpp_extension.CppExtension(
                 "megatron.fused_kernels._cpu",
                 [str(p.relative_to(ROOT)) for p in cpu],
-                extra_compile_args={"cxx": cpu_cflags()},
+                extra_compile_args={"cxx": cpu_cflags(flavour)},
                 extra_link_args=CPU_LDFLAGS,
             )
         )

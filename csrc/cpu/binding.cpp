@@ -11,9 +11,11 @@
 
 namespace trident {
 
-// Which vector ISA the kernels were compiled for ("avx2" or "default"), for logs and tests.
+// Which vector ISA the kernels were compiled for ("avx512", "avx2" or "default"), for logs and tests.
 std::string build_info() {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
   return "avx2";
 #else
   return "default";

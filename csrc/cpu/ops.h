@@ -5,7 +5,10 @@
 // op and the argument. "rows" is the product of all leading dims: kernels see [rows, h] views.
 //
 // Build flags (megatron/fused_kernels/loader.py: cpu_cflags, used by setup.py and the JIT build):
-//   x86-64 host with AVX2 + FMA:
+//   x86-64 host with AVX512 F/BW/VL/DQ where torch's own kernels use AVX512 too:
+//     -O3 -fopenmp -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
+//     -DCPU_CAPABILITY_AVX512 -DCPU_CAPABILITY=AVX512  (Vectorized<float> 16-wide)
+//   else x86-64 host with AVX2 + FMA:
 //     -O3 -fopenmp -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2
 //     (at::vec::Vectorized<float> is then 8-wide AVX2 and uses torch's Sleef exp/tanh)
 //   any other host:

@@ -21,7 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -120,6 +120,19 @@ float masked_scores(const float* x, const bool* mask, float scale, float* t, int
     const __m256 v = _mm256_blendv_ps(sx, ninf, keep_inf);
     _mm256_storeu_ps(t + j, v);
     vm = _mm256_max_ps(vm, v);
+  }
+  m = hmax(Vec(vm));
+#elif defined(CPU_CAPABILITY_AVX512)
+  const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
+  __m512 vm = ninf;
+  for (; j + 16 <= n; j += 16) {
+    // 16 bools (0 or 1) -> 16 int32 lanes -> a lane mask set where masked
+    const __m512i mi =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mask + j)));
+    const __mmask16 masked = _mm512_test_epi32_mask(mi, mi);
+    const __m512 v = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), vs), masked, ninf);
+    _mm512_storeu_ps(t + j, v);
+    vm = _mm512_max_ps(vm, v);
   }
   m = hmax(Vec(vm));
 #endif

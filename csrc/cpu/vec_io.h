@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
+#include <ATen/cpu/vec/functional.h>  // convert_{to,from}_float for bfloat16 / half (AVX512 too)
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>

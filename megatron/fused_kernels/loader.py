@@ -42,6 +42,9 @@ NO_KERNELS_ENV = "TRIDENT_NO_KERNELS"
 PREBUILT_ENV = "TRIDENT_PREBUILT_KERNELS"
 """``0``: ignore the extensions built at install and go straight to the JIT build (to test that path)."""
 CACHE_ENV = "TRIDENT_KERNEL_CACHE"
+FLAVOUR_ENV = "TRIDENT_CPU_FLAVOUR"
+"""``default`` / ``avx2`` / ``avx512``: build the CPU extension for that instruction set instead of the host's widest
+(e.g. ``avx2`` for an install shared by CPUs of two generations)."""
 PREBUILT = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernels._cuda"}
 JIT_NAMES = {"cpu": "trident_cpu_kernels", "cuda": "trident_cuda_kernels"}
 
@@ -56,24 +59,79 @@ def csrc_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "csrc"
 
 
-def host_has_avx2() -> bool:
-    """True on an x86-64 CPU with AVX2 and FMA (what ``cpu_cflags`` compiles for)."""
+FLAVOURS = ("default", "avx2", "avx512")
+"""The CPU extension's instruction sets, each needing the one before it; ``avx512`` is ATen's AVX512 level."""
+_FLAVOUR_CPU_FLAGS = {
+    "default": set(),
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+}
+_FLAVOUR_CFLAGS = {
+    "default": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "avx512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+        "-DCPU_CAPABILITY_AVX512",
+        "-DCPU_CAPABILITY=AVX512",
+    ],
+}
+
+
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    return {"avx2", "fma", "f16c"} <= set(line.split())
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split())
 
 
-def cpu_cflags(avx2: bool | None = None) -> list[str]:
-    """Compiler flags of the CPU extension: AVX2 vectors where the building host has them, portable otherwise."""
+def host_flavour() -> str:
+    """The widest flavour this CPU runs: ``avx512`` only where torch's own kernels use AVX512 too (its
+    ``ATEN_CPU_CAPABILITY`` setting is obeyed), then ``avx2``, else ``default`` (portable)."""
+    have = _cpu_flags()
+    usable = [f for f in FLAVOURS if _FLAVOUR_CPU_FLAGS[f] <= have]
+    best = usable[-1]
+    if best == "avx512":
+        import torch
+
+        if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+            best = "avx2"
+    return best
+
+
+def host_runs(flavour: str) -> bool:
+    """True where this CPU has the instructions of ``flavour`` (False for an unknown flavour)."""
+    return flavour in _FLAVOUR_CPU_FLAGS and _FLAVOUR_CPU_FLAGS[flavour] <= _cpu_flags()
+
+
+def build_flavour() -> str:
+    """The flavour to build the CPU extension for: ``$TRIDENT_CPU_FLAVOUR``, else ``host_flavour()``.
+
+    Raises ValueError for an unknown name or one this CPU cannot run (the extension must load where it is built)."""
+    wanted = os.environ.get(FLAVOUR_ENV, "").strip()
+    if not wanted:
+        return host_flavour()
+    if wanted not in FLAVOURS:
+        raise ValueError(f"{FLAVOUR_ENV}={wanted!r} is not one of {', '.join(FLAVOURS)}")
+    if not host_runs(wanted):
+        lacks = " ".join(sorted(_FLAVOUR_CPU_FLAGS[wanted] - _cpu_flags()))
+        raise ValueError(
+            f"{FLAVOUR_ENV}={wanted}: this CPU lacks {lacks}; use one of {', '.join(FLAVOURS)} it has"
+        )
+    return wanted
+
+
+def cpu_cflags(flavour: str | None = None) -> list[str]:
+    """Compiler flags of the CPU extension for ``flavour`` (default: ``build_flavour()``)."""
     # -fopenmp: at::parallel_for runs in parallel only where _OPENMP is defined (the runtime is torch's libgomp);
     # the C++ standard is the one torch.utils.cpp_extension picks for its headers
-    flags = ["-O3", "-fopenmp"]
-    if host_has_avx2() if avx2 is None else avx2:
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return flags
+    return ["-O3", "-fopenmp", *_FLAVOUR_CFLAGS[flavour or build_flavour()]]
 
 
 CPU_LDFLAGS = ["-fopenmp"]
@@ -193,23 +251,24 @@ def jit_build(
 
 
 def prebuilt_flavour_file() -> Path:
-    """Where ``setup.py`` records the CPU extension's instruction set (``avx2`` / ``default``) next to it."""
+    """Where ``setup.py`` records the CPU extension's instruction set (one of ``FLAVOURS``) next to it."""
     return Path(__file__).resolve().parent / "_cpu.flavour"
 
 
 def _prebuilt_refused(kind: str) -> str | None:
     """Why the extension built at install must not even be imported here (None: import it).
 
-    Checked before the import: importing AVX2 code on a CPU without AVX2 can kill the process (SIGILL)."""
+    Checked before the import: importing AVX2 / AVX512 code on a CPU without them can kill the process (SIGILL)."""
     if os.environ.get(PREBUILT_ENV) == "0":
         return f"{PREBUILT_ENV}=0"
-    if kind != "cpu" or host_has_avx2():
+    if kind != "cpu":
         return None
     flavour = prebuilt_flavour_file()
     recorded = flavour.read_text(encoding="utf-8").strip() if flavour.is_file() else "unknown"
-    if recorded == "default":
+    if host_runs(recorded):
         return None
-    return f"it may use AVX2 ({flavour.name}: {recorded}) and this CPU lacks AVX2/FMA/F16C"
+    needs = " ".join(sorted(_FLAVOUR_CPU_FLAGS.get(recorded, {"?"})))
+    return f"it may use {recorded} code ({flavour.name}) and this CPU lacks some of: {needs}"
 
 
 def _jit(kind: str) -> ModuleType:

@@ -66,8 +66,12 @@ def _losses(tmp: Path, preset: list[str], extra: list[str], world: int = 1) -> l
     if "--no-persist-layer-norm" not in extra:  # the fused runs really had the kernels
         for status in statuses:
             assert status.get("cpu", "").startswith("kernels"), status
+    return _metric(tmp, "lm_loss")
+
+
+def _metric(tmp: Path, key: str) -> list[float]:
     rows = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
-    return [r["lm_loss"] for r in rows if "lm_loss" in r]
+    return [r[key] for r in rows if key in r]
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
@@ -79,7 +83,13 @@ def test_gpt2_kernels_on_off_and_tp2(tmp_path: Path) -> None:
     on = _losses(tmp_path / "on", GPT2_FLAGS, [])
     off = _losses(tmp_path / "off", GPT2_FLAGS, NO_FUSION)
     assert _max_rel(on, off) <= 1e-4, (on, off)
-    assert on != off  # the kernels ran: not the reference's exact numbers
+    # the kernels ran: not the reference's exact numbers (the fp32 losses alone can round to the same values:
+    # the kernels agree with ATen's AVX512 ones to ~1 ulp)
+    curves = [
+        (_metric(tmp_path / run, "lm_loss"), _metric(tmp_path / run, "grad_norm"))
+        for run in ("on", "off")
+    ]
+    assert curves[0] != curves[1]
     tp2 = _losses(tmp_path / "tp2", GPT2_FLAGS, ["--tensor-model-parallel-size", "2"], world=2)
     assert _max_rel(tp2, on) <= 1e-5, (tp2, on)
     assert on[-1] < on[0] - 0.3  # it learns
