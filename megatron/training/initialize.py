@@ -253,15 +253,32 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+PIPELINE_SEED_OFFSET = 100
+"""Stage k's generators start from ``seed + 100 k`` (Megatron's ``_set_random_seed``)."""
+SEQUENCE_PARALLEL_SEED_OFFSET = 1_000_003
+"""DeepSpeed-Ulysses rank u adds ``1000003 u``: its sequence chunk and its attention heads get their own dropout
+masks (upstream Megatron-DeepSpeed adds nothing, so every chunk reused the same masks). Far above any stage or
+``2718 + tp_rank`` offset, so no two (stage, Ulysses rank, TP rank) streams share a seed."""
+
+
+def rank_seed(seed: int, pp_rank: int, sp_rank: int) -> int:
+    """The seed of the default generators of the ranks at pipeline stage ``pp_rank`` and Ulysses rank ``sp_rank``
+    (identical across a TP group and across data-parallel ranks, as in Megatron)."""
+    return seed + PIPELINE_SEED_OFFSET * pp_rank + SEQUENCE_PARALLEL_SEED_OFFSET * sp_rank
+
+
 def set_seeds(seed: int) -> None:
-    """One seed everywhere: torch's default generator and the model-parallel RNG tracker.
+    """Seed torch's default generators and the model-parallel RNG tracker for this rank's dropout.
 
     Parameter values come from ``param_seed(seed, name)`` inside the model and the data order from the sampler's
-    seed, so neither depends on the rank or the layout. The tracker's "model-parallel-rng" stream
-    (seed + 2718 + tp_rank, Megatron's) only drives dropout inside tensor-parallel regions.
+    seed, so neither depends on the rank or the layout. Dropout does: the default generators start from
+    ``rank_seed`` (one stream per stage and Ulysses rank: the layers of stage 1 do not replay stage 0's masks, nor
+    one sequence chunk another's), and the tracker's "model-parallel-rng" stream from that plus 2718 + tp_rank
+    (Megatron's), for dropout inside tensor-parallel regions.
     """
-    torch.manual_seed(seed)
-    mpu.model_parallel_cuda_manual_seed(seed)
+    own = rank_seed(seed, mpu.get_pipeline_model_parallel_rank(), mpu.get_sequence_parallel_rank())
+    torch.manual_seed(own)
+    mpu.model_parallel_cuda_manual_seed(own)
 
 
 def check_pipe_grid(grid: object) -> None:
