@@ -91,15 +91,37 @@ def _resume_scenario(tmp: str) -> dict[str, list[float]]:
     return {"full": full, "resumed": resumed, "dp2": pretrain(parse_args(dp2)).losses}
 
 
+def _universal_resume(tmp: str) -> dict[str, list[float]]:
+    from megatron.config import parse_args
+    from megatron.training import pretrain
+
+    ck = f"{tmp}/ckpt"
+    out = {}
+    for name, tp, pp, extra in [("tp2", 2, 1, []), ("pp2", 1, 2, []), ("sp2 tp1", 1, 1, [SP, "2"])]:
+        argv = _argv("gpt2", tp, pp, *extra, "--zero-stage", "1", "--train-iters", "6")
+        out[name] = pretrain(parse_args([*argv, "--load", ck, "--universal-checkpoint"])).losses
+    return out
+
+
 @pytest.mark.slow
 def test_ulysses_resume(tmp_path) -> None:
-    """SP 2 ZeRO-1: save at iteration 3, resume to 6 (bit-identical), and resume the same files at SP 1 x DP 2."""
+    """SP 2 ZeRO-1: save at iteration 3, resume to 6 (bit-identical), and resume the same files at SP 1 x DP 2;
+    then through a universal checkpoint at TP 2, at PP 2 and at SP 2 again."""
+    from tools.checkpoint import to_universal
+
     ranks = run_distributed(
         _resume_scenario, 2, str(tmp_path), init_process_group=False, timeout=600
     )
     r = ranks[0]
     assert r["resumed"] == r["full"][3:], r
     assert max(abs(a - b) / b for a, b in zip(r["dp2"], r["full"][3:])) < RTOL, r
+    assert to_universal.main(["--load", str(tmp_path / "ckpt"), "--tag", "global_step3"]) == 0
+    universal = run_distributed(
+        _universal_resume, 2, str(tmp_path), init_process_group=False, timeout=600
+    )[0]
+    for name, losses in universal.items():
+        assert len(losses) == 3, (name, losses)
+        assert max(abs(a - b) / b for a, b in zip(losses, r["full"][3:])) < 1e-4, (name, losses, r)
 
 
 # ---------------------------------------------------------------- validation (no process group)
