@@ -19,7 +19,7 @@ used where CUDA runs):
 * peak = states + activations (a slight over-estimate where gradients are freed before the next forward).
 * collectives: ``torch.distributed``'s functions are wrapped in this process before DeepSpeed binds them; each call
   adds its tensor's bytes (all-gather: the output, reduce-scatter: the input) to its group (TP, DP, PP by rank set;
-  point-to-point is PP), counted over the last step only.
+  point-to-point is PP, DeepSpeed-MoE's all-to-all is EP), counted over the last step only.
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ MODEL = [
 ]  # fmt: skip
 """~0.95M parameters, activations ~2.4 MB per layer per micro-batch: states and activations both measurable."""
 
+MOE = [
+    "--num-experts",
+    "4",
+    "--expert-interval",
+    "2",
+    "--moe-expert-parallel-size",
+    "2",
+    "--create-moe-param-group",
+]
+"""DeepSpeed-MoE on layers 2 and 4 of 4, EP 2 (4 experts, 2 local), the default capacity factor 1."""
+
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "zero0-dp2": (2, ["--zero-stage", "0"]),
     "zero1-dp2": (2, ["--zero-stage", "1"]),
@@ -57,6 +68,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2-pp2-zero1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
     "full-recompute-zero1-dp2": (2, ["--zero-stage", "1", "--recompute-granularity", "full"]),
     "selective-recompute-zero2-dp2": (2, ["--zero-stage", "2", "--recompute-granularity", "selective"]),
+    "moe-top1-ep2-zero1-dp2": (2, [*MOE, "--zero-stage", "1"]),
+    "moe-top2-ep2-zero1-dp2": (2, [*MOE, "--topk", "2", "--zero-stage", "1"]),
+    "moe-top1-tp2-ep2-zero1": (4, [*MOE, "--tensor-model-parallel-size", "2", "--zero-stage", "1"]),
+    "moe-top2-tp2-ept-ep2-zero1": (4, [*MOE, "--topk", "2", "--tensor-model-parallel-size", "2",
+                                       "--enable-expert-tensor-parallelism", "--zero-stage", "1"]),
+    "moe-top1-residual-nodrop-dp2": (2, [*MOE, "--mlp-type", "residual", "--disable-moe-token-dropping"]),
 }  # fmt: skip
 
 BUCKETS = {"reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000}
@@ -224,7 +241,10 @@ class CollectiveCounter:
         )
         if len(ranks) == 1:
             return  # a group of one rank moves nothing (DeepSpeed still calls it at DP = 1)
-        group_name = self.groups.get(ranks, f"other{len(ranks)}")
+        # DeepSpeed-MoE's token all-to-all runs over the expert-parallel group, whose ranks may be the TP or DP group's
+        group_name = (
+            "ep" if name == "all_to_all_single" else self.groups.get(ranks, f"other{len(ranks)}")
+        )
         self.bytes[group_name] += size
         self.by_op[f"{group_name}/{name}"] += size
 
@@ -364,7 +384,7 @@ def collective_errors(r: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(predicted, counted) bytes per group; the planner's SP traffic runs in the TP group."""
     p, m = r["collectives_predicted"], r["collectives_measured"]
     out = {}
-    for g in ("tp", "pp", "dp"):
+    for g in ("tp", "pp", "dp", "ep"):
         pred = p.get(g, 0) + (p.get("sp", 0) if g == "tp" else 0)
         if pred or m.get(g):
             out[g] = (pred, m.get(g, 0))

@@ -21,7 +21,7 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
     3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
 
 DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP`` local experts) have the same rows
-with ``N`` the expert-data-parallel size ``DP / EP`` (DeepSpeed partitions each expert parameter group over it); one
+with ``N`` the expert-data-parallel size (``DP x TP / EP`` with whole experts, ``DP / EP`` TP-split; DeepSpeed partitions each expert parameter group over it); one
 reduce bucket serves both. DeepSpeed's ZeRO optimizers keep an fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced
 gradient partition in a contiguous buffer next to the fp32 partition's gradient. ZeRO-3 keeps tensors below
 ``stage3_param_persistence_threshold`` elements whole (``Psi_s``) and was measured holding every partitioned one
@@ -55,6 +55,12 @@ from typing import Any
 
 from megatron.config import RunPlan, TridentConfig
 from megatron.training.flops import flops_per_token
+from megatron.training.moe_plan import (
+    expert_data_parallel_size,
+    experts_of_layer,
+    moe_collective_bytes,
+    moe_mlp_activation_bytes,
+)
 
 GIB = 2**30
 
@@ -225,7 +231,7 @@ def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: 
 
 def stage_expert_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
     """DeepSpeed-MoE expert parameters of one rank of pipeline stage ``stage`` (part of :func:`stage_param_count`;
-    ZeRO partitions them over the expert-data-parallel group, DP / EP ranks)."""
+    ZeRO partitions them over the expert-data-parallel group, ``expert_data_parallel_size`` ranks)."""
     m, tp = cfg.model, plan.tensor_model_parallel_size
     layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
     return sum(sum(layer_param_tensors(cfg, tp, layer)[1]) for layer in layers)
@@ -266,7 +272,7 @@ def _state_bytes(
     """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring).
 
     Args:
-        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts: DP / EP).
+        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts: ``expert_data_parallel_size``).
         bucket_psi: the parameters the communication buckets are sized for (default ``psi``; 0: none).
     """
     stage = plan.zero_stage
@@ -318,20 +324,29 @@ def _state_bytes(
     }
 
 
-def layer_activation_bytes(cfg: TridentConfig, plan: RunPlan, micro_batch: int) -> int:
-    """Saved activation bytes of one transformer layer for one micro-batch, without recomputation."""
+def layer_activation_bytes(
+    cfg: TridentConfig, plan: RunPlan, micro_batch: int, layer: int | None = None
+) -> int:
+    """Saved activation bytes of one transformer layer for one micro-batch, without recomputation.
+
+    ``layer`` (0-based; None: a dense layer) picks the MLP: a DeepSpeed-MoE layer's is ``moe_mlp_activation_bytes``.
+    """
     m = cfg.model
     t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
     s, b, h, n = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads
     sbh = s * b * h
     fc1_out = 2 * m.ffn_size if m.swiglu else m.ffn_size
     qkv = s * b * (n + 2 * m.num_query_groups) * m.head_dim
+    experts = 1 if layer is None else experts_of_layer(cfg, layer)
     # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
-    sharded = a * (qkv + sbh + s * b * (fc1_out + m.ffn_size))
+    mlp = s * b * (fc1_out + m.ffn_size) if experts == 1 else 0
+    sharded = a * (qkv + sbh + mlp)
     whole = a * 4 * sbh  # the two norms' inputs and outputs
     masks = 2 * 4 * sbh if m.hidden_dropout > 0 else 0
     sp = plan.sequence_parallel
     total = sharded // t + (whole // t if sp else whole) + (masks // t if sp else masks)
+    if experts > 1:
+        total += moe_mlp_activation_bytes(cfg, plan, micro_batch, experts)
     if m.recompute_granularity != "selective":
         if m.attention_dropout > 0:
             total += (12 * b * n * s * s + 2 * a * sbh) // t
@@ -385,18 +400,20 @@ def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_
 
 def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
     m = cfg.model
-    layers = layers_of_stage(m.num_layers, plan.pipeline_model_parallel_size, stage)
-    per_layer = layer_activation_bytes(cfg, plan, micro_batch)
+    layer_ids = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
+    layers = len(layer_ids)
+    each = [layer_activation_bytes(cfg, plan, micro_batch, i) for i in layer_ids]
+    per_layer = max(each, default=0)  # the largest layer: what a recomputed chunk re-creates
     outside = _outside_layers_bytes(cfg, plan, stage, micro_batch)
     if m.recompute_granularity != "full":
-        return layers * per_layer + outside
+        return sum(each) + outside
     a = 4 if plan.precision == "fp32" else 2
     sbh = m.seq_length * micro_batch * m.hidden_size
     chunk = max(1, m.recompute_num_layers)
     if m.recompute_method == "block":
         # the first `chunk` layers keep only their inputs, the rest everything
         recomputed = min(layers, chunk)
-        return recomputed * a * sbh + (layers - recomputed) * per_layer + max(outside, per_layer)
+        return recomputed * a * sbh + sum(each[recomputed:]) + max(outside, per_layer)
     inputs = -(-layers // chunk) * a * sbh
     if plan.sequence_parallel:
         inputs //= plan.tensor_model_parallel_size
@@ -471,6 +488,11 @@ def collective_bytes(
             # backward finds them still gathered)
             3: mb * pb * psi + mb * pb * gathered,
         }[plan.zero_stage]
+    if cfg.model.moe.is_moe(m.num_layers):
+        first = stage_layers(m.num_layers, pp, 0)
+        moe = moe_collective_bytes(cfg, plan, first, stage_expert_param_count(cfg, plan, 0))
+        for group, size in moe.items():
+            out[group] = out.get(group, 0) + size
     return out
 
 
@@ -498,8 +520,9 @@ def plan_memory(
             cfg, plan, psi - experts, ds_config, persistent=persistent, bucket_psi=psi
         )
         if experts:  # partitioned over the expert-data-parallel group
-            edp = plan.data_parallel_size // cfg.parallel.moe_expert_parallel_size
-            ex = _state_bytes(cfg, plan, experts, ds_config, n=edp, bucket_psi=0)
+            ex = _state_bytes(
+                cfg, plan, experts, ds_config, n=expert_data_parallel_size(cfg, plan), bucket_psi=0
+            )
             st = {key: st[key] + ex[key] for key in st}
         flight = in_flight_micro_batches(pp, k, mb) if pp > 1 else 1
         stages.append(
@@ -537,14 +560,14 @@ def plan_memory(
 
 
 def _caveats(cfg: TridentConfig) -> tuple[str, ...]:
-    """What the plan leaves out for ``cfg``: the activations of expert layers are counted as the dense MLP's."""
+    """What the plan leaves out or assumes for ``cfg``."""
     moe = cfg.model.moe
     out = []
-    if moe.is_moe(cfg.model.num_layers):
+    if moe.is_moe(cfg.model.num_layers) and not moe.moe_token_dropping:
         out.append(
-            "DeepSpeed-MoE layers (--num-experts): their parameters and states are counted, but their activations "
-            "as the dense MLP's: the gate's dispatch and combine tensors ([tokens, E, capacity]), the experts' "
-            "capacity-sized activations and the all-to-all bytes are not"
+            "--disable-moe-token-dropping: expert activations are planned at balanced routing (capacity "
+            "topk x tokens / experts); DeepSpeed sizes every expert's buffer by the busiest expert, up to all "
+            "the micro-batch's tokens"
         )
     if moe.num_experts_switch is not None:
         out.append(

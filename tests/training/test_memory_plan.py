@@ -13,6 +13,7 @@ from megatron.config import RunPlan, parse_args, validate
 from megatron.model import GPTModel
 from megatron.mpu.context import ParallelContext
 from megatron.training import memory_plan as mpl
+from megatron.training import moe_plan
 from tools import plan_memory
 
 SMALL = [
@@ -247,14 +248,53 @@ def test_expert_states_partition_over_expert_data_parallel() -> None:
     assert mpl.stage_expert_param_count(*split, 0) == 2 * (64 * 128 + 128 * 64 + 128 + 64)
 
 
-def test_expert_layers_caveat(capsys: pytest.CaptureFixture[str]) -> None:
-    """MoE and Switch MLP activations are planned as dense MLPs', and the plan says so under its numbers."""
-    assert not mpl.plan_memory(*_plan(), {}).caveats
-    assert plan_memory.main(["--world-size", "4", *SMALL, "--num-experts", "4"]) == 0
-    out = capsys.readouterr().out
+def test_moe_layer_activations_and_collectives() -> None:
+    """SMALL with 4 experts in layer 2, EP 2, fp32, s 32 x b 1 = S 32 tokens: hand counts of the MoE terms (the
+    formulas were fitted to real runs, ``python -m tools.bench_memory_plan --only moe-...``: within 4 %)."""
+    cfg, plan = _plan(*MOE, "--attention-dropout", "0", "--hidden-dropout", "0")
+    dense = mpl.layer_activation_bytes(cfg, plan, 1, 0)
+    # top-1, capacity factor 1: C = ceil(32 / 4) = 8, so E C = 32 slots; f = 256
+    gate, dispatch, combine = 4 * 32 * 4 * 2, 8 * (4 * 8 + 1), 4 * 32 * 64 + 12 * 32
+    experts = 4 * 32 * (64 + 256 + 256)
+    mlp = (
+        4 * 32 * (256 + 256)
+    )  # the dense MLP's fc1 and activation outputs, which an MoE layer does not have
     assert (
-        "not modeled: DeepSpeed-MoE layers (--num-experts): their parameters and states are counted"
-        in out
+        mpl.layer_activation_bytes(cfg, plan, 1, 1)
+        == dense - mlp + gate + dispatch + experts + combine
     )
+    # top-2: C = 16; TP 2 with whole experts: each TP rank's experts see C / 2 of the slots
+    top2 = _plan(*MOE, "--topk", "2", "--tensor-model-parallel-size", "2", world=8)
+    assert moe_plan.expert_capacity(*top2, 1, 4) == 16
+    assert moe_plan.moe_mlp_activation_bytes(*top2, 1, 4) == (
+        4 * 32 * 4 * 3 + 8 * (4 * 16 + 1) + 4 * 4 * 8 * (64 + 512) + 2 * 4 * 32 * 64 + 12 * 2 * 32
+    )
+    # collectives per step (1 micro-batch): EP 4 all-to-alls of [E, C / t, h]; TP: two all-gathers of [E, C, h] for
+    # the dense MLP's two [s, b, h] all-reduces; experts' gradients over DP x TP / EP = 4 ranks, like the rest
+    comm = mpl.collective_bytes(*top2)
+    slots, sbh = 4 * 16 * 64, 32 * 64
+    assert comm["ep"] == 4 * 4 * slots // 2
+    assert comm["tp"] == 4 * ((4 * 2 + 2) * sbh + 2 * (slots - sbh))
+    assert moe_plan.expert_data_parallel_size(*top2) == 4
+    assert comm["dp"] == 4 * mpl.stage_param_count(*top2, 0)
+    # TP-split experts, world 4 (DP 2): 4 all-gathers of the slots, the MLP all-reduces [E C, h]; the experts'
+    # gradients over DP / EP = 1 rank: no traffic
+    split = _plan(*MOE, "--topk", "2", "--tensor-model-parallel-size", "2",
+                  "--enable-expert-tensor-parallelism", world=4)  # fmt: skip
+    comm = mpl.collective_bytes(*split)
+    assert comm["tp"] == 4 * ((4 * 2 + 2) * sbh + 4 * slots + 2 * (slots - sbh))
+    assert moe_plan.expert_data_parallel_size(*split) == 1
+    psi, experts_psi = mpl.stage_param_count(*split, 0), mpl.stage_expert_param_count(*split, 0)
+    assert comm["dp"] == 4 * (psi - experts_psi)
+
+
+def test_expert_layers_caveat(capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan says under its numbers what it assumes for MoE without token dropping and for Switch MLPs."""
+    assert not mpl.plan_memory(*_plan(), {}).caveats
+    assert not mpl.plan_memory(*_plan(*MOE), {}).caveats
+    argv = ["--world-size", "4", *SMALL, "--num-experts", "4", "--disable-moe-token-dropping"]
+    assert plan_memory.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--disable-moe-token-dropping: expert activations are planned at balanced routing" in out
     switch = mpl.plan_memory(*_plan("--num-experts-switch", "2"), {})
     assert len(switch.caveats) == 1 and "--num-experts-switch 2" in switch.caveats[0]
