@@ -98,14 +98,30 @@ def _largest_tensors(exclude: Any, n: int = 12) -> list[tuple[int, list[int], st
     return sorted(seen.values(), reverse=True)[:n]
 
 
+def _spare_logits() -> set[int]:
+    """Storages of the logits memory the CPU model keeps between a backward and the next forward."""
+    from megatron.model.output_logits import LogitsBuffer
+
+    return {
+        obj._spare.untyped_storage().data_ptr()
+        for obj in gc.get_objects()
+        if isinstance(obj, LogitsBuffer) and obj._spare is not None
+    }
+
+
 def live_tensor_bytes(exclude: Any = ()) -> int:
-    """Bytes of every live tensor storage reachable from Python (each storage once), but those in ``exclude``."""
+    """Bytes of every live tensor storage reachable from Python (each storage once), but those in ``exclude``.
+
+    A leaf's ``.grad`` has no Python object until Python asks for it (DeepSpeed's all-reduce does; a step that skips
+    it, at DP 1, does not), so each tensor's gradient is looked up too."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+                for t in (obj, obj.grad) if obj.is_leaf else (obj,):
+                    if t is not None:
+                        st = t.untyped_storage()
+                        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
         except Exception:  # noqa: BLE001, S112 - some tensor subclasses refuse storage access
             continue
     return sum(n for ptr, n in seen.items() if ptr not in exclude)
@@ -300,9 +316,10 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     top: list[Any] = []
 
     def sample() -> None:
-        # saved activations (Python-visible through their holders) are counted apart
+        # saved activations (Python-visible through their holders) are counted apart, and so is the CPU logits
+        # buffer kept between steps: its memory is the next forward's logits (an activation), not a state
         gc.collect()
-        now = live_tensor_bytes(exclude=saved.live) - base
+        now = live_tensor_bytes(exclude=set(saved.live) | _spare_logits()) - base
         if now > states[0] and os.environ.get("BENCH_MEMORY_DEBUG"):
             top[:] = _largest_tensors(saved.live)
         states[0] = max(states[0], now)

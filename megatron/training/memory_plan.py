@@ -16,7 +16,7 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
 
     stage  parameters             gradients                  optimizer (master + moments)   buckets
     0      pb Psi                 pb Psi (+ 4 Psi with bf16)  (4 Psi if pb = 2) + 8 Psi      pb R (DP > 1, after)
-    1      pb Psi                 pb P (+ 4 P with bf16)     (4 + 8) P                      pb R (after backward)
+    1      pb Psi                 pb Psi (+ 4 P with bf16)   (4 + 8) P                      pb R (after backward)
     2      pb Psi                 pb P + 4 P                 (4 + 8) P                      pb R
     3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
 
@@ -296,9 +296,12 @@ def _state_bytes(
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size")) if n > 1 else 0
     else:
         params = pb * psi  # ZeRO-3: below
-        # the reduced gradient partition, and its fp32 copy for the optimizer (measured: ZeRO-1 and 3 in fp32
-        # share it at the peak, ZeRO-3 flattens its copy only at the step; ZeRO-2 keeps a separate buffer)
+        # the reduced gradient partition, and its fp32 copy for the optimizer (measured: ZeRO-3 in fp32 shares it
+        # at the peak, flattening its copy only at the step; ZeRO-2 keeps a separate buffer). ZeRO-1 holds every
+        # gradient whole until the boundary's reduce (measured: 4 Psi in fp32 at the end of backward).
         grads = pb * part + (4 * part if pb == 2 or stage == 2 else 0)
+        if stage == 1:
+            grads = pb * psi + (4 * part if pb == 2 else 0)
         opt = (master + moments) * part
         # ZeRO-1 reduces at the accumulation boundary, after backward (like ZeRO-0); 2 and 3 during backward
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size"))

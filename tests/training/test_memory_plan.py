@@ -51,7 +51,8 @@ def test_param_count_matches_a_built_model() -> None:
             0,
             (4 * PSI, 4 * PSI, 8 * PSI, 4 * PSI),
         ),  # optimizer: Adam's moments; bucket: the flat all-reduce
-        (1, (4 * PSI, 4 * PART, 12 * PART, 4 * PSI)),  # fp32 partition clone + moments, over 4
+        # fp32 partition clone + moments, over 4; every gradient whole until the boundary's reduce
+        (1, (4 * PSI, 4 * PSI, 12 * PART, 4 * PSI)),
         (2, (4 * PSI, 8 * PART, 12 * PART, 4 * PSI)),  # a separate contiguous gradient partition
         # ZeRO-3 with threshold 10,000: the 2 x (QKV 12,288 + fc1 16,384 + fc2 16,384) = 90,112 weights are
         # partitioned, the other 20,224 stay whole; buckets: reduce (Psi) + the gathered weights
@@ -74,10 +75,10 @@ def test_zero_stage_bytes_fp32(stage: int, expected: tuple[int, int, int, int]) 
 def test_bf16_master_weights_and_offload() -> None:
     cfg, plan = _plan("--zero-stage", "1", "--bf16")
     st = mpl.plan_memory(cfg, plan, {}).stages[0]
-    # bf16 parameters; bf16 + fp32 gradient partitions; fp32 master + 2 moments over 4 ranks
+    # bf16 parameters; whole bf16 gradients + the fp32 gradient partition; fp32 master + 2 moments over 4 ranks
     assert (st.parameter_bytes, st.gradient_bytes, st.optimizer_bytes) == (
         2 * PSI,
-        6 * PART,
+        2 * PSI + 4 * PART,
         12 * PART,
     )
     off = mpl.plan_memory(
@@ -85,7 +86,7 @@ def test_bf16_master_weights_and_offload() -> None:
     )
     assert off.stages[0].optimizer_bytes == 0
     assert off.stages[0].offloaded_bytes == 16 * PART
-    assert off.stages[0].gradient_bytes == 2 * PART
+    assert off.stages[0].gradient_bytes == 2 * PSI
 
 
 def test_one_f_one_b_in_flight() -> None:
@@ -236,7 +237,7 @@ def test_expert_states_partition_over_expert_data_parallel() -> None:
     st = mpl.plan_memory(cfg, plan, {}).stages[0]
     dense_part, expert_part = MOE_DENSE // 4, MOE_EXPERT // 2
     assert st.parameter_bytes == 4 * (MOE_DENSE + MOE_EXPERT)
-    assert st.gradient_bytes == 4 * (dense_part + expert_part)
+    assert st.gradient_bytes == 4 * (MOE_DENSE + MOE_EXPERT)  # whole until the boundary's reduce
     assert st.optimizer_bytes == 12 * (dense_part + expert_part)
     assert st.bucket_bytes == 4 * (
         MOE_DENSE + MOE_EXPERT
