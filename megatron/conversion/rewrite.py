@@ -273,7 +273,7 @@ def reshard_checkpoint(
     if not verify:
         return None
     back, back_cfg, _ = read_checkpoint_weights(dst)
-    # MoE: HF Mixtral's routing and the reference kernels (verification_config), the same for both sides.
+    # the reference kernels (and for MoE HF Mixtral's routing: verification_config), the same for both sides
     a = build_megatron_model(full, verification_config(cfg))
     b = build_megatron_model(back, verification_config(back_cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
