@@ -135,7 +135,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*", "tools", "tools.*"]),
-    ext_modules=_extensions(),
+    ext_modules=_extensions(),  # writes megatron/fused_kernels/_cpu.flavour first
+    # the loader reads the CPU extension's flavour before importing it: it must travel with the .so
+    package_data={"megatron.fused_kernels": ["_cpu.flavour"]},
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=[
         "torch>=2.1",
