@@ -21,9 +21,9 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
     3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
 
 DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP`` local experts) have the same rows
-with ``N`` the expert-data-parallel size (``DP x TP / EP`` with whole experts, ``DP / EP`` TP-split; DeepSpeed partitions each expert parameter group over it); one
-reduce bucket serves both. DeepSpeed's ZeRO optimizers keep an fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced
-gradient partition in a contiguous buffer next to the fp32 partition's gradient. ZeRO-3 keeps tensors below
+with ``N`` the expert-data-parallel size (``DP x TP / EP`` with whole experts, ``DP / EP`` TP-split; DeepSpeed
+partitions each expert parameter group over it); one reduce bucket serves both. DeepSpeed's ZeRO optimizers keep an
+fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced gradient partition in a contiguous buffer next to the fp32 partition's gradient. ZeRO-3 keeps tensors below
 ``stage3_param_persistence_threshold`` elements whole (``Psi_s``) and was measured holding every partitioned one
 (``Psi_p``) gathered at the end of backward. ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights,
 moments and the fp32 gradient partition to CPU; ``offload_param`` (ZeRO-3) the parameter partition too. These rows
@@ -272,7 +272,8 @@ def _state_bytes(
     """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring).
 
     Args:
-        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts: ``expert_data_parallel_size``).
+        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts:
+            ``expert_data_parallel_size``).
         bucket_psi: the parameters the communication buckets are sized for (default ``psi``; 0: none).
     """
     stage = plan.zero_stage
@@ -299,9 +300,8 @@ def _state_bytes(
         # the reduced gradient partition, and its fp32 copy for the optimizer (measured: ZeRO-3 in fp32 shares it
         # at the peak, flattening its copy only at the step; ZeRO-2 keeps a separate buffer). ZeRO-1 holds every
         # gradient whole until the boundary's reduce (measured: 4 Psi in fp32 at the end of backward).
-        grads = pb * part + (4 * part if pb == 2 or stage == 2 else 0)
-        if stage == 1:
-            grads = pb * psi + (4 * part if pb == 2 else 0)
+        whole = psi if stage == 1 else part
+        grads = pb * whole + (4 * part if pb == 2 or stage == 2 else 0)
         opt = (master + moments) * part
         # ZeRO-1 reduces at the accumulation boundary, after backward (like ZeRO-0); 2 and 3 during backward
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size"))
