@@ -24,10 +24,11 @@ DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP
 with ``N`` the expert-data-parallel size (``DP x TP / EP`` with whole experts, ``DP / EP`` TP-split; DeepSpeed
 partitions each expert parameter group over it); one reduce bucket serves both. DeepSpeed's ZeRO optimizers keep an
 fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced gradient partition in a contiguous buffer
-next to the fp32 partition's gradient. ZeRO-3 keeps tensors below ``stage3_param_persistence_threshold`` elements whole (``Psi_s``) and was measured holding every partitioned one
-(``Psi_p``) gathered at the end of backward. ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights,
-moments and the fp32 gradient partition to CPU; ``offload_param`` (ZeRO-3) the parameter partition too. These rows
-were fitted to and checked against ``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
+next to the fp32 partition's gradient. ZeRO-3 keeps tensors below ``stage3_param_persistence_threshold`` elements
+whole (``Psi_s``) and was measured holding every partitioned one (``Psi_p``) gathered at the end of backward.
+``--cpu-optimizer`` / ``offload_optimizer`` moves master weights, moments and the fp32 gradient partition to CPU;
+``offload_param`` (ZeRO-3) the parameter partition too. These rows were fitted to and checked against
+``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
 
 Activations per layer per micro-batch, in bytes (measured on our layers, ``tools/bench_memory_plan.py``):
 
