@@ -12,11 +12,15 @@ used where CUDA runs):
 
 * states: bytes of every live tensor storage in the process (``gc`` walk, each storage once, minus what was live
   before the engine was built), sampled after each micro-batch's backward, just before the optimizer step (inside
-  DeepSpeed: gradients and buckets alive) and after it; the largest sample.
+  DeepSpeed: gradients and buckets alive) and after it, and from the second step on after every parameter's
+  gradient and at the activations' peak (below); the largest sample.
 * activations: a ``torch.autograd.graph.saved_tensors_hooks`` pair around the whole step wraps every tensor saved
   for backward (parameters excluded) in a holder whose lifetime is the autograd graph's; a per-storage refcount
   gives the bytes alive at every moment and their peak, through the 1F1B schedule and recomputation alike.
-* peak = states + activations (a slight over-estimate where gradients are freed before the next forward).
+* total: the largest sum of the two alive at the same moment, over the states' samples; from the second step on
+  these include every moment the saved activations reach their peak again. What exists only after backward (ZeRO-0's
+  flat all-reduce copy, ZeRO-2's fp32 gradient copy at the step) does not add to the activations' peak. The sum of
+  both maxima, whenever they occurred (this bench's total before), is reported as ``states_plus_activations``.
 * collectives: ``torch.distributed``'s functions are wrapped in this process before DeepSpeed binds them; each call
   adds its tensor's bytes (all-gather: the output, reduce-scatter: the input) to its group (TP, DP, PP by rank set;
   point-to-point is PP, DeepSpeed-MoE's all-to-all is EP), counted over the last step only.
@@ -84,15 +88,17 @@ BUCKETS3 = {
 }
 
 
-def _largest_tensors(exclude: Any, n: int = 12) -> list[tuple[int, list[int], str]]:
-    """(bytes, shape, dtype) of the ``n`` largest live storages (BENCH_MEMORY_DEBUG=1: what the states are)."""
+def _largest_tensors(exclude: Any, n: int = 40) -> list[tuple[int, list[int], str]]:
+    """(bytes, shape, dtype) of the ``n`` largest live storages, gradients included (BENCH_MEMORY_DEBUG=1: the
+    states at the total's peak)."""
     seen: dict[int, tuple[int, list[int], str]] = {}
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                st = obj.untyped_storage()
-                if st.data_ptr() not in exclude:
-                    seen[st.data_ptr()] = (st.nbytes(), list(obj.shape), str(obj.dtype))
+                for t, kind in ((obj, ""), (obj.grad, " grad")) if obj.is_leaf else ((obj, ""),):
+                    st = t.untyped_storage() if t is not None else None
+                    if st is not None and st.data_ptr() not in exclude:
+                        seen[st.data_ptr()] = (st.nbytes(), list(t.shape), str(t.dtype) + kind)
         except Exception:  # noqa: BLE001, S112
             continue
     return sorted(seen.values(), reverse=True)[:n]
@@ -132,6 +138,8 @@ class SavedTensors:
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude, self.live, self.current, self.peak = exclude, {}, 0, 0
+        self.at_peak: Any = None
+        """Called when the bytes alive reach the peak so far again (set once the first step has run)."""
 
     def pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter) or hasattr(t, "ds_id"):
@@ -147,6 +155,8 @@ class SavedTensors:
         if count == 0:
             self.current += size
             self.peak = max(self.peak, self.current)
+            if self.at_peak is not None and self.current == self.peak:
+                self.at_peak()
         return _Holder(t, self, key)
 
     @staticmethod
@@ -309,7 +319,7 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     gc.collect()
     base = live_tensor_bytes()
     trainer = _build_trainer(pre, device, None, TrainState())
-    states = [0]
+    states, total = [0], [0]
     params = {p.untyped_storage().data_ptr() for p in trainer.engine.module.parameters()}
     saved = SavedTensors(params)
 
@@ -320,16 +330,22 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
         # buffer kept between steps: its memory is the next forward's logits (an activation), not a state
         gc.collect()
         now = live_tensor_bytes(exclude=set(saved.live) | _spare_logits()) - base
-        if now > states[0] and os.environ.get("BENCH_MEMORY_DEBUG"):
+        if now + saved.current > total[0] and os.environ.get("BENCH_MEMORY_DEBUG"):
             top[:] = _largest_tensors(saved.live)
         states[0] = max(states[0], now)
+        total[0] = max(total[0], now + saved.current)
 
     _wrap_step_sampling(trainer.engine, sample)
-    # inside backward, once the last gradient of a micro-batch exists (DeepSpeed's gradient buckets alive)
-    first = next(iter(trainer.engine.module.parameters()))
+    # inside backward, once the last gradient of a micro-batch exists (DeepSpeed's gradient buckets alive); from
+    # the second step on after every parameter's gradient too, where states grow as activations are freed
+    first, *rest = trainer.engine.module.parameters()
     first.register_post_accumulate_grad_hook(lambda _: sample())
+    for p in rest:
+        p.register_post_accumulate_grad_hook(lambda _: sample() if saved.at_peak else None)
     for i in range(steps):
         counter.active = i == steps - 1
+        if i == 1:  # the optimizer states exist now: sample again wherever the activations peak
+            saved.at_peak = sample
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             trainer.train_step()
     counter.active = False
@@ -346,7 +362,8 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
         "measured": {
             "states": states[0],
             "activations": saved.peak,
-            "total": states[0] + saved.peak,
+            "total": total[0],
+            "states_plus_activations": states[0] + saved.peak,
             "cuda_max_allocated": cuda_peak,
         },
         "collectives_predicted": dict(

@@ -16,8 +16,8 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
 
     stage  parameters             gradients                  optimizer (master + moments)   buckets
     0      pb Psi                 pb Psi (+ 4 Psi with bf16)  (4 Psi if pb = 2) + 8 Psi      pb R (DP > 1, after)
-    1      pb Psi                 pb Psi (+ 4 P with bf16)   (4 + 8) P                      pb R (after backward)
-    2      pb Psi                 pb P + 4 P                 (4 + 8) P                      pb R
+    1      pb Psi                 pb Psi (+ 4 P with bf16)   (4 + 8) P                      pb R
+    2      pb Psi                 pb P + 4 P (after, fp32)   (4 + 8) P                      pb R
     3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
 
 DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP`` local experts) have the same rows
@@ -27,8 +27,11 @@ fp32 clone of their partition even in fp32 runs; ZeRO-2 keeps the reduced gradie
 next to the fp32 partition's gradient. ZeRO-3 keeps tensors below ``stage3_param_persistence_threshold`` elements
 whole (``Psi_s``) and was measured holding every partitioned one (``Psi_p``) gathered at the end of backward.
 ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights, moments and the fp32 gradient partition to CPU;
-``offload_param`` (ZeRO-3) the parameter partition too. These rows were fitted to and checked against
-``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
+``offload_param`` (ZeRO-3) the parameter partition too. ZeRO-1/2/3 allocate the reduce bucket at a micro-batch's
+first gradient and keep it to the accumulation boundary, beside the next micro-batch's activations; what is marked
+"after" exists only after backward (ZeRO-0's flat all-reduce copy, fp32 ZeRO-2's gradient copy for its fp32
+partition, made at the step), so the peak takes the larger of it and the activations. These rows were fitted to and
+checked against ``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
 
 Activations per layer per micro-batch, in bytes (measured on our layers, ``tools/bench_memory_plan.py``):
 
@@ -37,7 +40,8 @@ Activations per layer per micro-batch, in bytes (measured on our layers, ``tools
                    + the attention: 8 bytes x b n s / t (flash: log-sum-exp), or with --attention-dropout > 0
                      (the math path) 12 bytes x b n s^2 / t + 2 a s b h / t
     selective      the same without the attention-score term
-    full           a s b h (/t with SP) per checkpointed chunk, plus one chunk recomputed in backward
+    full           a s b h (/t with SP) per checkpointed chunk, plus one chunk recomputed in backward and
+                   the MLP's two gradient temporaries there, a s b (f + fc1 out) / t
 
 Outside the layers: the logits ``4 s b v/t`` bytes (fp32 for the loss) and ``2 a s b h`` on the last stage, the
 embedding output ``a s b h`` on the first. 1F1B: stage k of PP holds ``min(PP - k, m)`` micro-batches in flight
@@ -103,8 +107,12 @@ class StageMemory:
     offloaded_bytes: int = 0
     """Optimizer states (and ZeRO-3 parameters) moved to CPU memory instead."""
     buckets_in_backward: bool = True
-    """The buckets live while backward still holds activations (ZeRO-2/3); ZeRO-0's flat all-reduce copy comes
-    after backward, so the peak takes the larger of it and the activations."""
+    """The buckets live while activations do (ZeRO-1/2/3 allocate theirs at a micro-batch's first gradient and keep
+    them to the accumulation boundary); ZeRO-0's flat all-reduce copy comes after backward, so the peak takes the
+    larger of it and the activations."""
+    step_bytes: int = 0
+    """Part of ``gradient_bytes`` that exists only around the optimizer step, when no activations do (fp32
+    ZeRO-2's gradient copy for its fp32 partition)."""
 
     @property
     def states_bytes(self) -> int:
@@ -114,10 +122,10 @@ class StageMemory:
     @property
     def total(self) -> int:
         """The peak on the device."""
-        states = self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+        states = self.parameter_bytes + self.gradient_bytes - self.step_bytes + self.optimizer_bytes
         if self.buckets_in_backward:
-            return states + self.bucket_bytes + self.activation_bytes
-        return states + max(self.bucket_bytes, self.activation_bytes)
+            return states + self.bucket_bytes + max(self.activation_bytes, self.step_bytes)
+        return states + max(self.bucket_bytes + self.step_bytes, self.activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -288,6 +296,7 @@ def _state_bytes(
     master = 0 if (pb == 4 and stage == 0) else 4
     opt_cpu = _offload(ds, "offload_optimizer") or t.cpu_optimizer
     part = -(-psi // n)  # DeepSpeed pads the flat partition up
+    step = 0
     if stage == 0:
         params, grads, opt = (
             pb * psi,
@@ -303,8 +312,11 @@ def _state_bytes(
         # gradient whole until the boundary's reduce (measured: 4 Psi in fp32 at the end of backward).
         whole = psi if stage == 1 else part
         grads = pb * whole + (4 * part if pb == 2 or stage == 2 else 0)
+        # measured (fp32): ZeRO-2's fp32 copy is made at the step, after backward has freed every activation
+        step = 4 * part if pb == 4 and stage == 2 else 0
         opt = (master + moments) * part
-        # ZeRO-1 reduces at the accumulation boundary, after backward (like ZeRO-0); 2 and 3 during backward
+        # allocated at a micro-batch's first gradient, kept to the boundary (ZeRO-1 reduces only there; the next
+        # micro-batch's forward runs beside it)
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size"))
     if stage == 3:
         params = pb * (persistent + -(-(psi - persistent) // n))
@@ -325,6 +337,7 @@ def _state_bytes(
         "opt": opt,
         "buckets": buckets,
         "offloaded": offloaded,
+        "step": step,
     }
 
 
@@ -375,21 +388,25 @@ def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int)
     return total
 
 
-def pipeline_buffer_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
-    """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured): on the last stage the
-    logits it keeps as the stage output and their gradient (2 x fp32 [s, b, v/t]) and four [s, b, h] receive /
-    gradient buffers; on the others one [s, b, h] gradient buffer. 0 without a pipeline."""
+def pipeline_buffer_bytes(
+    cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int, in_flight: int = 1
+) -> int:
+    """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured at the peak, fused
+    cross-entropy): on the last stage four ``[s, b, h]`` receive / gradient buffers, plus the logits it keeps as
+    the stage output and their gradient (2 x fp32 ``[s, b, v/t]``) with ``--no-cross-entropy-loss-fusion`` (the
+    fused loss writes its gradient into the logits); on the others each in-flight micro-batch's output, which it
+    keeps for the backward, and one gradient buffer. 0 without a pipeline."""
     if not plan.pipeline_engine:
         return 0
     m = cfg.model
     a = 4 if plan.precision == "fp32" else 2
     sbh = m.seq_length * micro_batch * m.hidden_size
     if stage < plan.pipeline_model_parallel_size - 1:
-        return a * sbh
+        return (in_flight + 1) * a * sbh
     logits = (
         4 * m.seq_length * micro_batch * plan.padded_vocab_size // plan.tensor_model_parallel_size
     )
-    return 2 * logits + 4 * a * sbh
+    return (0 if m.cross_entropy_loss_fusion else 2 * logits) + 4 * a * sbh
 
 
 def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
@@ -414,14 +431,20 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
     a = 4 if plan.precision == "fp32" else 2
     sbh = m.seq_length * micro_batch * m.hidden_size
     chunk = max(1, m.recompute_num_layers)
+    # the peak is in a recomputed chunk's backward, where the MLP's two gradient temporaries ([s, b, f] and
+    # [s, b, fc1 out], TP-split) come on top of the chunk's activations (measured: the rest of the step is smaller)
+    fc1_out = 2 * m.ffn_size if m.swiglu else m.ffn_size
+    grads = (
+        a * m.seq_length * micro_batch * (m.ffn_size + fc1_out) // plan.tensor_model_parallel_size
+    )
     if m.recompute_method == "block":
         # the first `chunk` layers keep only their inputs, the rest everything
         recomputed = min(layers, chunk)
-        return recomputed * a * sbh + sum(each[recomputed:]) + max(outside, per_layer)
+        return recomputed * a * sbh + sum(each[recomputed:]) + max(outside, per_layer + grads)
     inputs = -(-layers // chunk) * a * sbh
     if plan.sequence_parallel:
         inputs //= plan.tensor_model_parallel_size
-    return inputs + max(outside, chunk * per_layer)
+    return inputs + max(outside, chunk * per_layer + grads)
 
 
 def collective_bytes(
@@ -537,11 +560,12 @@ def plan_memory(
                 gradient_bytes=st["grads"],
                 optimizer_bytes=st["opt"],
                 activation_bytes=flight * stage_activation_bytes(cfg, plan, k, b)
-                + pipeline_buffer_bytes(cfg, plan, k, b),
+                + pipeline_buffer_bytes(cfg, plan, k, b, flight),
                 bucket_bytes=st["buckets"],
                 in_flight=flight,
                 offloaded_bytes=st["offloaded"],
-                buckets_in_backward=plan.zero_stage >= 2,
+                buckets_in_backward=plan.zero_stage >= 1,
+                step_bytes=st["step"],
             )
         )
     flops = (
@@ -614,7 +638,9 @@ def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
     for st in mp.stages:
         lines.append(
             f"  stage {st.stage}: params {st.params:,} | parameters {_gib(st.parameter_bytes)} | gradients "
-            f"{_gib(st.gradient_bytes)} | optimizer {_gib(st.optimizer_bytes)} | activations "
+            f"{_gib(st.gradient_bytes)}"
+            + (f" ({_gib(st.step_bytes)} of them at the step only)" if st.step_bytes else "")
+            + f" | optimizer {_gib(st.optimizer_bytes)} | activations "
             f"{_gib(st.activation_bytes)} ({st.in_flight} in flight) | buckets {_gib(st.bucket_bytes)} | "
             f"total {_gib(st.total)}"
             + (f" | offloaded to CPU {_gib(st.offloaded_bytes)}" if st.offloaded_bytes else "")

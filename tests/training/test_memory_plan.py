@@ -65,11 +65,17 @@ def test_zero_stage_bytes_fp32(stage: int, expected: tuple[int, int, int, int]) 
     st = mpl.plan_memory(cfg, plan, ds).stages[0]
     assert (st.parameter_bytes, st.gradient_bytes, st.optimizer_bytes, st.bucket_bytes) == expected
     states = sum(expected[:3])
-    # ZeRO-0/1 reduce after backward: the peak takes the larger of the bucket and the activations
-    peak = states + (
-        expected[3] + st.activation_bytes if stage >= 2 else max(expected[3], st.activation_bytes)
-    )
-    assert st.total == peak
+    act = st.activation_bytes
+    # ZeRO-0 all-reduces after backward: the peak takes the larger of its flat copy and the activations. ZeRO-1/2/3
+    # keep their reduce bucket from the first gradient to the boundary, beside the next micro-batch's activations;
+    # ZeRO-2's fp32 gradient copy (4 PART) exists only at the step, when the activations do not.
+    peak = {
+        0: states + max(expected[3], act),
+        1: states + expected[3] + act,
+        2: states - 4 * PART + expected[3] + max(act, 4 * PART),
+        3: states + expected[3] + act,
+    }[stage]
+    assert (st.step_bytes, st.total) == (4 * PART if stage == 2 else 0, peak)
 
 
 def test_bf16_master_weights_and_offload() -> None:
@@ -115,6 +121,14 @@ def test_activations_by_recompute_and_sequence_parallel() -> None:
     cfg, plan = _plan("--attention-dropout", "0", "--hidden-dropout", "0")
     sbh = 32 * 64
     assert mpl.layer_activation_bytes(cfg, plan, 1) == 4 * 16 * sbh + 8 * 4 * 32
+    # full recompute, one layer per chunk: both layers' inputs + one layer recomputed + the MLP's two [s, b, 4h]
+    # gradient temporaries (larger than the logits + final norm outside the layers: 4 x 32 x 128 + 8 sbh)
+    cfg, plan = _plan(
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--recompute-granularity", "full",
+        "--recompute-num-layers", "1",
+    )  # fmt: skip
+    layer = 4 * 16 * sbh + 8 * 4 * 32
+    assert mpl.stage_activation_bytes(cfg, plan, 0, 1) == 2 * 4 * sbh + layer + 2 * 4 * 4 * sbh
 
 
 def test_collective_bytes_hand_counts() -> None:
@@ -147,10 +161,16 @@ def test_pipeline_engine_buffers() -> None:
         "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1"
     )
     sbh = 32 * 64
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 4 * sbh
-    assert (
-        mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
-    )  # logits + grad
+    # first stage: each in-flight micro-batch's output + one gradient buffer
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 2 * 4 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1, in_flight=2) == 3 * 4 * sbh
+    # last stage: receive / gradient buffers; the logits and their gradient only without the fused loss
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 4 * 4 * sbh
+    cfg, plan = _plan(
+        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1",
+        "--no-cross-entropy-loss-fusion",
+    )  # fmt: skip
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
     cfg, plan = _plan()
     assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 0
 
