@@ -15,10 +15,10 @@ States per rank (DeepSpeed 0.19.8, a client torch Adam: two fp32 moments, 8 byte
 ``P = Psi / N`` the partition, ``R`` the reduce bucket (``reduce_bucket_size`` elements, at most Psi)::
 
     stage  parameters             gradients                  optimizer (master + moments)   buckets
-    0      pb Psi                 pb Psi (+ 4 Psi with bf16)  (4 Psi if pb = 2) + 8 Psi      pb R (DP > 1, after)
-    1      pb Psi                 pb Psi (+ 4 P with bf16)   (4 + 8) P                      pb R
-    2      pb Psi                 pb P + 4 P (after, fp32)   (4 + 8) P                      pb R
-    3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P with bf16)     (4 + 8) P                      pb R + pb Psi_p
+    0      pb Psi                 pb Psi (+ 4 Psi after, bf16) (4 Psi if pb = 2) + 8 Psi     pb R (DP > 1, after)
+    1      pb Psi                 pb Psi (+ 4 P after, bf16)  (4 + 8) P                      pb R
+    2      pb Psi                 pb P + 4 P after            (4 + 8) P                      pb R
+    3      pb (Psi_s + Psi_p/N)   pb P (+ 4 P after, bf16)    (4 + 8) P                      pb R + pb Psi_p
 
 DeepSpeed-MoE expert parameters (``stage_expert_param_count``: a rank's ``E / EP`` local experts) have the same rows
 with ``N`` the expert-data-parallel size (``DP x TP / EP`` with whole experts, ``DP / EP`` TP-split; DeepSpeed
@@ -29,14 +29,15 @@ whole (``Psi_s``) and was measured holding every partitioned one (``Psi_p``) gat
 ``--cpu-optimizer`` / ``offload_optimizer`` moves master weights, moments and the fp32 gradient partition to CPU;
 ``offload_param`` (ZeRO-3) the parameter partition too. ZeRO-1/2/3 allocate the reduce bucket at a micro-batch's
 first gradient and keep it to the accumulation boundary, beside the next micro-batch's activations; what is marked
-"after" exists only after backward (ZeRO-0's flat all-reduce copy, fp32 ZeRO-2's gradient copy for its fp32
-partition, made at the step), so the peak takes the larger of it and the activations. These rows were fitted to and
-checked against ``tools/bench_memory_plan.py`` (fp32, CPU); the bf16 rows are not measured.
+"after" exists only after backward (ZeRO-0's flat all-reduce copy; the fp32 gradients the optimizer steps on, which
+DeepSpeed makes at the step for bf16 runs and fp32 ZeRO-2), so the peak takes the larger of it and the activations.
+These rows were fitted to and checked against ``tools/bench_memory_plan.py`` (fp32 and bf16, CPU).
 
 Activations per layer per micro-batch, in bytes (measured on our layers, ``tools/bench_memory_plan.py``):
 
     no recompute   a s b h (4 + 12/t) [4 + 12/t -> 16/t with SP] + MLP beyond 4h
-                   + 4 bytes x s b h x 2 hidden-dropout masks (/t with SP) with --hidden-dropout > 0
+                   + s b h x 2 hidden-dropout masks (/t with SP) with --hidden-dropout > 0: 1 byte each on
+                     CUDA (a bool mask), a on CPU (scaled noise of the input's dtype)
                    + the attention: 8 bytes x b n s / t (flash: log-sum-exp), or with --attention-dropout > 0
                      (the math path) 12 bytes x b n s^2 / t + 2 a s b h / t
     selective      the same without the attention-score term
@@ -111,8 +112,8 @@ class StageMemory:
     them to the accumulation boundary); ZeRO-0's flat all-reduce copy comes after backward, so the peak takes the
     larger of it and the activations."""
     step_bytes: int = 0
-    """Part of ``gradient_bytes`` that exists only around the optimizer step, when no activations do (fp32
-    ZeRO-2's gradient copy for its fp32 partition)."""
+    """Part of ``gradient_bytes`` that exists only around the optimizer step, when no activations do (the fp32
+    gradients the optimizer steps on, in bf16 / fp16 runs and fp32 ZeRO-2)."""
 
     @property
     def states_bytes(self) -> int:
@@ -296,13 +297,14 @@ def _state_bytes(
     master = 0 if (pb == 4 and stage == 0) else 4
     opt_cpu = _offload(ds, "offload_optimizer") or t.cpu_optimizer
     part = -(-psi // n)  # DeepSpeed pads the flat partition up
-    step = 0
     if stage == 0:
         params, grads, opt = (
             pb * psi,
             pb * psi + (4 * psi if pb == 2 else 0),
             (master + moments) * psi,
         )
+        # the fp32 gradients of a bf16 / fp16 run: made for the step (measured: never beside the activations)
+        step = 4 * psi if pb == 2 else 0
         # DeepSpeedEngine all-reduces a flat copy of the gradients (skipped at DP = 1)
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size")) if n > 1 else 0
     else:
@@ -312,8 +314,8 @@ def _state_bytes(
         # gradient whole until the boundary's reduce (measured: 4 Psi in fp32 at the end of backward).
         whole = psi if stage == 1 else part
         grads = pb * whole + (4 * part if pb == 2 or stage == 2 else 0)
-        # measured (fp32): ZeRO-2's fp32 copy is made at the step, after backward has freed every activation
-        step = 4 * part if pb == 4 and stage == 2 else 0
+        # measured: that fp32 copy is made at the step, after backward has freed every activation
+        step = grads - pb * whole
         opt = (master + moments) * part
         # allocated at a micro-batch's first gradient, kept to the boundary (ZeRO-1 reduces only there; the next
         # micro-batch's forward runs beside it)
@@ -327,6 +329,7 @@ def _state_bytes(
     if opt_cpu and stage >= 1:
         offloaded += opt + (4 * part if pb == 2 else 0)
         grads -= 4 * part if pb == 2 else 0
+        step -= 4 * part if pb == 2 else 0
         opt = 0
     if stage == 3 and _offload(ds, "offload_param"):
         offloaded += params
@@ -339,6 +342,14 @@ def _state_bytes(
         "offloaded": offloaded,
         "step": step,
     }
+
+
+def _mask_bytes(plan: RunPlan) -> int:
+    """Bytes per element of a saved dropout mask: CUDA's fused dropout keeps a bool mask; on CPU ``F.dropout``
+    multiplies by a scaled noise tensor of the input's dtype (measured in fp32 and bf16)."""
+    if plan.device_type == "cuda":
+        return 1
+    return 4 if plan.precision == "fp32" else 2
 
 
 def layer_activation_bytes(
@@ -359,7 +370,7 @@ def layer_activation_bytes(
     mlp = s * b * (fc1_out + m.ffn_size) if experts == 1 else 0
     sharded = a * (qkv + sbh + mlp)
     whole = a * 4 * sbh  # the two norms' inputs and outputs
-    masks = 2 * 4 * sbh if m.hidden_dropout > 0 else 0
+    masks = 2 * _mask_bytes(plan) * sbh if m.hidden_dropout > 0 else 0
     sp = plan.sequence_parallel
     total = sharded // t + (whole // t if sp else whole) + (masks // t if sp else masks)
     if experts > 1:
@@ -382,7 +393,7 @@ def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int)
     sbh = m.seq_length * b * m.hidden_size
     total = 0
     if stage == 0:
-        total += a * sbh + (4 * sbh if m.hidden_dropout > 0 else 0)
+        total += a * sbh + (_mask_bytes(plan) * sbh if m.hidden_dropout > 0 else 0)
     if stage == pp - 1:
         total += 4 * m.seq_length * b * plan.padded_vocab_size // t + 2 * a * sbh
     return total
@@ -391,11 +402,11 @@ def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int)
 def pipeline_buffer_bytes(
     cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int, in_flight: int = 1
 ) -> int:
-    """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured at the peak, fused
-    cross-entropy): on the last stage four ``[s, b, h]`` receive / gradient buffers, plus the logits it keeps as
-    the stage output and their gradient (2 x fp32 ``[s, b, v/t]``) with ``--no-cross-entropy-loss-fusion`` (the
-    fused loss writes its gradient into the logits); on the others each in-flight micro-batch's output, which it
-    keeps for the backward, and one gradient buffer. 0 without a pipeline."""
+    """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured at the peak): on the last stage
+    four ``[s, b, h]`` receive / gradient buffers, plus the logits it keeps as the stage output and their gradient
+    (2 x fp32 ``[s, b, v/t]``) with ``--no-cross-entropy-loss-fusion`` (the fused loss writes its gradient into the
+    logits; in bf16 / fp16 the low-precision logits and their gradient stay); on the others each in-flight
+    micro-batch's output, which it keeps for the backward, and one gradient buffer. 0 without a pipeline."""
     if not plan.pipeline_engine:
         return 0
     m = cfg.model
@@ -406,7 +417,13 @@ def pipeline_buffer_bytes(
     logits = (
         4 * m.seq_length * micro_batch * plan.padded_vocab_size // plan.tensor_model_parallel_size
     )
-    return (0 if m.cross_entropy_loss_fusion else 2 * logits) + 4 * a * sbh
+    # measured: the unfused loss keeps the logits and their gradient; the fused one writes its gradient into the
+    # logits, but in bf16 / fp16 the low-precision logits and their gradient (around the fp32 cast) remain
+    if not m.cross_entropy_loss_fusion:
+        extra = 2 * logits
+    else:
+        extra = 0 if a == 4 else 2 * (logits * a // 4)
+    return extra + 4 * a * sbh
 
 
 def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:

@@ -87,12 +87,39 @@ def test_bf16_master_weights_and_offload() -> None:
         2 * PSI + 4 * PART,
         12 * PART,
     )
+    # the fp32 partition is made at the step: it counts against the activations, not beside them
+    assert st.step_bytes == 4 * PART
+    assert st.total == 2 * PSI + 2 * PSI + 12 * PART + st.bucket_bytes + max(
+        st.activation_bytes, 4 * PART
+    )
     off = mpl.plan_memory(
         cfg, plan, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     )
     assert off.stages[0].optimizer_bytes == 0
     assert off.stages[0].offloaded_bytes == 16 * PART
-    assert off.stages[0].gradient_bytes == 2 * PSI
+    assert (off.stages[0].gradient_bytes, off.stages[0].step_bytes) == (2 * PSI, 0)
+    # ZeRO-0: bf16 gradients + their fp32 copy for the step, of the whole model
+    st = mpl.plan_memory(*_plan("--zero-stage", "0", "--bf16"), {}).stages[0]
+    assert (st.gradient_bytes, st.step_bytes) == (6 * PSI, 4 * PSI)
+
+
+def test_dropout_mask_bytes_by_device() -> None:
+    """A hidden-dropout mask is a bool on CUDA, the input's dtype on CPU (F.dropout's scaled noise)."""
+    sbh = 32 * 64
+    for device, bf16, mask in (("cuda", False, 1), ("cpu", False, 4), ("cpu", True, 2)):
+        flags = [
+            "--hidden-dropout",
+            "0.1",
+            "--attention-dropout",
+            "0",
+            *(["--bf16"] if bf16 else []),
+        ]
+        cfg = parse_args([*SMALL, *flags])
+        plan = RunPlan.build(cfg, world_size=1, device_type=device, true_vocab=100)
+        cfg0 = parse_args([*SMALL, *flags[:1], "0", *flags[2:]])
+        plan0 = RunPlan.build(cfg0, world_size=1, device_type=device, true_vocab=100)
+        diff = mpl.layer_activation_bytes(cfg, plan, 1) - mpl.layer_activation_bytes(cfg0, plan0, 1)
+        assert diff == 2 * mask * sbh, device
 
 
 def test_one_f_one_b_in_flight() -> None:
@@ -171,6 +198,17 @@ def test_pipeline_engine_buffers() -> None:
         "--no-cross-entropy-loss-fusion",
     )  # fmt: skip
     assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
+    # bf16, fused loss: the bf16 logits and their gradient beside the fp32 ones
+    cfg, plan = _plan(
+        "--pipeline-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--zero-stage",
+        "1",
+        "--bf16",
+    )
+    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 2 * 32 * 128 + 4 * 2 * sbh
     cfg, plan = _plan()
     assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 0
 
