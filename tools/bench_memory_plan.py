@@ -2,6 +2,7 @@
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m tools.bench_memory_plan            # every layout
     python -m tools.bench_memory_plan --only zero1-dp2 --json out.jsonl
+    python -m tools.bench_memory_plan --model-flags=--bf16                           # bf16 (or any other flags)
 
 For each layout (ZeRO 0-3 x TP 1-2 x PP 1-2, SP, recompute) a real ``pretrain``-built engine (the same preflight,
 engine, iterators and step function as a run) trains ``--steps`` steps on mock data, and per rank we report the
@@ -338,7 +339,7 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     _wrap_step_sampling(trainer.engine, sample)
     # inside backward, once the last gradient of a micro-batch exists (DeepSpeed's gradient buckets alive); from
     # the second step on after every parameter's gradient too, where states grow as activations are freed
-    first, *rest = trainer.engine.module.parameters()
+    first, *rest = (p for p in trainer.engine.module.parameters() if p.requires_grad)
     first.register_post_accumulate_grad_hook(lambda _: sample())
     for p in rest:
         p.register_post_accumulate_grad_hook(lambda _: sample() if saved.at_peak else None)
