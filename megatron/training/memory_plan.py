@@ -181,11 +181,17 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(first, first + layers_of_stage(num_layers, pp, stage))
 
 
+def _fc1_width(cfg: TridentConfig) -> int:
+    """Output columns of the MLP's first linear (SwiGLU's gate and up projections together), before TP."""
+    m = cfg.model
+    return 2 * m.ffn_size if m.swiglu else m.ffn_size
+
+
 def _mlp_tensors(cfg: TridentConfig, tp: int) -> list[int]:
     """Element counts of one MLP's (``ParallelMLP``) parameter tensors split over ``tp`` ranks."""
     m = cfg.model
     h, ffn = m.hidden_size, m.ffn_size
-    fc1_out = (2 * ffn if m.swiglu else ffn) // tp
+    fc1_out = _fc1_width(cfg) // tp
     sizes = [h * fc1_out, ffn // tp * h]
     return sizes + [fc1_out, h] if m.add_bias_linear else sizes
 
@@ -363,7 +369,7 @@ def layer_activation_bytes(
     t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
     s, b, h, n = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads
     sbh = s * b * h
-    fc1_out = 2 * m.ffn_size if m.swiglu else m.ffn_size
+    fc1_out = _fc1_width(cfg)
     qkv = s * b * (n + 2 * m.num_query_groups) * m.head_dim
     experts = 1 if layer is None else experts_of_layer(cfg, layer)
     # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
@@ -450,7 +456,7 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
     chunk = max(1, m.recompute_num_layers)
     # the peak is in a recomputed chunk's backward, where the MLP's two gradient temporaries ([s, b, f] and
     # [s, b, fc1 out], TP-split) come on top of the chunk's activations (measured: the rest of the step is smaller)
-    fc1_out = 2 * m.ffn_size if m.swiglu else m.ffn_size
+    fc1_out = _fc1_width(cfg)
     grads = (
         a * m.seq_length * micro_batch * (m.ffn_size + fc1_out) // plan.tensor_model_parallel_size
     )
