@@ -333,10 +333,10 @@ def _state_bytes(
         buckets += pb * (psi - persistent)
     offloaded = 0
     if opt_cpu and stage >= 1:
-        offloaded += opt + (4 * part if pb == 2 else 0)
-        grads -= 4 * part if pb == 2 else 0
-        step -= 4 * part if pb == 2 else 0
-        opt = 0
+        # the fp32 gradient partition (a bf16 / fp16 run's step gradients) goes to CPU too
+        moved = 4 * part if pb == 2 else 0
+        offloaded += opt + moved
+        grads, step, opt = grads - moved, step - moved, 0
     if stage == 3 and _offload(ds, "offload_param"):
         offloaded += params
         params = 0
