@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ops.h"
+#include "vec_io.h"
 
 namespace trident {
 
@@ -27,6 +28,8 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Trident fused kernels, CPU (ATen) implementation";
   m.def("build_info", &trident::build_info, "Vector ISA the kernels were compiled for");
+  // Outputs of this many bytes or more are written with streaming stores (the norms; see vec_io.h).
+  m.attr("stream_bytes") = trident::vec_io::kStreamBytes;
 
   // Norms.
   m.def("layer_norm_fwd", &trident::layer_norm_fwd, "LayerNorm forward -> [y, mean, rstd]",

@@ -67,13 +67,15 @@ def test_the_built_extension_is_the_recorded_flavour() -> None:
 
 @pytest.mark.parametrize("flavour", OTHER_FLAVOURS)
 def test_other_flavours_compile(flavour: str, tmp_path: Path) -> None:
-    """softmax.cpp holds the only hand-written intrinsics (one block per flavour): each must compile."""
+    """softmax.cpp and norms.cpp (through vec_io.h) hold the hand-written intrinsics, one block per flavour: each
+    must compile."""
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     flags = [f for f in loader.cpu_cflags(flavour) if f != "-O3"]
     cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-Wall", *flags, *includes]
-    cmd += [f"-I{ROOT / 'csrc' / 'cpu'}", str(ROOT / "csrc" / "cpu" / "softmax.cpp")]
+    cmd += [f"-I{ROOT / 'csrc' / 'cpu'}"]
+    cmd += [str(ROOT / "csrc" / "cpu" / name) for name in ("softmax.cpp", "norms.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -105,6 +105,30 @@ def test_norms(device: str, dtype: torch.dtype, h: int) -> None:
     _check(lambda x, g, fused: fk.rms_norm(x, g, 1e-5, fused=fused), [x, gamma], dtype, floor=floor)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_with_streamed_outputs(dtype: torch.dtype) -> None:
+    """Outputs of the extension's ``stream_bytes`` and more are written with streaming stores (CPU): the same
+    values, with rows of h = 769 starting at every alignment (the plain head and tail of each row)."""
+    ext = fk.extension("cpu")
+    h = 769
+    rows = ext.stream_bytes // (h * torch.empty(0, dtype=dtype).element_size()) + 1
+    x = _randn(rows, h, dtype=dtype, device="cpu", seed=11, scale=2.0) + 0.5
+    gamma = _randn(h, dtype=dtype, device="cpu", seed=12) + 1.0
+    beta = _randn(h, dtype=dtype, device="cpu", seed=13)
+    # dgamma / dbeta sum `rows` terms of ~0.6 in magnitude each: fp32 rounding grows with that sum of magnitudes,
+    # not with the result (~sqrt(rows)); measure them against a tenth of it
+    sums = 0.1 * rows
+    _check(
+        lambda x, g, b, fused: fk.layer_norm(x, g, b, 1e-5, fused=fused),
+        [x, gamma, beta],
+        dtype,
+        floor={2: sums, 3: sums},
+    )
+    _check(
+        lambda x, g, fused: fk.rms_norm(x, g, 1e-5, fused=fused), [x, gamma], dtype, floor={2: sums}
+    )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("s", [1, 7, 128, 300])
