@@ -44,12 +44,46 @@ class OptionalBuildExt(_BASE):  # type: ignore[misc, valid-type]
             )
 
     def build_extension(self, ext) -> None:  # type: ignore[no-untyped-def]
+        record = _sources_record(ext)
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
+            if record is not None:
+                record[0].unlink(missing_ok=True)
+            removed = self._remove_stale(ext)
             sys.stderr.write(
-                f"WARNING: optional extension {ext.name} not built ({exc}); using its Python fallback.\n"
+                f"WARNING: optional extension {ext.name} not built ({exc}); using its Python fallback"
+                + (f" (removed the stale {', '.join(removed)})" if removed else "")
+                + ".\n"
             )
+        else:  # built (or up to date: depends= lists the headers): the loader checks the record against csrc/
+            if record is not None:
+                record[0].write_text(record[1] + "\n", encoding="utf-8")
+
+    def _remove_stale(self, ext) -> list[str]:  # type: ignore[no-untyped-def]
+        """Deletes what an earlier build of ``ext`` left (in the build folder, and in the source tree for
+        ``--inplace`` / editable installs, which copy the build folder's file there even after a failed compile):
+        a binary of older sources must not be imported as if it were built from these."""
+        built = Path(self.get_ext_fullpath(ext.name))
+        in_tree = ROOT.joinpath(*ext.name.split(".")[:-1]) / built.name
+        removed = []
+        for path in dict.fromkeys([built.resolve(), in_tree.resolve()]):
+            if path.is_file():
+                path.unlink()
+                removed.append(str(path))
+        return removed
+
+
+def _sources_record(ext) -> tuple[Path, str] | None:  # type: ignore[no-untyped-def]
+    """For a fused-kernel extension: the file recording its sources' digest and that digest (else None)."""
+    kind = {"megatron.fused_kernels._cpu": "cpu", "megatron.fused_kernels._cuda": "cuda"}.get(
+        ext.name
+    )
+    if kind is None:
+        return None
+    from megatron.fused_kernels.loader import prebuilt_sources_file, sources, sources_digest
+
+    return prebuilt_sources_file(kind), sources_digest(sources(kind, ROOT / "csrc"))
 
 
 def _extensions() -> list:
@@ -69,6 +103,7 @@ def _extensions() -> list:
                 [str(helpers.relative_to(ROOT))],
                 cxx_std=17,
                 extra_compile_args=["-O3"],
+                optional=True,  # also: a failed build's file is not copied in place (it was removed)
             )
         )
     return exts + _kernel_extensions()
@@ -88,9 +123,13 @@ def _kernel_extensions() -> list:
         CPU_LDFLAGS,
         build_flavour,
         cpu_cflags,
+        headers,
         prebuilt_flavour_file,
         sources,
     )
+
+    def rel(paths: list[Path]) -> list[str]:
+        return [str(p.relative_to(ROOT)) for p in paths]
 
     exts = []
     cpu = sources("cpu", ROOT / "csrc")
@@ -104,9 +143,11 @@ def _kernel_extensions() -> list:
         exts.append(
             cpp_extension.CppExtension(
                 "megatron.fused_kernels._cpu",
-                [str(p.relative_to(ROOT)) for p in cpu],
+                rel(cpu),
+                depends=rel(headers(cpu)),  # an edited header alone rebuilds too
                 extra_compile_args={"cxx": cpu_cflags(flavour)},
                 extra_link_args=CPU_LDFLAGS,
+                optional=True,
             )
         )
     cuda = sources("cuda", ROOT / "csrc")
@@ -118,8 +159,10 @@ def _kernel_extensions() -> list:
         exts.append(
             cpp_extension.CUDAExtension(
                 "megatron.fused_kernels._cuda",
-                [str(p.relative_to(ROOT)) for p in cuda],
+                rel(cuda),
+                depends=rel(headers(cuda)),
                 extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+                optional=True,
             )
         )
     return exts

@@ -153,6 +153,19 @@ def default_cache_root() -> Path:
     return Path(base) / "trident" / "kernels"
 
 
+def headers(srcs: list[Path]) -> list[Path]:
+    """The headers beside ``srcs`` (what they may include)."""
+    return sorted({h for src in srcs for h in src.parent.glob("*.h")})
+
+
+def sources_digest(srcs: list[Path]) -> str:
+    """A hash of the names and contents of ``srcs`` and their headers."""
+    digest = hashlib.sha256()
+    for path in [*srcs, *headers(srcs)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def build_key(name: str, srcs: list[Path], flags: list[str]) -> str:
     """A folder name that changes with the sources, the flags, torch and Python."""
     import torch
@@ -160,13 +173,8 @@ def build_key(name: str, srcs: list[Path], flags: list[str]) -> str:
     digest = hashlib.sha256()
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")  # unset: torch builds for the GPU it sees
     parts = (name, torch.__version__, str(torch.version.cuda), arch, sys.version, " ".join(flags))
-    for part in parts:
+    for part in (*parts, sources_digest(srcs)):
         digest.update(part.encode() + b"\0")
-    for src in srcs:
-        digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    headers = sorted({h for src in srcs for h in src.parent.glob("*.h")})
-    for header in headers:
-        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
     return f"{name}-{digest.hexdigest()[:16]}"
 
 
@@ -255,12 +263,29 @@ def prebuilt_flavour_file() -> Path:
     return Path(__file__).resolve().parent / "_cpu.flavour"
 
 
+def prebuilt_sources_file(kind: str) -> Path:
+    """Where ``setup.py`` records ``sources_digest`` of the sources it built the ``kind`` extension from."""
+    return Path(__file__).resolve().parent / f"_{kind}.sources"
+
+
 def _prebuilt_refused(kind: str) -> str | None:
     """Why the extension built at install must not even be imported here (None: import it).
 
-    Checked before the import: importing AVX2 / AVX512 code on a CPU without them can kill the process (SIGILL)."""
+    Checked before the import: importing AVX2 / AVX512 code on a CPU without them can kill the process (SIGILL).
+    In a checkout (``csrc/`` present) the extension must also have been built from the sources there: one built
+    before they were edited (and not rebuilt, or whose rebuild failed) is refused, and the JIT build compiles them."""
     if os.environ.get(PREBUILT_ENV) == "0":
         return f"{PREBUILT_ENV}=0"
+    srcs = sources(kind)
+    if srcs:
+        record = prebuilt_sources_file(kind)
+        recorded = record.read_text(encoding="utf-8").strip() if record.is_file() else ""
+        if recorded != sources_digest(srcs):
+            return (
+                f"it was not built from the sources in {csrc_dir() / kind} ({record.name} "
+                + ("records others" if recorded else "is missing")
+                + "; they were edited after the install). Rebuild it: pip install --no-build-isolation -e ."
+            )
     if kind != "cpu":
         return None
     flavour = prebuilt_flavour_file()

@@ -1,5 +1,6 @@
 """The kernel loader: concurrent JIT builds compile once and never load a half-written build; a machine that cannot
-build (no compiler) still trains, on the references, with one warning.
+build (no compiler) still trains, on the references, with one warning; an extension built from other sources than
+csrc/ holds now is never loaded (the loader refuses it, a failed ``setup.py`` build removes it).
 
 The concurrency test builds a tiny Python extension (no torch headers: it compiles in about a second) through the
 same ``jit_build`` the kernels use, from 4 processes started together on one cache folder.
@@ -9,7 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
 
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
@@ -115,3 +123,82 @@ def test_ranks_agree_on_kernels() -> None:
     one_lacks = run_distributed(_agree, 2, 1)
     assert [have for have, _ in one_lacks] == [False, False], one_lacks
     assert "ranks [1] have no kernels" in one_lacks[0][1], one_lacks
+
+
+def test_an_extension_built_from_other_sources_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The install records its sources' digest; the loader refuses (and JIT-builds instead of) an extension whose
+    record does not match csrc/ (edited since), or that has no record."""
+    from megatron.fused_kernels import loader
+
+    monkeypatch.delenv(loader.PREBUILT_ENV, raising=False)
+    installed = loader.prebuilt_sources_file("cpu")
+    assert installed.is_file(), "the install did not record the CPU kernels' sources"
+    assert installed.read_text().strip() == loader.sources_digest(loader.sources("cpu"))
+    if loader.host_runs(loader.prebuilt_flavour_file().read_text().strip()):
+        assert loader._prebuilt_refused("cpu") is None
+    record = tmp_path / "_cpu.sources"
+    monkeypatch.setattr(loader, "prebuilt_sources_file", lambda kind: record)
+    why = loader._prebuilt_refused("cpu")
+    assert why is not None and "is missing" in why and "pip install" in why, why
+    record.write_text("0" * 64 + "\n")
+    why = loader._prebuilt_refused("cpu")
+    assert why is not None and "records others" in why and str(loader.csrc_dir() / "cpu") in why, (
+        why
+    )
+
+
+FAILING_CXX = """#!/bin/sh
+# a compiler that answers version probes and fails every compile
+case "$*" in *--version*|*-dumpversion*|*-dumpfullversion*) exec c++ "$@";; esac
+echo "planted compile failure" >&2
+exit 1
+"""
+
+
+def test_a_failed_build_removes_the_stale_extension(tmp_path: Path) -> None:
+    """setup.py in a copy of the checkout with an earlier build's extension in place (in-tree and in build/), and
+    a compiler that fails: one warning, exit 0, and no stale binary left to be imported as if built from these
+    sources (nor a sources record claiming so)."""
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(root / name, tree / name)
+    for name in ("megatron", "csrc"):
+        shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    from megatron.fused_kernels import loader
+
+    so = next(Path(loader.__file__).parent.glob("_cpu*.so"), None)
+    if so is None:
+        pytest.skip("no CPU extension built at install to plant")
+    in_tree = tree / "megatron" / "fused_kernels" / so.name
+    platlib = f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    in_build = tree / "build" / platlib / "megatron" / "fused_kernels" / so.name
+    in_build.parent.mkdir(parents=True)
+    for stale in (in_tree, in_build):
+        shutil.copy(so, stale)
+    (tree / "megatron" / "fused_kernels" / "_cpu.sources").write_text("stale\n")
+    cxx = tmp_path / "failing-c++"
+    cxx.write_text(FAILING_CXX)
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "CC": str(cxx)}
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "optional extension megatron.fused_kernels._cpu not built" in done.stderr, done.stderr[
+        -3000:
+    ]
+    removed = done.stderr.split("fused_kernels._cpu not built", 1)[1].split("\n", 1)[0]
+    assert (
+        "removed the stale" in removed and str(in_tree) in removed and str(in_build) in removed
+    ), removed
+    assert not in_tree.exists() and not in_build.exists()
+    assert not (tree / "megatron" / "fused_kernels" / "_cpu.sources").exists()
