@@ -28,8 +28,15 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Trident fused kernels, CPU (ATen) implementation";
   m.def("build_info", &trident::build_info, "Vector ISA the kernels were compiled for");
-  // Outputs of this many bytes or more are written with streaming stores (the norms; see vec_io.h).
+  // The norms write outputs of this many bytes or more with streaming stores, where their pages are resident
+  // (see vec_io.h).
   m.attr("stream_bytes") = trident::vec_io::kStreamBytes;
+  m.def(
+      "worth_streaming",
+      [](const at::Tensor& out) {
+        return trident::vec_io::worth_streaming(out.const_data_ptr(), out.nbytes());
+      },
+      "Whether the norms would write this output with streaming stores", py::arg("out"));
 
   // Norms.
   m.def("layer_norm_fwd", &trident::layer_norm_fwd, "LayerNorm forward -> [y, mean, rstd]",

@@ -16,13 +16,14 @@
 // RMSNorm, backward (g_j = dy_j * gamma_j):
 //   dx_j = rstd * (g_j - xhat_j * (1/h) sum_k g_k xhat_k),  dgamma_j = sum_rows dy_j xhat_j
 //
-// Outputs (y, dx) of vec_io::kStreamBytes and more are written with streaming stores: they go to memory without
-// first being read into the cache (see vec_io.h); on the 2-core box this made LayerNorm fwd + bwd at GPT-2 124M
-// shapes ~1.2x ATen's instead of level with it.
+// Outputs (y, dx) of vec_io::kStreamBytes and more are written with streaming stores where their pages are
+// resident: they go to memory without first being read into the cache (see vec_io.h); on the 2-core box this made
+// LayerNorm fwd + bwd at GPT-2 124M shapes ~1.2x ATen's instead of level with it.
 //
 // dgamma / dbeta: the rows are split into at most num_threads contiguous chunks; each chunk sums
-// (in blocks of 4 rows, row order kept) into its own fp32 partial row, the partials are added in chunk order (deterministic for a given
-// thread count) and cast to gamma's dtype.
+// (in blocks of 4 rows, row order kept; every 64 rows' sum added to the chunk's) into its own fp32
+// partial row, the partials are added in chunk order (deterministic for a given thread count) and
+// cast to gamma's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -171,16 +172,29 @@ std::vector<int64_t> stat_shape(const at::Tensor& x) {
   return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
 }
 
-// Whether an output of rows x h values of T is written with streaming stores (see vec_io::kStreamBytes).
+// Whether the output out[0, rows x h) is written with streaming stores (see vec_io::worth_streaming).
 template <typename T>
-bool streamed(int64_t rows, int64_t h) {
-  return rows * h * static_cast<int64_t>(sizeof(T)) >= vec_io::kStreamBytes;
+bool streamed(const T* out, int64_t rows, int64_t h) {
+  return vec_io::worth_streaming(out, rows * h * static_cast<int64_t>(sizeof(T)));
 }
 
 // Row chunks for a backward with a cross-row reduction: one per thread at most.
 int64_t num_chunks(int64_t rows, int64_t h) {
   const int64_t by_size = (rows + grain_rows(h) - 1) / grain_rows(h);
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_size));
+}
+
+// to[j] += from[j], then from[j] = 0.
+void add_and_clear(float* from, float* to, int64_t n) {
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    (Vec::loadu(to + j) + Vec::loadu(from + j)).store(to + j);
+    Vec(0.f).store(from + j);
+  }
+  for (; j < n; ++j) {
+    to[j] += from[j];
+    from[j] = 0.f;
+  }
 }
 
 // Sum the [chunks, h] fp32 partials in chunk order into out[h].
@@ -197,7 +211,7 @@ void sum_partials(const float* part, int64_t chunks, int64_t h, float* out) {
 template <typename T>
 void layer_norm_fwd_kernel(const T* x, const float* gamma, const float* beta, T* y, float* mean,
                            float* rstd, int64_t rows, int64_t h, float eps) {
-  const bool stream = streamed<T>(rows, h);
+  const bool stream = streamed(y, rows, h);
   at::parallel_for(0, rows, grain_rows(h), [&](int64_t r0, int64_t r1) {
     std::vector<float> xbuf(h), ybuf(h);
     for (int64_t r = r0; r < r1; ++r) {
@@ -227,15 +241,22 @@ void norm_bwd_kernel(const T* dy, const T* x, const float* mean, const float* rs
                      int64_t h, int64_t chunks) {
   // Rows go in blocks of kB: the dgamma / dbeta partial rows are loaded and stored once per block.
   constexpr int64_t kB = 4;
-  const bool stream = streamed<T>(rows, h);
+  // Two-level sums: kInner rows into a running row (zeroed after), that into the chunk's partial. A single running
+  // fp32 sum over thousands of rows (one thread) drifted 1.2e-6 from float64; this keeps it well below 1e-6.
+  constexpr int64_t kInner = 64;
+  const bool stream = streamed(dx, rows, h);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> xbuf(kB * h), dybuf(kB * h), dxbuf(kB * h);
+    std::vector<float> inner(kLayer ? 2 * h : h);
     const float inv_h = 1.f / static_cast<float>(h);
     for (int64_t c = c0; c < c1; ++c) {
-      float* dg = dgamma_part + c * h;
-      float* db = kLayer ? dbeta_part + c * h : nullptr;
-      std::fill(dg, dg + h, 0.f);
-      if (kLayer) std::fill(db, db + h, 0.f);
+      float* const part_g = dgamma_part + c * h;
+      float* const part_b = kLayer ? dbeta_part + c * h : nullptr;
+      std::fill(part_g, part_g + h, 0.f);
+      if (kLayer) std::fill(part_b, part_b + h, 0.f);
+      std::fill(inner.begin(), inner.end(), 0.f);
+      float* dg = inner.data();
+      float* db = kLayer ? inner.data() + h : nullptr;
       const int64_t ra = rows * c / chunks, rb = rows * (c + 1) / chunks;
       for (int64_t r0 = ra; r0 < rb; r0 += kB) {
         const int64_t nb = std::min(kB, rb - r0);
@@ -285,6 +306,10 @@ void norm_bwd_kernel(const T* dy, const T* x, const float* mean, const float* rs
           if (kLayer && h == 1) dxr[i][0] = 0.f;
           write_row(dxr[i], dx + (r0 + i) * h, h, stream);
         }
+        if ((r0 + nb - ra) % kInner == 0 || r0 + nb == rb) {
+          add_and_clear(dg, part_g, h);
+          if (kLayer) add_and_clear(db, part_b, h);
+        }
       }
     }
     if (stream) vec_io::stream_fence();
@@ -294,7 +319,7 @@ void norm_bwd_kernel(const T* dy, const T* x, const float* mean, const float* rs
 template <typename T>
 void rms_norm_fwd_kernel(const T* x, const float* gamma, T* y, float* rstd, int64_t rows, int64_t h,
                          float eps) {
-  const bool stream = streamed<T>(rows, h);
+  const bool stream = streamed(y, rows, h);
   at::parallel_for(0, rows, grain_rows(h), [&](int64_t r0, int64_t r1) {
     std::vector<float> xbuf(h), ybuf(h);
     std::vector<T> tbuf(stream && !std::is_same_v<T, float> ? h : 0);

@@ -10,6 +10,7 @@ bits: one rounding is 4e-3 / 5e-4, and a kernel rounds once where the reference 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 
 import pytest
@@ -106,27 +107,41 @@ def test_norms(device: str, dtype: torch.dtype, h: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_with_streamed_outputs(dtype: torch.dtype) -> None:
-    """Outputs of the extension's ``stream_bytes`` and more are written with streaming stores (CPU): the same
-    values, with rows of h = 769 starting at every alignment (the plain head and tail of each row)."""
+def test_norms_with_streamed_outputs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norms write outputs of the extension's ``stream_bytes`` and more with streaming stores, where their pages
+    are resident (``TRIDENT_STREAMING_STORES=1``: always): the same values, with rows of h = 769 starting at every
+    alignment (the plain head and tail of each row)."""
     ext = fk.extension("cpu")
+    esize = torch.empty(0, dtype=dtype).element_size()
+    if ext.build_info() == "default":
+        pytest.skip("the default flavour has no streaming stores")
+    # the decision: size, then residency (an untouched anonymous mapping's pages are not there yet), then the
+    # override
+    big = ext.stream_bytes // esize + 4096
+    monkeypatch.delenv("TRIDENT_STREAMING_STORES", raising=False)
+    assert not ext.worth_streaming(torch.ones(big // 2, dtype=dtype))
+    mapping = mmap.mmap(-1, big * esize)
+    fresh = torch.frombuffer(mapping, dtype=dtype)
+    assert not ext.worth_streaming(fresh)
+    fresh.fill_(1.0)
+    assert ext.worth_streaming(fresh)
+    monkeypatch.setenv("TRIDENT_STREAMING_STORES", "0")
+    assert not ext.worth_streaming(fresh)
+    del fresh
+    mapping.close()
+    monkeypatch.setenv("TRIDENT_STREAMING_STORES", "1")
+    assert ext.worth_streaming(torch.empty(big, dtype=dtype))
+
     h = 769
-    rows = ext.stream_bytes // (h * torch.empty(0, dtype=dtype).element_size()) + 1
+    rows = ext.stream_bytes // (h * esize) + 1
     x = _randn(rows, h, dtype=dtype, device="cpu", seed=11, scale=2.0) + 0.5
     gamma = _randn(h, dtype=dtype, device="cpu", seed=12) + 1.0
     beta = _randn(h, dtype=dtype, device="cpu", seed=13)
-    # dgamma / dbeta sum `rows` terms of ~0.6 in magnitude each: fp32 rounding grows with that sum of magnitudes,
-    # not with the result (~sqrt(rows)); measure them against a tenth of it
-    sums = 0.1 * rows
+    # dgamma / dbeta sum thousands of rows here: one running fp32 sum drifted 1.2e-6 from float64 on one thread
     _check(
-        lambda x, g, b, fused: fk.layer_norm(x, g, b, 1e-5, fused=fused),
-        [x, gamma, beta],
-        dtype,
-        floor={2: sums, 3: sums},
+        lambda x, g, b, fused: fk.layer_norm(x, g, b, 1e-5, fused=fused), [x, gamma, beta], dtype
     )
-    _check(
-        lambda x, g, fused: fk.rms_norm(x, g, 1e-5, fused=fused), [x, gamma], dtype, floor={2: sums}
-    )
+    _check(lambda x, g, fused: fk.rms_norm(x, g, 1e-5, fused=fused), [x, gamma], dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
