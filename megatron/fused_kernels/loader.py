@@ -276,6 +276,8 @@ def _prebuilt_refused(kind: str) -> str | None:
     before they were edited (and not rebuilt, or whose rebuild failed) is refused, and the JIT build compiles them."""
     if os.environ.get(PREBUILT_ENV) == "0":
         return f"{PREBUILT_ENV}=0"
+    if importlib.util.find_spec(PREBUILT[kind]) is None:
+        return None  # nothing was built at install: the import fails and the JIT build follows, as it should
     srcs = sources(kind)
     if srcs:
         record = prebuilt_sources_file(kind)

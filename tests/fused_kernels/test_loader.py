@@ -129,7 +129,8 @@ def test_an_extension_built_from_other_sources_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The install records its sources' digest; the loader refuses (and JIT-builds instead of) an extension whose
-    record does not match csrc/ (edited since), or that has no record."""
+    record does not match csrc/ (edited since), or that has no record; where none was built there is nothing to
+    refuse."""
     from megatron.fused_kernels import loader
 
     monkeypatch.delenv(loader.PREBUILT_ENV, raising=False)
@@ -147,6 +148,9 @@ def test_an_extension_built_from_other_sources_is_refused(
     assert why is not None and "records others" in why and str(loader.csrc_dir() / "cpu") in why, (
         why
     )
+    # nothing built at install (no compiler then): no refusal to warn about, the JIT build simply follows
+    monkeypatch.setitem(loader.PREBUILT, "cpu", "megatron.fused_kernels._not_built")
+    assert loader._prebuilt_refused("cpu") is None
 
 
 FAILING_CXX = """#!/bin/sh
