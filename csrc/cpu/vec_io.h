@@ -111,11 +111,6 @@ inline float* out_as_float(T* dst, float* buf) {
   }
 }
 
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) at::vec::convert(src, dst, n);
-}
-
 // Converts n fp32 values to T and stores them plainly.
 template <typename T>
 inline void store_plain(const float* src, T* dst, int64_t n) {
@@ -124,6 +119,12 @@ inline void store_plain(const float* src, T* dst, int64_t n) {
   } else {
     at::vec::convert(src, dst, n);
   }
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>)
+    store_plain(src, dst, n);  // fp32: src is dst (out_as_float)
 }
 
 // Non-temporal ("streaming") row stores. A plain store first reads every cache line it writes (the line is
