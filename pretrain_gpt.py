@@ -4,7 +4,7 @@ Launch with ``torchrun``, ``deepspeed``, a plain RANK/WORLD_SIZE/MASTER_* enviro
 ``python pretrain_gpt.py ...`` (a world of one process). Flags keep Megatron-DeepSpeed's spelling; see
 ``--help`` and ``examples/``.
 
-Exit codes (``megatron/training/exit_codes.py``): 0 finished; 1 unexpected error (traceback); 2 bad flags or
+Exit codes (``megatron/launch/exit_codes.py``): 0 finished; 1 unexpected error (traceback); 2 bad flags or
 missing files, a --save another run holds, LR flags that differ from the checkpoint's schedule (one ``error: ...``
 line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm; 7 the hang
 watchdog (--hang-timeout-minutes); 130 Ctrl-C.
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2  # EXIT_CONFIG_ERROR of megatron/training/exit_codes.py (importing it would import torch first)
-    from megatron.training.exit_codes import EXIT_INTERRUPTED
+        return 2  # EXIT_CONFIG_ERROR of megatron/launch/exit_codes.py (importing it would import torch first)
+    from megatron.launch.exit_codes import EXIT_INTERRUPTED
 
     try:
         return _main(cfg)
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(cfg: TridentConfig) -> int:
     from megatron.checkpointing.engine import CheckpointSaveError
+    from megatron.launch.exit_codes import EXIT_CONFIG_ERROR, ConfigError
     from megatron.log import setup_logging
     from megatron.training import preflight, pretrain
-    from megatron.training.exit_codes import EXIT_CONFIG_ERROR, ConfigError
     from megatron.training.initialize import destroy_distributed
 
     try:

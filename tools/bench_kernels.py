@@ -16,7 +16,7 @@ side; the cross-entropy's fresh fp32 logits likewise), median of ``--repeats`` r
 alternating run by run. ``bias_gelu_mlp`` is bias + GeLU as ``ParallelMLP`` calls it on CPU (``overwrite_grad``: the
 backward writes the input gradient over the upstream one); ``bias_gelu`` is the default call. On CPU the times are
 taken with glibc's allocator defaults (what a large CPU run gets), or with ``--cpu-allocator reuse`` under the
-setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see ``megatron.training.cpu_allocator``: freed memory is kept, so
+setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (see ``megatron.launch.cpu_allocator``: freed memory is kept, so
 outputs are not page-faulted in again every call).
 GB/s counts the bytes the op must read and write at least once (inputs, outputs, gradients) over the fused time.
 Peak extra memory, measured first with glibc's defaults: on CUDA ``max_memory_allocated`` above the inputs; on CPU
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron import fused_kernels as fk
-from megatron.training.cpu_allocator import keep_freed_memory
+from megatron.launch.cpu_allocator import keep_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""Benchmark: the memory planner (``megatron/training/memory_plan.py``) against real short CPU runs.
+"""Benchmark: the memory planner (``megatron/planning/memory_plan.py``) against real short CPU runs.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m tools.bench_memory_plan            # every layout
     python -m tools.bench_memory_plan --only zero1-dp2 --json out.jsonl
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.spawn import spawn_local_ranks
 
 MODEL = [
     "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
@@ -303,8 +303,8 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     """One rank: plan, build the run's engine, train ``steps`` steps, measure (see the module docstring)."""
     from megatron import mpu
     from megatron.config import parse_args
+    from megatron.planning.memory_plan import plan_memory
     from megatron.training import initialize
-    from megatron.training.memory_plan import plan_memory
     from megatron.training.preflight import preflight
     from megatron.training.pretrain import _build_trainer
     from megatron.training.state import TrainState

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.spawn import spawn_local_ranks
 
 
 def _step_seconds(argv: list[str], warmup: int) -> tuple[float, float] | None:

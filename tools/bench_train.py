@@ -9,7 +9,7 @@ Not a test: the numbers depend on the machine. What is measured:
    model, Megatron data path) and by a plain loop over Hugging Face ``GPT2LMHeadModel`` + ``torch.optim.AdamW``
    (same layers, width, heads, sequence, vocabulary, batch, clipping and thread count; dropout 0). Median tokens/s
    over the iterations after a warm-up. The HF loop runs in fresh processes, twice: as a plain loop (glibc's
-   allocator defaults) and with the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (``megatron.training.cpu_allocator``;
+   allocator defaults) and with the setting of ``TRIDENT_CPU_ALLOCATOR=reuse`` (``megatron.launch.cpu_allocator``;
    Trident's own run follows that variable: by default ``auto``, which picks ``reuse`` for a model this small), so
    that Trident with the setting can be compared without its share. ``--rounds N`` repeats the three runs N times,
    one after the other, and prints the median ratios: on a shared machine a single round's ratio moves by several
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from megatron.training.cpu_allocator import keep_freed_memory
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.cpu_allocator import keep_freed_memory
+from megatron.launch.spawn import spawn_local_ranks
 
 BUCKET_KEYS = (
     "reduce_bucket_size",
@@ -121,7 +121,7 @@ def hf_tokens_per_sec(
 
 def hf_in_subprocess(args: list[str], allocator: str) -> float:
     """:func:`hf_tokens_per_sec` in a fresh process (glibc's allocator state is per process): ``allocator`` 'system'
-    (a plain loop) or 'reuse' (Trident's CPU setting, ``megatron.training.cpu_allocator``)."""
+    (a plain loop) or 'reuse' (Trident's CPU setting, ``megatron.launch.cpu_allocator``)."""
     out = subprocess.run(
         [sys.executable, "-m", "tools.bench_train", *args, "--hf-only", allocator],
         check=True,

@@ -41,7 +41,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.spawn import spawn_local_ranks
 
 MiB = 2**20
 

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.spawn import spawn_local_ranks
 
 MiB = 2**20
 ZERO3_TUNING = {

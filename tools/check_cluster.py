@@ -7,7 +7,7 @@
 
 Prints the NCCL / Gloo / launcher variables that are set, every RDMA port with its GID table and the GID index
 RoCE v2 needs, the network interfaces, ``nvidia-smi topo -m`` where it exists, and warnings that each name the
-variable to set. Run it on every node: each node's sysfs is its own. Rules: ``megatron/training/cluster_check.py``.
+variable to set. Run it on every node: each node's sysfs is its own. Rules: ``megatron/diagnostics/cluster_check.py``.
 Exit codes: 0 done, 1 warnings with --strict, 2 bad flags.
 """
 
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron.training.cluster_check import Inputs, check_cluster, format_report
+from megatron.diagnostics.cluster_check import Inputs, check_cluster, format_report
 
 DEEPSPEED_DEFAULT_HOSTFILE = Path("/job/hostfile")
 

@@ -1,5 +1,5 @@
 """Collective benchmark in the run's TP / DP / PP groups: all-reduce, all-gather, reduce-scatter, all-to-all and
-send/recv, with nccl-tests' algorithm and bus bandwidth (definitions: ``megatron/training/comm_bench.py``).
+send/recv, with nccl-tests' algorithm and bus bandwidth (definitions: ``megatron/diagnostics/comm_bench.py``).
 
     torchrun --nproc-per-node 8 -m tools.comm_bench --tensor-model-parallel-size 8 --max-bytes 1G
     torchrun --nnodes 2 --nproc-per-node 8 ... -m tools.comm_bench --tensor-model-parallel-size 8 --json bench.json
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.training.comm_bench import (
+from megatron.diagnostics.comm_bench import (
     DTYPES,
     GROUP_KINDS,
     OPS,
@@ -35,7 +35,7 @@ from megatron.training.comm_bench import (
     run_launched,
     validate_spec,
 )
-from megatron.training.spawn import spawn_local_ranks
+from megatron.launch.spawn import spawn_local_ranks
 
 EXIT_INPUT_ERROR = 2
 

@@ -4,7 +4,8 @@
     python -m tools.plan_memory --memory-gb 40 --num-layers 32 --hidden-size 4096 ... --bf16 --zero-stage 1
 
 The flags are parsed and checked as a run would (the same one-line errors); the world size comes from
---world-size, else the launcher's WORLD_SIZE, else TP x PP. Arithmetic only: ``megatron/training/memory_plan.py``.
+--world-size, else the launcher's WORLD_SIZE, else TP x PP. Arithmetic only: ``megatron/planning/memory_plan.py``
+(``plan_for_config`` in ``megatron/training/preflight.py`` makes the run's checks first).
 Exit codes: 0 fits (or no capacity given), 1 does not fit, 2 bad flags.
 """
 
@@ -15,13 +16,8 @@ import os
 import sys
 
 from megatron.config import parse_args
-from megatron.training.memory_plan import (
-    GPU_MEMORY_GB,
-    capacity_of,
-    format_fit,
-    format_plan,
-    plan_for_config,
-)
+from megatron.planning.memory_plan import GPU_MEMORY_GB, capacity_of, format_fit, format_plan
+from megatron.training.preflight import plan_for_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
             or (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
         )
         capacity = capacity_of(own.gpu_type, own.memory_gb)
-        plan, mp = plan_for_config(cfg, world_size=world)
+        plan, mp, ds_config = plan_for_config(cfg, world_size=world)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(format_plan(mp, plan)))
     if capacity is None:
         return 0
-    print(format_fit(cfg, plan, mp, capacity))
+    print(format_fit(cfg, plan, mp, capacity, ds_config))
     return 0 if mp.fits(capacity) else 1
 
 

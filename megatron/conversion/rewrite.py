@@ -38,13 +38,14 @@ from megatron.conversion.verify import (
     megatron_logits_fn,
 )
 from megatron.deepspeed_internals import check_deepspeed_version
+from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
+from megatron.launch.spawn import spawn_local_ranks
 from megatron.layout.experts import (
     check_expert_parallel,
     local_experts,
     moe_partition,
 )
 from megatron.layout.vocab import pad_vocab_for_tp
-from megatron.training.spawn import spawn_local_ranks
 
 
 def _rank_writer(
@@ -89,11 +90,11 @@ def _rank_writer(
         *(["--moe-expert-parallel-size", str(ep)] if moe else []),
     ]  # fmt: skip
     cfg = dataclasses.replace(parse_args(argv), model=model_cfg)
-    initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
+    ensure_rendezvous_env(cfg.parallel.local_rank)
     plan = RunPlan.build(
         cfg,
-        world_size=initialize.world_size_from_env(),
-        device_type=initialize.device_type(cfg),
+        world_size=world_size_from_env(),
+        device_type=initialize.run_device_type(cfg),
         true_vocab=model_cfg.vocab_size,
     )
     device = initialize.init_distributed(cfg)

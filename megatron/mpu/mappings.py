@@ -8,7 +8,7 @@ is the adjoint of its forward. All take ``group=None`` meaning the TP group (see
 gathers are the TP layout of hidden/vocab features; first-dim ones the sequence-parallel layout of ``[s, b, h]``.
 
 Plain helpers (no autograd) serve the cross-entropy, broadcast_data, activation checkpointing and the collective
-benchmark (``megatron/training/comm_bench.py``).
+benchmark (``megatron/diagnostics/comm_bench.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Test utilities, imported by ``tests/`` alone (and ``tools/mpu_selfcheck.py``, the CLI of the mpu oracle).
 
-``run_distributed`` spawns N CPU (gloo) or GPU (nccl) ranks (``megatron.training.spawn`` underneath);
+``run_distributed`` spawns N CPU (gloo) or GPU (nccl) ranks (``megatron.launch.spawn`` underneath);
 ``mpu_oracle`` checks every TP layer and mapping against single-process PyTorch; ``tokenizers`` makes altered
 tokenizer files.
 """

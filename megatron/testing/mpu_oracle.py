@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.launch.spawn import spawn_local_ranks
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.layers import (
     ColumnParallelLinear,
@@ -54,7 +55,6 @@ from megatron.mpu.parallel_state import (
     rank_grid,
     validate_degrees,
 )
-from megatron.training.spawn import spawn_local_ranks
 
 logger = logging.getLogger(__name__)
 

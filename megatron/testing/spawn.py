@@ -1,4 +1,4 @@
-"""``run_distributed``: the test suite's name for :func:`megatron.training.spawn.spawn_local_ranks`.
+"""``run_distributed``: the test suite's name for :func:`megatron.launch.spawn.spawn_local_ranks`.
 
 A failing rank is re-raised as :class:`DistributedTestError` (a ``LocalRanksError``) with its traceback.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from megatron.training.spawn import LocalRanksError, find_free_port, spawn_local_ranks
+from megatron.launch.rendezvous import find_free_port
+from megatron.launch.spawn import LocalRanksError, spawn_local_ranks
 
 __all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
 

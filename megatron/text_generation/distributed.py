@@ -24,13 +24,14 @@ import torch.distributed as dist
 from megatron.checkpointing.readers import read_checkpoint_config
 from megatron.checkpointing.stage_reader import read_stage_weights
 from megatron.config import ModelConfig
+from megatron.launch.device import local_device, requested_device
+from megatron.launch.rendezvous import ensure_rendezvous_env
 from megatron.layout.pipeline import split_layers_for_pp
 from megatron.model.stage import GPTStage
 from megatron.model.utils import check_tensor_parallel_shapes
 from megatron.mpu import parallel_state
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size
-from megatron.training.initialize import ensure_rendezvous_env
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +100,7 @@ def init_inference_distributed(
         config=config,
         saved=saved,
     )
-    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {kind}: this torch sees no CUDA device; use --device cpu.")
-    dev = torch.device(kind)
-    if kind == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = local_device(requested_device(device))
     if world == 1 and not dist.is_initialized():
         return dev
     if not dist.is_initialized():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ModelConfig
+from megatron.launch.device import requested_device
 from megatron.model.stage import GPTStage
 from megatron.mpu.mappings import broadcast_object
 from megatron.mpu.parallel_state import ProcessGroup
@@ -209,7 +210,7 @@ class TextGenerator:
             FileNotFoundError / ValueError: no checkpoint, unreadable files, or a tokenizer whose vocabulary
                 differs from the model's.
         """
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(requested_device(device))
         stage, cfg, meta, pp_group = load_stage(ckpt_dir, tag, dtype=dtype, device=dev)
         tok, fallback = _checkpoint_tokenizer(cfg, meta, tokenizer)
         return cls(

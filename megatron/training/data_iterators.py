@@ -22,8 +22,8 @@ from megatron import mpu
 from megatron.config import RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, slice_sequence
 from megatron.data.samplers import build_pretraining_data_loader
+from megatron.launch.exit_codes import ConfigError
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
-from megatron.training.exit_codes import ConfigError
 
 Batch = dict[str, torch.Tensor]
 

@@ -4,7 +4,7 @@ Per iteration: write the scheduled LR into the optimizer, run one step (``step.p
 as consumed, advance the schedule unless the step was skipped, then log (every --log-interval), evaluate
 (every --eval-interval), save (every --save-interval, through the checkpoint hook) and check the exits:
 
-* ``--exit-interval N``: stop when iteration % N == 0 -> :data:`~megatron.training.exit_codes.EXIT_INTERVAL`;
+* ``--exit-interval N``: stop when iteration % N == 0 -> :data:`~megatron.launch.exit_codes.EXIT_INTERVAL`;
 * ``--exit-duration-in-mins M``: stop once the MAX elapsed time over all ranks exceeds M minutes (so every rank
   decides the same) -> ``EXIT_DURATION``;
 * SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``;
@@ -33,11 +33,8 @@ import torch.distributed as dist
 
 from megatron.config import RunPlan, TridentConfig
 from megatron.config.batch_rampup import BatchRampup
-from megatron.log import global_rank
-from megatron.mpu.mappings import all_reduce_max_
-from megatron.training.curriculum import SeqlenCurriculum
-from megatron.training.ds_config import curriculum_of
-from megatron.training.exit_codes import (
+from megatron.diagnostics.watchdog import HangWatchdog
+from megatron.launch.exit_codes import (
     EXIT_DURATION,
     EXIT_INTERRUPTED,
     EXIT_INTERVAL,
@@ -45,7 +42,11 @@ from megatron.training.exit_codes import (
     EXIT_OK,
     EXIT_SIGNAL,
 )
-from megatron.training.flops import Throughput
+from megatron.log import global_rank
+from megatron.mpu.mappings import all_reduce_max_
+from megatron.planning.flops import Throughput
+from megatron.training.curriculum import SeqlenCurriculum
+from megatron.training.ds_config import curriculum_of
 from megatron.training.metrics import (
     EvalRecord,
     MetricsWriter,
@@ -60,7 +61,6 @@ from megatron.training.state import TrainState
 from megatron.training.step import StepResult
 from megatron.training.step_log import StepLogger
 from megatron.training.trainer import Trainer
-from megatron.training.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
 

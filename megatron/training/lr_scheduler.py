@@ -44,7 +44,7 @@ import torch
 
 from megatron.config import TrainingConfig
 from megatron.config.plan import train_samples_and_iters
-from megatron.training.exit_codes import ConfigError
+from megatron.launch.exit_codes import ConfigError
 
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 ResumePolicy = Literal["error", "override", "checkpoint"]

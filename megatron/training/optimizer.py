@@ -30,7 +30,7 @@ import torch
 
 from megatron.config import TrainingConfig
 from megatron.deepspeed_internals import full_shape
-from megatron.training.exit_codes import ConfigError
+from megatron.launch.exit_codes import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,11 @@ from megatron.checkpointing.rules import check_checkpoint_dirs
 from megatron.config import RunPlan, TridentConfig, validate
 from megatron.config.plan import global_batch_size, train_samples_and_iters
 from megatron.deepspeed_internals import check_deepspeed_version
+from megatron.launch.cpu_allocator import allocator_choice
+from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
+from megatron.planning.memory_plan import MemoryPlan, plan_memory
 from megatron.tokenizer import encoding_fingerprint
 from megatron.training import initialize
-from megatron.training.cpu_allocator import allocator_choice
 from megatron.training.data_iterators import build_run_tokenizer, check_data_flags, check_data_vocab
 from megatron.training.ds_config import build_ds_config
 from megatron.training.lr_scheduler import build_lr_scheduler
@@ -66,9 +68,9 @@ def preflight(cfg: TridentConfig) -> Preflight:
         FileNotFoundError: a named file (DeepSpeed JSON, tokenizer files, data) does not exist.
     """
     check_deepspeed_version()
-    initialize.ensure_rendezvous_env(cfg.parallel.local_rank)
-    world_size = initialize.world_size_from_env()
-    device_type = initialize.device_type(cfg)
+    ensure_rendezvous_env(cfg.parallel.local_rank)
+    world_size = world_size_from_env()
+    device_type = initialize.run_device_type(cfg)
     if device_type == "cpu":
         allocator_choice(os.environ)
     validate(cfg, world_size=world_size, device_type=device_type)
@@ -98,3 +100,21 @@ def preflight(cfg: TridentConfig) -> Preflight:
         tokenizer_fingerprint=fingerprint,
         checksums=pending,
     )
+
+
+def plan_for_config(
+    cfg: TridentConfig, *, world_size: int, device_type: str = "cuda"
+) -> tuple[RunPlan, MemoryPlan, dict[str, Any]]:
+    """(run plan, memory plan, DeepSpeed config) of ``cfg`` on ``world_size`` ranks, after the same checks a run makes.
+
+    Raises:
+        ValueError / FileNotFoundError: what ``validate``, the tokenizer or the DeepSpeed config raise for the
+            same flags in ``pretrain_gpt.py`` (the same one-line messages).
+    """
+    validate(cfg, world_size=world_size, device_type=device_type)
+    tokenizer = build_run_tokenizer(cfg)
+    plan = RunPlan.build(
+        cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
+    )
+    ds_config = build_ds_config(cfg, plan)
+    return plan, plan_memory(cfg, plan, ds_config), ds_config

@@ -30,23 +30,23 @@ from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.engine import DeepSpeedCheckpointer
 from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
+from megatron.diagnostics.watchdog import HangWatchdog
+from megatron.launch.exit_codes import EXIT_OK, ConfigError
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_gather_object
+from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token
+from megatron.planning.memory_plan import MemoryPlan, format_plan, plan_memory
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
 from megatron.training.ds_config import log_zero_upgrade
-from megatron.training.exit_codes import EXIT_OK, ConfigError
-from megatron.training.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
-from megatron.training.memory_plan import MemoryPlan, format_plan, plan_memory
 from megatron.training.model_setup import build_engine
 from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
 from megatron.training.step_log import build_run_logging, timers_of
 from megatron.training.trainer import Trainer
-from megatron.training.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.conversion.hf_mixtral import megatron_to_mixtral_hf, mixtral_hf_to_megatron
 from megatron.conversion.verify import compare_logits, fixed_prompts, hf_logits_fn
+from megatron.launch.rendezvous import world_size_from_env
 from megatron.layout.experts import (
     check_expert_parallel,
     expert_id,
@@ -327,7 +328,7 @@ def _resume_and_logits(
     cfg = dataclasses.replace(
         cfg, model=verification_config(cfg.model)
     )  # HF's kernels, bit for bit
-    plan = RunPlan.build(cfg, world_size=initialize.world_size_from_env(), true_vocab=VOCAB)
+    plan = RunPlan.build(cfg, world_size=world_size_from_env(), true_vocab=VOCAB)
     device = initialize.init_distributed(cfg)
     try:
         bundle = build_engine(cfg, plan, build_ds_config(cfg, plan), device=device)

@@ -109,7 +109,7 @@ def test_log_line_and_metrics_record(tmp_path) -> None:
 
 def test_flops_count_the_active_experts() -> None:
     """MFU's N counts the gate and the top-k experts of an MoE layer, not all E experts."""
-    from megatron.training.flops import layer_params
+    from megatron.planning.flops import layer_params
 
     dense = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig()})
     mlp = 3 * 32 * 48 + 2 * 48 + 32  # SwiGLU weights and biases

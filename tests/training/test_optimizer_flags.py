@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from megatron.config import RunPlan, parse_args, validate
+from megatron.launch.exit_codes import ConfigError
 from megatron.testing import run_distributed
 from megatron.training.ds_config import build_ds_config
-from megatron.training.exit_codes import ConfigError
 from megatron.training.optimizer import (
     STALE_LOCK_SECONDS,
     build_optimizer,
@@ -156,7 +156,7 @@ def test_stale_build_lock_is_one_error(tmp_path: Path, monkeypatch: pytest.Monke
 
 _FAILING_BUILD = """
 import sys
-from megatron.training.exit_codes import ConfigError
+from megatron.launch.exit_codes import ConfigError
 from megatron.training.optimizer import load_cpu_adam_op
 try:
     load_cpu_adam_op()

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron.testing import find_free_port, run_distributed
-from megatron.training.exit_codes import (
+from megatron.launch.exit_codes import (
     EXIT_CONFIG_ERROR,
     EXIT_INTERRUPTED,
     EXIT_NON_FINITE,
     EXIT_OK,
 )
+from megatron.testing import find_free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

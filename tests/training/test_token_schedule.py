@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron.config import parse_args, validate
+from megatron.launch.exit_codes import ConfigError
 from megatron.testing import run_distributed
-from megatron.training.exit_codes import ConfigError
 from megatron.training.lr_scheduler import build_lr_scheduler
 
 TINY = [

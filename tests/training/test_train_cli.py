@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.exit_codes import (
+from megatron.launch.exit_codes import (
     EXIT_CONFIG_ERROR,
     EXIT_DURATION,
     EXIT_INTERVAL,

@@ -13,9 +13,9 @@ import torch
 
 from megatron.config import RunPlan, parse_args, validate
 from megatron.config.plan import effective_zero_stage
-from megatron.training import exit_codes
+from megatron.launch import exit_codes
+from megatron.planning.flops import flops_per_token, layer_params, lookup_peak_tflops, throughput
 from megatron.training.ds_config import build_ds_config
-from megatron.training.flops import flops_per_token, layer_params, lookup_peak_tflops, throughput
 from megatron.training.lr_scheduler import OptimizerParamScheduler, build_lr_scheduler
 from megatron.training.metrics import (
     EVAL_KEYS,
@@ -325,7 +325,7 @@ def test_sp_with_pipeline_sends_whole_activations() -> None:
 
 
 def test_rendezvous_env(monkeypatch) -> None:
-    from megatron.training.initialize import ensure_rendezvous_env, world_size_from_env
+    from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -343,7 +343,7 @@ def test_rendezvous_env(monkeypatch) -> None:
 
 
 def test_slurm_rendezvous_env() -> None:
-    from megatron.training.initialize import first_slurm_host, slurm_rendezvous_env
+    from megatron.launch.rendezvous import first_slurm_host, slurm_rendezvous_env
 
     assert first_slurm_host("gpu[007-010,12],cpu1") == "gpu007"
     assert first_slurm_host("rack[1-2]-node[05-06]") == "rack1-node05"

@@ -60,12 +60,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron.config import RunPlan, TridentConfig
-from megatron.training.flops import flops_per_token
-from megatron.training.moe_plan import (
+from megatron.planning.collectives import collective_bytes
+from megatron.planning.flops import flops_per_token
+from megatron.planning.moe_plan import (
     expert_data_parallel_size,
     experts_of_layer,
-    moe_collective_bytes,
     moe_mlp_activation_bytes,
+)
+from megatron.planning.params import (
+    fc1_width,
+    in_flight_micro_batches,
+    persistent_params,
+    stage_expert_param_count,
+    stage_layers,
+    stage_param_count,
 )
 
 GIB = 2**30
@@ -164,117 +172,6 @@ def _bucket(ds_config: Mapping[str, Any], key: str) -> int:
     return int(float(_zero_section(ds_config).get(key, _DS_DEFAULTS[key])))
 
 
-def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
-    """Transformer layers on ``stage`` (DeepSpeed's uniform split; the first stages take the remainder)."""
-    base, extra = divmod(num_layers, pp)
-    return base + (1 if stage < extra else 0)
-
-
-def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: min(PP - stage, m)."""
-    return max(1, min(pp - stage, micro_batches))
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """0-based indices of the transformer layers on ``stage`` (the split of :func:`layers_of_stage`)."""
-    first = sum(layers_of_stage(num_layers, pp, k) for k in range(stage))
-    return range(first, first + layers_of_stage(num_layers, pp, stage))
-
-
-def _fc1_width(cfg: TridentConfig) -> int:
-    """Output columns of the MLP's first linear (SwiGLU's gate and up projections together), before TP."""
-    m = cfg.model
-    return 2 * m.ffn_size if m.swiglu else m.ffn_size
-
-
-def _mlp_tensors(cfg: TridentConfig, tp: int) -> list[int]:
-    """Element counts of one MLP's (``ParallelMLP``) parameter tensors split over ``tp`` ranks."""
-    m = cfg.model
-    h, ffn = m.hidden_size, m.ffn_size
-    fc1_out = _fc1_width(cfg) // tp
-    sizes = [h * fc1_out, ffn // tp * h]
-    return sizes + [fc1_out, h] if m.add_bias_linear else sizes
-
-
-def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[list[int], list[int]]:
-    """Element counts of transformer layer ``layer``'s parameter tensors on one rank: (non-expert, expert).
-
-    Experts are DeepSpeed-MoE's (``--num-experts``): a layer with ``E > 1`` holds the gate ``[E, h]`` (+ with
-    ``--mlp-type residual`` a dense MLP and the ``[2, h]`` + ``[2]`` coefficient) and ``E / ep`` local experts,
-    whole or TP-split (``--enable-expert-tensor-parallelism``). The other layers hold the dense MLP, or with
-    ``--num-experts-switch N`` a router ``[N, h]`` + ``[N]`` and N TP-split expert MLPs (not expert-parallel, so
-    counted as non-expert).
-    """
-    m, par = cfg.model, cfg.parallel
-    h, hn = m.hidden_size, m.head_dim
-    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
-    norms = [h] * (4 if m.normalization == "layernorm" else 2)
-    dense = [h * qkv_out, m.num_attention_heads * hn * h // tp, *norms]
-    if m.add_bias_linear:
-        dense += [qkv_out, h]
-    experts = m.moe.experts_per_layer(m.num_layers)[layer] if m.moe.is_moe(m.num_layers) else 1
-    if experts > 1:
-        dense.append(experts * h)  # the gate
-        if m.moe.mlp_type == "residual":
-            dense += [*_mlp_tensors(cfg, tp), 2 * h, 2]
-        expert_tp = tp if par.enable_expert_tensor_parallelism else 1
-        return dense, _mlp_tensors(cfg, expert_tp) * (experts // par.moe_expert_parallel_size)
-    switch = m.moe.num_experts_switch
-    if switch is not None:
-        return [*dense, switch * h, switch, *_mlp_tensors(cfg, tp) * switch], []
-    return dense + _mlp_tensors(cfg, tp), []
-
-
-def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: int) -> int:
-    """Parameters of ``stage`` that ZeRO-3 keeps whole on every rank (tensors below
-    ``stage3_param_persistence_threshold`` elements)."""
-    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
-    count = sum(
-        n
-        for layer in stage_layers(m.num_layers, pp, stage)
-        for n in layer_param_tensors(cfg, tp, layer)[0]
-        if n < threshold
-    )
-    extra = []
-    if stage == 0:
-        extra.append(plan.padded_vocab_size // tp * m.hidden_size)
-        if m.add_position_embedding and not m.use_rotary_position_embeddings:
-            extra.append(m.max_positions * m.hidden_size)
-    if stage == pp - 1:
-        extra += [m.hidden_size] * (2 if m.normalization == "layernorm" else 1)
-    return count + sum(n for n in extra if n < threshold)
-
-
-def stage_expert_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
-    """DeepSpeed-MoE expert parameters of one rank of pipeline stage ``stage`` (part of :func:`stage_param_count`;
-    ZeRO partitions them over the expert-data-parallel group, ``expert_data_parallel_size`` ranks)."""
-    m, tp = cfg.model, plan.tensor_model_parallel_size
-    layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
-    return sum(sum(layer_param_tensors(cfg, tp, layer)[1]) for layer in layers)
-
-
-def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
-    """Parameters Psi of one TP rank of pipeline stage ``stage`` (its local experts included)."""
-    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
-    h = m.hidden_size
-    count = sum(
-        sum(map(sum, layer_param_tensors(cfg, tp, layer)))
-        for layer in stage_layers(m.num_layers, pp, stage)
-    )
-    word = plan.padded_vocab_size // tp * h
-    if stage == 0:
-        count += word
-        if m.add_position_embedding and not m.use_rotary_position_embeddings:
-            count += m.max_positions * h
-    if stage == pp - 1:
-        count += h * (2 if m.normalization == "layernorm" else 1)
-        if m.untie_embeddings_and_output_weights or pp > 1:
-            count += (
-                word  # the output layer, or the tied copy of the word embeddings on the last stage
-            )
-    return count
-
-
 def _state_bytes(
     cfg: TridentConfig,
     plan: RunPlan,
@@ -369,7 +266,7 @@ def layer_activation_bytes(
     t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
     s, b, h, n = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads
     sbh = s * b * h
-    fc1_out = _fc1_width(cfg)
+    fc1_out = fc1_width(cfg)
     qkv = s * b * (n + 2 * m.num_query_groups) * m.head_dim
     experts = 1 if layer is None else experts_of_layer(cfg, layer)
     # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
@@ -456,7 +353,7 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
     chunk = max(1, m.recompute_num_layers)
     # the peak is in a recomputed chunk's backward, where the MLP's two gradient temporaries ([s, b, f] and
     # [s, b, fc1 out], TP-split) come on top of the chunk's activations (measured: the rest of the step is smaller)
-    fc1_out = _fc1_width(cfg)
+    fc1_out = fc1_width(cfg)
     grads = (
         a * m.seq_length * micro_batch * (m.ffn_size + fc1_out) // plan.tensor_model_parallel_size
     )
@@ -468,82 +365,6 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
     if plan.sequence_parallel:
         inputs //= plan.tensor_model_parallel_size
     return inputs + max(outside, chunk * per_layer + grads)
-
-
-def collective_bytes(
-    cfg: TridentConfig,
-    plan: RunPlan,
-    *,
-    persistence_threshold: int = 100_000,
-    pipe_partitioned: bool | None = None,
-) -> dict[str, int]:
-    """Bytes handed to collectives per optimizer step on one rank, by group (tensor sizes as passed).
-
-    TP (no SP): 2 all-reduces of [s, b, h] per layer forward, 2 in backward, plus the embedding's forward
-    all-reduce and the output layer's backward one. SP: each becomes an all-gather or reduce-scatter of the same
-    [s, b, h]. PP: [s, b, h] sent and received once per micro-batch forward and once backward. DP: the gradients
-    (all-reduce at ZeRO-0, reduce-scatter at 1/2, plus the updated parameters' all-gather; ZeRO-3 also gathers
-    the parameters for forward and backward).
-    """
-    m = cfg.model
-    a = 4 if plan.precision == "fp32" else 2
-    t, pp, mb = (
-        plan.tensor_model_parallel_size,
-        plan.pipeline_model_parallel_size,
-        plan.gradient_accumulation_steps,
-    )
-    sbh_bytes = a * m.seq_length * plan.micro_batch_size * m.hidden_size
-    layers = layers_of_stage(m.num_layers, pp, 0)
-    out: dict[str, int] = {"tp": 0, "sp": 0, "pp": 0, "dp": 0}
-    if pipe_partitioned is None:
-        pipe_partitioned = not plan.sequence_parallel
-    if t > 1 and plan.sequence_parallel:
-        # per layer: forward 2 all-gathers + 2 reduce-scatters; backward 2 reduce-scatters, 2 re-gathers of the
-        # kept [s/p, b, h] inputs (weight gradients) and 2 all-gathers; the embedding's reduce-scatter and the
-        # final all-gather before the logits, each with its backward
-        per_mb = (10 * layers + 4) * sbh_bytes
-        if m.recompute_granularity == "full":
-            per_mb += 4 * layers * sbh_bytes  # the recomputed forward repeats its collectives
-        out["sp"] = per_mb * mb
-    elif t > 1:
-        per_mb = (4 * layers + 2) * sbh_bytes
-        if m.recompute_granularity == "full":
-            per_mb += 2 * layers * sbh_bytes  # the recomputed forward repeats its collectives
-        out["tp"] = per_mb * mb
-    if pp > 1:
-        # a middle stage receives and sends forward and backward; the end stages half of that. DeepSpeed's
-        # pipe_partitioned / grad_partitioned (on unless SP) send 1/t of each message and all-gather it over TP.
-        messages = (4 if pp > 2 else 2) * mb
-        partitioned = pipe_partitioned and t > 1
-        out["pp"] = messages * (sbh_bytes // t if partitioned else sbh_bytes)
-        out["pp"] += (
-            messages // 2 * 8 * m.seq_length * plan.micro_batch_size
-        )  # int64 position ids, forward
-        if partitioned:
-            out["tp"] += messages // 2 * sbh_bytes  # the receiver's all-gather of each message
-        if (
-            not m.untie_embeddings_and_output_weights
-        ):  # the tied embedding's gradient, first + last stage
-            pb = 4 if plan.precision == "fp32" else 2
-            out["pp"] += pb * plan.padded_vocab_size // t * m.hidden_size
-    if plan.data_parallel_size > 1:
-        pb = 4 if plan.precision == "fp32" else 2
-        psi = stage_param_count(cfg, plan, 0)
-        gathered = psi - persistent_params(cfg, plan, 0, persistence_threshold)
-        out["dp"] = {
-            0: pb * psi,  # one all-reduce at the accumulation boundary
-            1: 2 * pb * psi,  # the same, then the updated partitions all-gathered
-            2: (mb + 1) * pb * psi,  # reduced after every micro-batch, then the all-gather
-            # reduce-scatter per micro-batch; one gather of the partitioned weights per micro-batch (measured:
-            # backward finds them still gathered)
-            3: mb * pb * psi + mb * pb * gathered,
-        }[plan.zero_stage]
-    if cfg.model.moe.is_moe(m.num_layers):
-        first = stage_layers(m.num_layers, pp, 0)
-        moe = moe_collective_bytes(cfg, plan, first, stage_expert_param_count(cfg, plan, 0))
-        for group, size in moe.items():
-            out[group] = out.get(group, 0) + size
-    return out
 
 
 def plan_memory(
@@ -678,27 +499,6 @@ def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
     return lines
 
 
-def plan_for_config(
-    cfg: TridentConfig, *, world_size: int, device_type: str = "cuda"
-) -> tuple[RunPlan, MemoryPlan]:
-    """(run plan, memory plan) of ``cfg`` on ``world_size`` ranks, after the same checks a run makes.
-
-    Raises:
-        ValueError / FileNotFoundError: what ``validate``, the tokenizer or the DeepSpeed config raise for the
-            same flags in ``pretrain_gpt.py`` (the same one-line messages).
-    """
-    from megatron.config import validate
-    from megatron.training.data_iterators import build_run_tokenizer
-    from megatron.training.ds_config import build_ds_config
-
-    validate(cfg, world_size=world_size, device_type=device_type)
-    tokenizer = build_run_tokenizer(cfg)
-    plan = RunPlan.build(
-        cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
-    )
-    return plan, plan_memory(cfg, plan, build_ds_config(cfg, plan))
-
-
 def capacity_of(gpu_type: str | None, memory_gb: float | None) -> float | None:
     """Device bytes from --memory-gb (GB = 10^9 bytes) or --gpu-type; None when neither is given.
 
@@ -720,12 +520,16 @@ def capacity_of(gpu_type: str | None, memory_gb: float | None) -> float | None:
     return GPU_MEMORY_GB[gpu_type] * 1e9
 
 
-def format_fit(cfg: TridentConfig, plan: RunPlan, mp: MemoryPlan, capacity: float) -> str:
+def format_fit(
+    cfg: TridentConfig,
+    plan: RunPlan,
+    mp: MemoryPlan,
+    capacity: float,
+    ds_config: Mapping[str, Any],
+) -> str:
     """One line: whether the plan fits ``capacity`` bytes, and the largest micro-batch that does."""
-    from megatron.training.ds_config import build_ds_config
-
     limit = 4096
-    best = largest_micro_batch(cfg, plan, build_ds_config(cfg, plan), capacity, limit=limit)
+    best = largest_micro_batch(cfg, plan, ds_config, capacity, limit=limit)
     verdict = "fits" if mp.fits(capacity) else "does NOT fit"
     return (
         f"  {verdict} in {capacity / 1e9:.1f} GB per device (worst stage {mp.worst.stage}: "

@@ -17,8 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.exit_codes import EXIT_HANG
-from megatron.training.watchdog import MIN_HISTORY, HangWatchdog, collective_in_flight, step_limit
+from megatron.diagnostics.watchdog import (
+    MIN_HISTORY,
+    HangWatchdog,
+    collective_in_flight,
+    step_limit,
+)
+from megatron.launch.exit_codes import EXIT_HANG
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

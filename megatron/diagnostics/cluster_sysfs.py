@@ -9,7 +9,7 @@ The sysfs files read, per RDMA device ``d`` and port ``n`` (``gids/<i>`` of an u
     /sys/class/net/if/{operstate, mtu, address}
 
 A RoCE port (``link_layer`` Ethernet) lists each IP address of its interface twice, as a RoCE v1 and a RoCE v2 GID.
-The rules over what is read: :mod:`megatron.training.cluster_check`.
+The rules over what is read: :mod:`megatron.diagnostics.cluster_check`.
 """
 
 from __future__ import annotations

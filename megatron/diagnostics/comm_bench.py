@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.launch.device import device_type, local_device
 from megatron.mpu import mappings
 from megatron.mpu.parallel_state import (
     ProcessGroup,
@@ -338,8 +339,7 @@ def format_table(report: CommBenchReport) -> str:
 def _backend_for(requested: str) -> str:
     if requested != "auto":
         return requested
-    cpu = os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
-    return "gloo" if cpu else "nccl"
+    return "nccl" if device_type() == "cuda" else "gloo"
 
 
 def run_launched(spec: CommBenchSpec, backend: str = "auto") -> CommBenchReport:
@@ -352,7 +352,7 @@ def run_launched(spec: CommBenchSpec, backend: str = "auto") -> CommBenchReport:
     validate_spec(spec, int(os.environ.get("WORLD_SIZE", "1")))
     backend = _backend_for(backend)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        local_device("cuda")
     dist.init_process_group(backend, init_method="env://")
     try:
         return run_comm_bench(spec)

@@ -1,4 +1,4 @@
-"""The CPU allocator setting of training (``megatron.training.cpu_allocator``): what glibc does with it, and without.
+"""The CPU allocator setting of training (``megatron.launch.cpu_allocator``): what glibc does with it, and without.
 
 The effect is checked on the process's resident set: a freed 256 MiB tensor stays resident (kept for reuse) with
 ``TRIDENT_CPU_ALLOCATOR=reuse`` and with the default ``auto`` for a run planned small next to the machine's memory,
@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from megatron.training.cpu_allocator import ENV, allocator_choice, auto_reuses, keep_freed_memory
+from megatron.launch.cpu_allocator import ENV, allocator_choice, auto_reuses, keep_freed_memory
 
 _PROBE = r"""
 import json, sys
 import torch
-from megatron.training.cpu_allocator import keep_freed_memory
+from megatron.launch.cpu_allocator import keep_freed_memory
 
 def rss_mib():
     for line in open("/proc/self/status"):

@@ -1,4 +1,4 @@
-"""The memory planner (``megatron/training/memory_plan.py``) on hand-computed cases, and ``tools/plan_memory.py``.
+"""The memory planner (``megatron/planning/memory_plan.py``) on hand-computed cases, and ``tools/plan_memory.py``.
 
 The small model: 2 layers, h 64, 4 heads, s 32, vocab 100 -> 128 rows; biases, LayerNorm, tied embeddings.
 Per layer: QKV 64 x 192 + 192, dense 64 x 64 + 64, fc1 64 x 256 + 256, fc2 256 x 64 + 64, two LayerNorms 4 x 64
@@ -12,8 +12,8 @@ import pytest
 from megatron.config import RunPlan, parse_args, validate
 from megatron.model import GPTModel
 from megatron.mpu.context import ParallelContext
-from megatron.training import memory_plan as mpl
-from megatron.training import moe_plan
+from megatron.planning import memory_plan as mpl
+from megatron.planning import moe_plan
 from tools import plan_memory
 
 SMALL = [

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training import cluster_check as cc
-from megatron.training import cluster_sysfs as cs
+from megatron.diagnostics import cluster_check as cc
+from megatron.diagnostics import cluster_sysfs as cs
 from tools import check_cluster
 
 V1, V2 = "IB/RoCE v1", "RoCE v2"

@@ -15,7 +15,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from megatron.launch.rendezvous import find_free_port
+
 
 class LocalRanksError(RuntimeError):
     """A rank raised, died or timed out inside :func:`spawn_local_ranks` (the message holds its traceback)."""
@@ -35,13 +36,6 @@ INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
 """Held back while children start: a Ctrl-C or SIGTERM in the middle of handing a spawned child its start-up data
 left that child printing multiprocessing's "EOFError: Ran out of input" traceback; the children unblock them first
 thing, the parent right after the last start (a pending signal is then handled, and the children are killed)."""
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(

@@ -1,6 +1,6 @@
 """Pre-flight view of a node's network for NCCL / Gloo over RoCE or InfiniBand, and its common misconfigurations.
 
-Reads the environment and sysfs only (:mod:`megatron.training.cluster_sysfs`, plus ``nvidia-smi topo -m`` where it
+Reads the environment and sysfs only (:mod:`megatron.diagnostics.cluster_sysfs`, plus ``nvidia-smi topo -m`` where it
 exists); no process group. A RoCE port lists each IP address of its interface as a RoCE v1 and a RoCE v2 GID; NCCL
 routes over IP (RoCE v2) only with the index of the v2 GID whose address is IPv4-mapped (``::ffff:a.b.c.d``) in
 ``NCCL_IB_GID_INDEX``. NCCL before 2.21 defaults to index 0, the RoCE v1 link-local GID: the classic "hangs or is
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron.training.cluster_sysfs import (
+from megatron.diagnostics.cluster_sysfs import (
     ROCE_V2,
     Gid,
     IbPort,

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
+from megatron.diagnostics import comm_bench as cb
 from megatron.mpu import mappings
 from megatron.testing import run_distributed
-from megatron.training import comm_bench as cb
 from tools import comm_bench
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ each rank was. With ``--hang-timeout-minutes M`` (or ``--hang-timeout-factor F``
 
 No collective is needed to dump: the ranks blocked in a collective time out on their own, as does the rank that
 made them wait (its step is just as late), so every rank of the job leaves its stack in its log and exits with
-:data:`~megatron.training.exit_codes.EXIT_HANG`. The collective in flight is read from the stack of the main
+:data:`~megatron.launch.exit_codes.EXIT_HANG`. The collective in flight is read from the stack of the main
 thread (the innermost ``torch.distributed`` function and the first caller outside the communication modules), so
 it also names DeepSpeed's own collectives (ZeRO, pipeline p2p) at no cost to the collectives themselves.
 
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TextIO
 
-from megatron.training.exit_codes import EXIT_HANG
+from megatron.launch.exit_codes import EXIT_HANG
 
 logger = logging.getLogger(__name__)
 

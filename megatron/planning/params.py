@@ -1,0 +1,120 @@
+"""Parameter counts per pipeline stage and rank, from the config and the run plan alone (the memory plan's ``Psi``).
+
+Which layers a stage holds (``layers_of_stage``), the tensors of one layer on one TP rank, the parameters ZeRO-3 keeps
+whole, the local experts' parameters and a stage's total.
+"""
+
+from __future__ import annotations
+
+from megatron.config import RunPlan, TridentConfig
+
+
+def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
+    """Transformer layers on ``stage`` (DeepSpeed's uniform split; the first stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    return base + (1 if stage < extra else 0)
+
+
+def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: min(PP - stage, m)."""
+    return max(1, min(pp - stage, micro_batches))
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """0-based indices of the transformer layers on ``stage`` (the split of :func:`layers_of_stage`)."""
+    first = sum(layers_of_stage(num_layers, pp, k) for k in range(stage))
+    return range(first, first + layers_of_stage(num_layers, pp, stage))
+
+
+def fc1_width(cfg: TridentConfig) -> int:
+    """Output columns of the MLP's first linear (SwiGLU's gate and up projections together), before TP."""
+    m = cfg.model
+    return 2 * m.ffn_size if m.swiglu else m.ffn_size
+
+
+def _mlp_tensors(cfg: TridentConfig, tp: int) -> list[int]:
+    """Element counts of one MLP's (``ParallelMLP``) parameter tensors split over ``tp`` ranks."""
+    m = cfg.model
+    h, ffn = m.hidden_size, m.ffn_size
+    fc1_out = fc1_width(cfg) // tp
+    sizes = [h * fc1_out, ffn // tp * h]
+    return sizes + [fc1_out, h] if m.add_bias_linear else sizes
+
+
+def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[list[int], list[int]]:
+    """Element counts of transformer layer ``layer``'s parameter tensors on one rank: (non-expert, expert).
+
+    Experts are DeepSpeed-MoE's (``--num-experts``): a layer with ``E > 1`` holds the gate ``[E, h]`` (+ with
+    ``--mlp-type residual`` a dense MLP and the ``[2, h]`` + ``[2]`` coefficient) and ``E / ep`` local experts,
+    whole or TP-split (``--enable-expert-tensor-parallelism``). The other layers hold the dense MLP, or with
+    ``--num-experts-switch N`` a router ``[N, h]`` + ``[N]`` and N TP-split expert MLPs (not expert-parallel, so
+    counted as non-expert).
+    """
+    m, par = cfg.model, cfg.parallel
+    h, hn = m.hidden_size, m.head_dim
+    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
+    norms = [h] * (4 if m.normalization == "layernorm" else 2)
+    dense = [h * qkv_out, m.num_attention_heads * hn * h // tp, *norms]
+    if m.add_bias_linear:
+        dense += [qkv_out, h]
+    experts = m.moe.experts_per_layer(m.num_layers)[layer] if m.moe.is_moe(m.num_layers) else 1
+    if experts > 1:
+        dense.append(experts * h)  # the gate
+        if m.moe.mlp_type == "residual":
+            dense += [*_mlp_tensors(cfg, tp), 2 * h, 2]
+        expert_tp = tp if par.enable_expert_tensor_parallelism else 1
+        return dense, _mlp_tensors(cfg, expert_tp) * (experts // par.moe_expert_parallel_size)
+    switch = m.moe.num_experts_switch
+    if switch is not None:
+        return [*dense, switch * h, switch, *_mlp_tensors(cfg, tp) * switch], []
+    return dense + _mlp_tensors(cfg, tp), []
+
+
+def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: int) -> int:
+    """Parameters of ``stage`` that ZeRO-3 keeps whole on every rank (tensors below
+    ``stage3_param_persistence_threshold`` elements)."""
+    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    count = sum(
+        n
+        for layer in stage_layers(m.num_layers, pp, stage)
+        for n in layer_param_tensors(cfg, tp, layer)[0]
+        if n < threshold
+    )
+    extra = []
+    if stage == 0:
+        extra.append(plan.padded_vocab_size // tp * m.hidden_size)
+        if m.add_position_embedding and not m.use_rotary_position_embeddings:
+            extra.append(m.max_positions * m.hidden_size)
+    if stage == pp - 1:
+        extra += [m.hidden_size] * (2 if m.normalization == "layernorm" else 1)
+    return count + sum(n for n in extra if n < threshold)
+
+
+def stage_expert_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+    """DeepSpeed-MoE expert parameters of one rank of pipeline stage ``stage`` (part of :func:`stage_param_count`;
+    ZeRO partitions them over the expert-data-parallel group, ``expert_data_parallel_size`` ranks)."""
+    m, tp = cfg.model, plan.tensor_model_parallel_size
+    layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
+    return sum(sum(layer_param_tensors(cfg, tp, layer)[1]) for layer in layers)
+
+
+def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+    """Parameters Psi of one TP rank of pipeline stage ``stage`` (its local experts included)."""
+    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    h = m.hidden_size
+    count = sum(
+        sum(map(sum, layer_param_tensors(cfg, tp, layer)))
+        for layer in stage_layers(m.num_layers, pp, stage)
+    )
+    word = plan.padded_vocab_size // tp * h
+    if stage == 0:
+        count += word
+        if m.add_position_embedding and not m.use_rotary_position_embeddings:
+            count += m.max_positions * h
+    if stage == pp - 1:
+        count += h * (2 if m.normalization == "layernorm" else 1)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            count += (
+                word  # the output layer, or the tied copy of the word embeddings on the last stage
+            )
+    return count
