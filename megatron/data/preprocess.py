@@ -40,13 +40,12 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from megatron.data.fork_workers import WorkerDied, ordered_map
+from megatron.data.indexed_builder import MMapIndexedDatasetBuilder, make_builder
 from megatron.data.indexed_dataset import (
     MMapIndexedDataset,
-    MMapIndexedDatasetBuilder,
     best_fitting_dtype,
     data_file_path,
     index_file_path,
-    make_builder,
 )
 from megatron.tokenizer import build_tokenizer
 

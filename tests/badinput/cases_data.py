@@ -113,7 +113,7 @@ def _merge_inputs(tmp: Path, ws: Path) -> None:
 
 
 def _merge_mixed_dtypes(tmp: Path, ws: Path) -> None:
-    from megatron.data.indexed_dataset import make_builder
+    from megatron.data.indexed_builder import make_builder
 
     _copy_tiny(tmp, ws, "a")  # uint16 (GPT-2 vocabulary)
     builder = make_builder(str(tmp / "wide.bin"), vocab_size=100_000)  # int32

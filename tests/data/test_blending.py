@@ -12,7 +12,8 @@ import pytest
 
 from megatron.data.blendable_dataset import BlendableDataset, compute_blending_indices
 from megatron.data.gpt_dataset import GPTDataset
-from megatron.data.indexed_dataset import MMapIndexedDataset, make_builder
+from megatron.data.indexed_builder import make_builder
+from megatron.data.indexed_dataset import MMapIndexedDataset
 
 
 def greedy_reference(weights, size):

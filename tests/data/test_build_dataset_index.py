@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.data.indexed_builder import MMapIndexedDatasetBuilder
 from tools.build_dataset_index import main
 
 RUN = ["--seq-length", "8", "--train-iters", "2", "--global-batch-size", "2", "--eval-iters", "1"]

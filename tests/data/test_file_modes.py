@@ -16,12 +16,8 @@ import numpy as np
 import pytest
 
 from megatron.checkpointing.rng import save_rng_file
-from megatron.data.indexed_dataset import (
-    MMapIndexedDataset,
-    apply_umask_mode,
-    make_builder,
-    write_index,
-)
+from megatron.data.indexed_builder import make_builder
+from megatron.data.indexed_dataset import MMapIndexedDataset, apply_umask_mode, write_index
 
 
 @pytest.fixture(params=[0o022, 0o027])

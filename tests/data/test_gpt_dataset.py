@@ -20,7 +20,8 @@ import pytest
 from megatron.config import parse_args
 from megatron.data.builders import build_train_valid_test_datasets, get_train_valid_test_num_samples
 from megatron.data.gpt_dataset import GPTDataset, get_train_valid_test_split_
-from megatron.data.indexed_dataset import MMapIndexedDataset, make_builder
+from megatron.data.indexed_builder import make_builder
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.testing import run_distributed
 
 # ----------------------------------------------------------------------------------------------------------------

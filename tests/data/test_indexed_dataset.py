@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron.data.indexed_builder import MMapIndexedDatasetBuilder, make_builder
 from megatron.data.indexed_dataset import (
     MDSEodWarning,
     MMapIndexedDataset,
-    MMapIndexedDatasetBuilder,
     best_fitting_dtype,
     data_file_path,
     index_file_path,
-    make_builder,
     make_dataset,
 )
 

@@ -12,7 +12,7 @@ import pytest
 
 from megatron.config import parse_args
 from megatron.data.builders import build_train_valid_test_datasets
-from megatron.data.indexed_dataset import make_builder
+from megatron.data.indexed_builder import make_builder
 
 SEQ = 16
 COUNTS = (60, 8, 4)

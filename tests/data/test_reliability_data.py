@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from megatron.data.gpt_dataset import GPTDataset, compute_gpt_indices
-from megatron.data.indexed_dataset import HEADER_SIZE, MMapIndexedDataset, make_builder
+from megatron.data.indexed_builder import make_builder
+from megatron.data.indexed_dataset import HEADER_SIZE, MMapIndexedDataset
 from megatron.data.preprocess import PreprocessError, merge_datasets, preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
