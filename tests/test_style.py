@@ -62,3 +62,70 @@ def test_files_stay_under_the_size_ceiling() -> None:
     assert not too_big, f"files over {MAX_CODE_LINES} code lines (split them):\n" + "\n".join(
         too_big
     )
+
+
+PROCESS_WIDE_STATE: dict[tuple[str, str], str] = {
+    (
+        "megatron/mpu/parallel_state.py",
+        "_STATE",
+    ): "the groups of this process (the first process-wide object)",
+    (
+        "megatron/mpu/random.py",
+        "_RNG_STATE_TRACKER",
+    ): "the RNG tracker (the second): DeepSpeed's checkpointing "
+    "and pipeline engine reach it through deepspeed.checkpointing, so it is one object per process",
+    (
+        "megatron/mpu/expert_parallel.py",
+        "_SELF_GROUP",
+    ): "a cache of this rank's one-rank group (creating a group is collective, so it is made once)",
+    (
+        "megatron/deepspeed_internals.py",
+        "_checked",
+    ): "the DeepSpeed version gate runs once per process",
+    (
+        "megatron/data/helpers.py",
+        "_warned_missing",
+    ): "the missing-extension warning is given once per process",
+}
+"""Every module variable of ``megatron/`` that code rebinds at run time (a ``global`` statement) or that holds the
+RNG tracker, with the reason. A new one is a design decision: add it here with its reason, or pass the state."""
+
+
+def process_wide_state(root: Path) -> set[tuple[str, str]]:
+    found = set()
+    for path in sorted((root / "megatron").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found.update((rel, name) for name in node.names)
+        for node in tree.body:  # module-level trackers: the object itself is the state
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                callee = ast.unparse(node.value.func)
+                if callee.endswith("RNGStatesTracker"):
+                    found.update((rel, t.id) for t in node.targets if isinstance(t, ast.Name))
+    return found
+
+
+def test_process_wide_state_is_the_listed_set(tmp_path: Path) -> None:
+    assert process_wide_state(ROOT) == set(PROCESS_WIDE_STATE)
+    bad = tmp_path / "megatron" / "training" / "g.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("_X = None\ndef f():\n    global _X\n    _X = 1\n")
+    assert process_wide_state(tmp_path) == {("megatron/training/g.py", "_X")}
+
+
+def test_the_rng_tracker_is_one_object_shared_with_deepspeed() -> None:
+    import deepspeed
+
+    from megatron.deepspeed_internals import share_rng_tracker
+    from megatron.mpu import random as mpu_random
+
+    ours = mpu_random.get_cuda_rng_tracker()
+    assert ours is mpu_random.get_cuda_rng_tracker()
+    saved = deepspeed.checkpointing.get_cuda_rng_tracker()
+    try:
+        share_rng_tracker(ours)
+        assert deepspeed.checkpointing.get_cuda_rng_tracker() is ours
+    finally:
+        deepspeed.checkpointing._CUDA_RNG_STATE_TRACKER = saved

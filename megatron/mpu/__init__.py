@@ -1,9 +1,9 @@
 """Trident's tensor-parallel core (Megatron's public names).
 
-``parallel_state`` (process groups; the only global state), ``context`` (``ParallelContext``: the group and build
+``parallel_state`` (process groups; the first of the two process-wide objects), ``context`` (``ParallelContext``: the group and build
 settings a model is given), ``mappings`` (every collective), ``layers``
-(column/row-parallel linear, vocab-parallel embedding), ``cross_entropy``, ``random`` (RNG tracker, activation
-checkpointing), ``data`` (broadcast over TP), ``utils``. The package itself can be passed to DeepSpeed as ``mpu=``.
+(column/row-parallel linear, vocab-parallel embedding), ``cross_entropy``, ``random`` (the RNG tracker, the second process-wide
+object; activation checkpointing), ``data`` (broadcast over TP), ``utils``. The package itself can be passed to DeepSpeed as ``mpu=``.
 """
 
 from megatron.mpu.context import ParallelContext

@@ -17,6 +17,13 @@ With --deepspeed-activation-checkpointing this tracker is also DeepSpeed's (``de
 get_cuda_rng_tracker()`` returns this object, see ``megatron/training/activation_checkpointing.py``): one tracker,
 whichever checkpoint function saves and restores it.
 
+**The tracker is the second process-wide object** (``parallel_state`` is the first; a test in
+``tests/test_style.py`` holds the list of module state). It stays global on purpose: DeepSpeed's activation
+checkpointing and its pipeline engine reach it through ``deepspeed.checkpointing.get_cuda_rng_tracker()``, not
+through anything Trident passes, and a checkpoint function must fork the very stream the forward used, so one
+tracker per process is the contract. It holds no groups: the TP rank it seeds with is passed in
+(``model_parallel_cuda_manual_seed(seed, group)``).
+
 ``param_seed(seed, name)`` gives each parameter its own seed from its global name; the TP layers use it for the
 layout-invariant init (see :mod:`megatron.mpu.layers`).
 """
