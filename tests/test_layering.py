@@ -90,7 +90,7 @@ ROLES: dict[str, str] = {
     "config": "frozen dataclasses -> flags, validate(), rules, RunPlan (derived values): the bottom",
     "log": "logging helpers",
     "deepspeed_internals": "every use of DeepSpeed internals, behind one version gate",
-    "mpu": "parallel_state (the one global), ParallelContext, mappings (every collective), TP layers",
+    "mpu": "parallel_state and the RNG tracker (the two globals), ParallelContext, mappings, TP layers",
     "layout": "pure arithmetic: parameter names, TP split rule, QKV, vocab padding, PP stages",
     "tokenizer": "tokenizers, tokenizer training, the checkpoint's tokenizer record",
     "fused_kernels": "fused kernels with their PyTorch references; the loader and JIT build",
@@ -275,10 +275,28 @@ def all_violations(root: Path) -> list[str]:
     return table_violations(edges) + never_violations(package_graph(edges))
 
 
+def levels() -> dict[str, int]:
+    """Each package's height in :data:`ALLOWED`: 0 imports nothing, else 1 + the highest package it may import."""
+    out: dict[str, int] = {}
+
+    def height(pkg: str) -> int:
+        if pkg not in out:
+            out[pkg] = 1 + max((height(dep) for dep in ALLOWED[pkg]), default=-1)
+        return out[pkg]
+
+    for pkg in ALLOWED:
+        height(pkg)
+    return out
+
+
 def render() -> str:
     """The contracts as ``docs/architecture.md`` shows them (between its ``contracts`` markers)."""
     width = max(map(len, ALLOWED)) + len("megatron/") + 3
-    lines = ["```", f"{'package':<{width}}may import (megatron/...)"]
+    height = levels()
+    lines = ["```", "level  packages (a package imports only along its edges below, never upward)"]
+    for level in sorted(set(height.values()), reverse=True):
+        lines.append(f"{level:>5}  " + "  ".join(p for p in ALLOWED if height[p] == level))
+    lines += ["```", "", "```", f"{'package':<{width}}may import (megatron/...)"]
     for pkg, allowed in ALLOWED.items():
         lines.append(f"{'megatron/' + pkg:<{width}}{', '.join(allowed) or '-'}")
         lines.append(f"{'':<{width}}  {ROLES[pkg]}")

@@ -10,7 +10,7 @@ a ``MoEConfig``) is a group of its own whose fields follow the same rule.
 The exceptions, all below: flags that turn a default-True field off (:data:`INVERTED`), extra spellings
 (:data:`ALIASES`), fields that are not flags (:data:`NOT_FLAGS`), one flag that sets another field's value
 (``--checkpoint-activations``), and Megatron-DeepSpeed flags accepted as deliberate no-ops, each with its reason
-(:data:`COMPAT_NO_OPS`; README lists them). Megatron-DeepSpeed flags whose feature Trident does not have are known
+(:data:`COMPAT_NO_OPS`; docs/megatron-deepspeed.md lists them). Megatron-DeepSpeed flags whose feature Trident does not have are known
 by name and refused with their reason (``refused.py``).
 """
 
@@ -86,7 +86,7 @@ class CompatFlag:
 
     flags: tuple[str, ...]
     why: str
-    """Why it has nothing to do here (the help text and the README's compatibility table)."""
+    """Why it has nothing to do here (the help text and docs/megatron-deepspeed.md's compatibility table)."""
     choices: tuple[str, ...] | None = None
     """The values it accepts, when it takes one."""
     takes_value: bool = False

@@ -3,7 +3,7 @@
 A launch script that passes one of these gets one line and exit 2 (``pretrain_gpt.py``'s bad-flag path) naming the
 feature and what to use instead, rather than argparse's "unrecognized arguments" or, worse, a run that silently
 trains something else. A few accept the one value that means "feature off" (``--transformer-impl local``),
-which Megatron-DeepSpeed's own scripts pass; any other value is refused. The README's compatibility table
+which Megatron-DeepSpeed's own scripts pass; any other value is refused. The compatibility table of docs/megatron-deepspeed.md
 lists every entry with its reason (``scripts/mds_flag_table.py``).
 """
 

@@ -1,7 +1,7 @@
 """Every flag of Megatron-DeepSpeed's parser is known to ours: implemented, a documented no-op, or refused by name.
 
-The README's compatibility table is generated from the same tables (``scripts/mds_flag_table.py``) and must equal
-the generator's output; every refused flag stops the parse with its one line, and a few go through
+The compatibility table of ``docs/megatron-deepspeed.md`` is generated from the same tables
+(``scripts/mds_flag_table.py``, over the inventory ``scripts/mds_flags.py``) and must equal the generator's output; every refused flag stops the parse with its one line, and a few go through
 ``pretrain_gpt.py`` itself (exit 2, one ``error:`` line, before torch is imported).
 """
 
@@ -17,23 +17,25 @@ import pytest
 
 from megatron.config import build_parser, config_from_namespace
 from megatron.config.flags import COMPAT_NO_OPS
-from megatron.config.mds_flags import MDS_FLAGS, all_mds_flags
 from megatron.config.refused import REFUSED, RefusedFlagError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _table_module():
-    spec = importlib.util.spec_from_file_location(
-        "mds_flag_table", ROOT / "scripts" / "mds_flag_table.py"
-    )
+def _script_module(name: str):
+    """``scripts/<name>.py`` loaded by path and registered under its own name, as ``python scripts/...`` sees it
+    (``mds_flag_table`` imports ``mds_flags`` as its sibling); ``scripts/`` is not a package."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-TABLE = _table_module()
+INVENTORY = _script_module("mds_flags")  # first: the table script imports it
+TABLE = _script_module("mds_flag_table")
+MDS_FLAGS, all_mds_flags = INVENTORY.MDS_FLAGS, INVENTORY.all_mds_flags
 PARSER = build_parser()  # built once: building it walks every dataclass's source
 
 
@@ -71,10 +73,10 @@ def test_every_mds_flag_is_known() -> None:
     assert not no_ops & refused
 
 
-def test_readme_table_is_the_generated_one() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert TABLE.readme_table(readme) == TABLE.render(), (
-        "README.md's Megatron-DeepSpeed table is stale: paste `python scripts/mds_flag_table.py`"
+def test_docs_table_is_the_generated_one() -> None:
+    page = (ROOT / "docs" / "megatron-deepspeed.md").read_text(encoding="utf-8")
+    assert TABLE.page_table(page) == TABLE.render(), (
+        "docs/megatron-deepspeed.md's table is stale: paste `python scripts/mds_flag_table.py`"
     )
 
 

@@ -1,9 +1,12 @@
 """Every flag of Megatron-DeepSpeed's parser, by the argument group it sits in there (facts, not help text).
 
 Read from microsoft/Megatron-DeepSpeed ``megatron/arguments.py`` (every ``add_argument`` option string, each
-spelling of a flag with two) plus the four that ``deepspeed.add_config_arguments`` adds to it. The README's
-compatibility table (``scripts/mds_flag_table.py``) and ``tests/config/test_mds_flags.py`` walk this list: each flag
-is implemented, a documented no-op (``flags.COMPAT_NO_OPS``) or refused by name (``refused.REFUSED``).
+spelling of a flag with two) plus the four that ``deepspeed.add_config_arguments`` adds to it. The compatibility
+table of ``docs/megatron-deepspeed.md`` (``scripts/mds_flag_table.py``) and ``tests/config/test_mds_flags.py`` walk
+this list: each flag is implemented, a documented no-op (``megatron.config.flags.COMPAT_NO_OPS``) or refused by name
+(``megatron.config.refused.REFUSED``). Data for that script and that test only, so it lives beside the script, not
+in the library: the script imports it as its sibling (``python scripts/mds_flag_table.py``), the test loads both
+files by path.
 """
 
 from __future__ import annotations
