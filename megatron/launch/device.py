@@ -18,14 +18,16 @@ def device_type(backend: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def requested_device(requested: str | None) -> str:
-    """``requested`` (a ``--device`` value such as 'cpu', 'cuda', 'cuda:1') checked, else :func:`device_type`.
+def requested_device(requested: str | torch.device | None) -> str:
+    """``requested`` (a ``--device`` value such as 'cpu', 'cuda', 'cuda:1', or a ``torch.device``) checked, else
+    :func:`device_type`.
 
     Raises:
         ValueError: a CUDA device asked for where torch sees none.
     """
     if requested is None:
         return device_type()
+    requested = str(requested)
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {requested}: this torch sees no CUDA device; use --device cpu.")
     return requested
