@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron import mpu
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import DataConfig, RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, slice_sequence
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
+from megatron.training.initialize import Distributed
 
 Batch = dict[str, torch.Tensor]
 
@@ -233,13 +233,15 @@ def build_datasets(
 
 def _micro_batches(
     loader: Any,
-    cfg: TridentConfig,
+    d: DataConfig,
+    *,
     eod: int,
     device: torch.device,
+    ulysses: tuple[int, int],
     seqlen: CurrentSeqlen | None = None,
 ) -> Iterator[Batch]:
-    d = cfg.data
-    sp_rank, sp_size = mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
+    """``ulysses``: (this rank's index in its Ulysses group, the group's size)."""
+    sp_rank, sp_size = ulysses
     for raw in loader:
         batch = prepare_gpt_batch(
             raw["text"],
@@ -276,24 +278,26 @@ def build_iterators(
     cfg: TridentConfig,
     plan: RunPlan,
     tokenizer: Any,
+    run: Distributed,
     *,
-    device: torch.device,
     consumed_train_samples: int,
     consumed_valid_samples: int = 0,
 ) -> RunIterators:
     """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank.
 
-    Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise.
+    Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise; on ``run.device``, sliced
+    over this rank's DP and Ulysses groups of ``run.state``.
     """
+    state = run.state
     gbs = plan.global_batch_size
     train_ds, valid_ds, test_ds = build_datasets(
         cfg, tokenizer, train_iters=plan.train_iters, global_batch=gbs
     )
     common = {
-        "micro_batch_size": cfg.training.micro_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": gbs,
-        "data_parallel_rank": mpu.get_data_parallel_rank(),
-        "data_parallel_size": mpu.get_data_parallel_world_size(),
+        "data_parallel_rank": state.get_data_parallel_rank(),
+        "data_parallel_size": state.get_data_parallel_world_size(),
         "num_workers": cfg.data.num_workers,
         "seed": cfg.training.seed,
     }
@@ -315,13 +319,16 @@ def build_iterators(
     )
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
     eod = tokenizer.eod
+    ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
 
     seqlen = CurrentSeqlen()
 
     def batches(loader: Any, cut: CurrentSeqlen | None = None) -> Iterator[Any] | None:
         if loader is None:
             return None
-        micro = _micro_batches(loader, cfg, eod, device, cut)
+        micro = _micro_batches(
+            loader, cfg.data, eod=eod, device=run.device, ulysses=ulysses, seqlen=cut
+        )
         return _pipe_batches(micro) if plan.pipeline_engine else micro
 
     return RunIterators(

@@ -70,7 +70,7 @@ def preflight(cfg: TridentConfig) -> Preflight:
     check_deepspeed_version()
     ensure_rendezvous_env(cfg.parallel.local_rank)
     world_size = world_size_from_env()
-    device_type = initialize.run_device_type(cfg)
+    device_type = initialize.run_device_type(cfg.parallel)
     if device_type == "cpu":
         allocator_choice(os.environ)
     validate(cfg, world_size=world_size, device_type=device_type)
