@@ -170,7 +170,12 @@ def _build_trainer(
         plan.true_vocab_size,
         plan.padded_vocab_size,
     )
-    scheduler = build_lr_scheduler(cfg.training, plan.global_batch_size, bundle.client_optimizer)
+    scheduler = build_lr_scheduler(
+        cfg.training,
+        plan.global_batch_size,
+        bundle.client_optimizer,
+        train_samples=plan.train_samples,
+    )
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
         hooks = DeepSpeedCheckpointer(cfg, plan, tokenizer_fingerprint=pre.tokenizer_fingerprint)
     if hooks is not None and cfg.checkpoint.load:
