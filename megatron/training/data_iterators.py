@@ -148,7 +148,7 @@ def _check_index_files(cfg: TridentConfig) -> None:
     )
 
 
-def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
+def check_data_vocab(d: DataConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
     """Token ids in the --*data-path datasets must be < the tokenizer's vocabulary: a dataset preprocessed with
     another tokenizer otherwise fails inside the model, on some ranks only. Reads up to ``sample_tokens`` tokens
     in all (a blend's datasets share them), spread over 64 chunks of each file (a sample: cheap at any size, and a foreign tokenizer's ids
@@ -162,7 +162,6 @@ def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1
     from megatron.data.builders import parse_data_path
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
-    d = cfg.data
     for flag, values in (
         ("--data-path", d.data_path),
         ("--train-data-path", d.train_data_path),
@@ -187,13 +186,13 @@ def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1
                 )
 
 
-def build_run_tokenizer(cfg: TridentConfig) -> Any:
+def build_run_tokenizer(d: DataConfig) -> Any:
     """--tokenizer-type's tokenizer, or NullTokenizer(--vocab-size) when only --vocab-size is given."""
     from megatron.tokenizer.tokenizer import build_tokenizer
 
-    if cfg.data.tokenizer_type is None:
-        return build_tokenizer(cfg.data, tokenizer_type="NullTokenizer")
-    return build_tokenizer(cfg.data)
+    if d.tokenizer_type is None:
+        return build_tokenizer(d, tokenizer_type="NullTokenizer")
+    return build_tokenizer(d)
 
 
 def build_datasets(

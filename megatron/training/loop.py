@@ -129,7 +129,7 @@ class LoopSpec:
                 if t.rampup_batch_size
                 else None
             ),
-            curriculum=curriculum_of(cfg),
+            curriculum=curriculum_of(t, cfg.parallel, seq_length=cfg.model.seq_length),
         )
 
 

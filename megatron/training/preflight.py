@@ -75,13 +75,13 @@ def preflight(cfg: TridentConfig) -> Preflight:
     check_data_flags(cfg)
     check_output_paths(cfg.logging)
     cfg = resolve_universal_flag(cfg, world_size)
-    tokenizer = build_run_tokenizer(cfg)
+    tokenizer = build_run_tokenizer(cfg.data)
     plan = RunPlan.build(  # also the run-length checks (--train-iters / --train-samples)
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
     )
     check_lr_schedule(cfg.training, plan)  # the schedule's own checks (warmup vs decay length)
     ds_config = build_ds_config(cfg, plan)
-    check_data_vocab(cfg, tokenizer.vocab_size)
+    check_data_vocab(cfg.data, tokenizer.vocab_size)
     fingerprint = encoding_fingerprint(tokenizer)
     pending = check_checkpoint_dirs(
         cfg, plan, tokenizer_fingerprint=fingerprint, background_hashes=True
@@ -106,7 +106,7 @@ def plan_for_config(
             same flags in ``pretrain_gpt.py`` (the same one-line messages).
     """
     validate(cfg, world_size=world_size, device_type=device_type)
-    tokenizer = build_run_tokenizer(cfg)
+    tokenizer = build_run_tokenizer(cfg.data)
     plan = RunPlan.build(
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
     )

@@ -215,7 +215,7 @@ def _run(
 ) -> TrainResult:
     cfg, plan = pre.cfg, pre.plan
     initialize.set_seeds(cfg.training.seed, run.state)
-    log_zero_upgrade(cfg, plan)
+    log_zero_upgrade(cfg.training, plan)
     if global_rank() == 0:  # the planner's numbers (tools/plan_memory.py) as the run's first lines
         for line in format_plan(memory, plan):
             logger.info("%s", line)
