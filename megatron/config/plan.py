@@ -82,7 +82,7 @@ class RunPlan:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     data_parallel_size: int
-    """world size / (TP x PP)."""
+    """world size / (TP x PP x Ulysses SP): :meth:`ParallelConfig.data_parallel_size`, the one definition."""
     micro_batch_size: int
     global_batch_size: int
     """Samples per optimizer step (--global-batch-size, or micro batch x DP)."""

@@ -4,11 +4,13 @@ Legend: ``p`` TP size.
 
 The model and every block of it are built with one of these instead of reading the process-wide
 ``parallel_state``: a model built for another grid (a converter writing TP = 4 shards, an inference server, a
-sequence-parallel or expert group) gets exactly the group it is given. The global getters of ``parallel_state`` stay
-the DeepSpeed ``mpu=`` interface and serve code that truly concerns the whole process (the training loop's DP
-group, the data sampler).
+sequence-parallel or expert group) gets exactly the group it is given. A run builds it from the ``ParallelState``
+``initialize_model_parallel`` returned (:meth:`ParallelContext.from_state`); :meth:`ParallelContext.from_parallel_state`
+reads the process-wide default state instead (tests, tools building one model).
 
-    ctx = ParallelContext.from_parallel_state(seed=1234, sequence_parallel=True)   # the run's TP group
+    state = initialize_model_parallel(2, 1)
+    ctx = ParallelContext.from_state(state, cfg.parallel, seed=1234)               # the run's TP group
+    ctx = ParallelContext.from_parallel_state(seed=1234, sequence_parallel=True)   # the default state's
     ctx = ParallelContext(seed=1234)                                                # one process, TP = 1
     model = GPTModel(config, ctx)
 """
@@ -20,14 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.config import ParallelConfig
 from megatron.mpu.expert_parallel import expert_parallel_rank
 from megatron.mpu.parallel_state import (
+    ParallelState,
     ProcessGroup,
-    get_pipeline_model_parallel_world_size,
-    get_sequence_parallel_group,
-    get_sequence_parallel_world_size,
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_world_size,
+    get_parallel_state,
     group_rank,
     group_world_size,
 )
@@ -88,6 +88,44 @@ class ParallelContext:
         return group_rank(self.tp_group)
 
     @classmethod
+    def from_state(
+        cls,
+        state: ParallelState,
+        parallel: ParallelConfig,
+        *,
+        seed: int,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> ParallelContext:
+        """A context on ``state``'s TP group, with the build settings of ``parallel`` (the run's flags).
+
+        The Ulysses group comes with it when its size is > 1, or always with --force-ds-sequence-parallel; the
+        expert-parallel rank follows from this rank's place in ``state``'s grid.
+        """
+        grid = state.grid
+        sp_size = state.get_sequence_parallel_world_size()
+        force_sp = parallel.force_ds_sequence_parallel
+        return cls(
+            seed=seed,
+            tp_group=state.get_tensor_model_parallel_group(),
+            sequence_parallel=parallel.sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
+            sp_group=state.get_sequence_parallel_group() if force_sp or sp_size > 1 else None,
+            expert_parallel_size=parallel.moe_expert_parallel_size,
+            expert_parallel_rank=expert_parallel_rank(
+                state.rank,
+                world_size=grid.world_size,
+                tensor_model_parallel_size=grid.tensor_model_parallel_size,
+                pipeline_model_parallel_size=grid.pipeline_model_parallel_size,
+                expert_parallel_size=parallel.moe_expert_parallel_size,
+                expert_tensor_parallel=parallel.enable_expert_tensor_parallelism,
+            ),
+            expert_tensor_parallel=parallel.enable_expert_tensor_parallelism,
+        )
+
+    @classmethod
     def from_parallel_state(
         cls,
         *,
@@ -100,36 +138,29 @@ class ParallelContext:
         moe_expert_parallel_size: int = 1,
         enable_expert_tensor_parallelism: bool = False,
     ) -> ParallelContext:
-        """A context on the run's TP group (``initialize_model_parallel``), or TP = 1 without torch.distributed.
-
-        The run's Ulysses group comes with it when its size is > 1, or always with ``force_ds_sequence_parallel``.
+        """A context on the default state's TP group (``initialize_model_parallel``), or TP = 1 without
+        torch.distributed: :meth:`from_state` of ``get_parallel_state()`` with these settings.
 
         Raises:
             RuntimeError: torch.distributed is initialized but the model-parallel groups are not.
         """
-        group = sp_group = None
-        ep_rank = 0
+        parallel = ParallelConfig(
+            sequence_parallel=sequence_parallel,
+            async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
+            force_ds_sequence_parallel=force_ds_sequence_parallel,
+            moe_expert_parallel_size=moe_expert_parallel_size,
+            enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
+        )
         if dist.is_available() and dist.is_initialized():
-            group = get_tensor_model_parallel_group()
-            ep_rank = expert_parallel_rank(
-                dist.get_rank(),
-                world_size=dist.get_world_size(),
-                tensor_model_parallel_size=get_tensor_model_parallel_world_size(),
-                pipeline_model_parallel_size=get_pipeline_model_parallel_world_size(),
-                expert_parallel_size=moe_expert_parallel_size,
-                expert_tensor_parallel=enable_expert_tensor_parallelism,
+            return cls.from_state(
+                get_parallel_state(), parallel, seed=seed, params_dtype=params_dtype, device=device
             )
-            if force_ds_sequence_parallel or get_sequence_parallel_world_size() > 1:
-                sp_group = get_sequence_parallel_group()
         return cls(
             seed=seed,
-            tp_group=group,
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             device=device,
             async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
-            sp_group=sp_group,
             expert_parallel_size=moe_expert_parallel_size,
-            expert_parallel_rank=ep_rank,
             expert_tensor_parallel=enable_expert_tensor_parallelism,
         )

@@ -5,7 +5,7 @@ its layer chunks through ``deepspeed.checkpointing.checkpoint`` (:func:`megatron
 PP = 1 and PP > 1 alike) instead of ``mpu.random.checkpoint``. This module sets DeepSpeed's side up, as
 Megatron-DeepSpeed's ``setup_deepspeed_random_and_activation_checkpointing`` does:
 
-* ``deepspeed.checkpointing.configure(mpu_=megatron.mpu, ...)`` with the five options (partition over the TP group,
+* ``deepspeed.checkpointing.configure(mpu_=<the run's ParallelState>, ...)`` with the five options (partition over the TP group,
   contiguous buffers sized for ``ceil(num_layers / recompute_num_layers)`` chunks, CPU copies, synchronize,
   profile); the JSON's ``activation_checkpointing`` section is not read (every option comes from a flag, as in
   Megatron-DeepSpeed, whose flags override all of it);
@@ -29,6 +29,7 @@ import math
 from megatron import mpu
 from megatron.config import ModelConfig
 from megatron.deepspeed_internals import share_rng_tracker
+from megatron.mpu.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,12 @@ def num_checkpoints(config: ModelConfig) -> int:
     return math.ceil(config.num_layers / config.recompute_num_layers)
 
 
-def configure_deepspeed_checkpointing(config: ModelConfig) -> bool:
+def configure_deepspeed_checkpointing(config: ModelConfig, state: ParallelState) -> bool:
     """Configure ``deepspeed.checkpointing`` for this process and share the RNG tracker; False when the flag is off.
 
-    Call after ``initialize_model_parallel`` (DeepSpeed reads the TP group from ``megatron.mpu``) and before the
-    first forward. Calling it again (another run in the same process) reconfigures from scratch.
+    ``state``: the run's groups (``initialize_model_parallel``'s result), DeepSpeed's ``mpu_``: it reads the TP
+    group from it. Call before the first forward. Calling it again (another run in the same process) reconfigures
+    from scratch.
     """
     if not config.deepspeed_activation_checkpointing:
         return False
@@ -52,7 +54,7 @@ def configure_deepspeed_checkpointing(config: ModelConfig) -> bool:
 
     share_rng_tracker(mpu.get_cuda_rng_tracker())
     deepspeed.checkpointing.configure(
-        mpu,
+        state,
         partition_activations=config.partition_activations,
         contiguous_checkpointing=config.contiguous_checkpointing,
         num_checkpoints=num_checkpoints(config),
@@ -60,7 +62,7 @@ def configure_deepspeed_checkpointing(config: ModelConfig) -> bool:
         synchronize=config.synchronize_each_layer,
         profile=config.profile_backward,
     )
-    if config.partition_activations and mpu.get_tensor_model_parallel_world_size() == 1:
+    if config.partition_activations and state.get_tensor_model_parallel_world_size() == 1:
         logger.info(
             "--partition-activations at TP = 1: each rank keeps its checkpoints whole (as DeepSpeed)"
         )

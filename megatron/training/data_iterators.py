@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron import mpu
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import DataConfig, RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, slice_sequence
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
+from megatron.training.initialize import Distributed
 
 Batch = dict[str, torch.Tensor]
 
@@ -148,7 +148,7 @@ def _check_index_files(cfg: TridentConfig) -> None:
     )
 
 
-def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
+def check_data_vocab(d: DataConfig, vocab_size: int, sample_tokens: int = 1 << 23) -> None:
     """Token ids in the --*data-path datasets must be < the tokenizer's vocabulary: a dataset preprocessed with
     another tokenizer otherwise fails inside the model, on some ranks only. Reads up to ``sample_tokens`` tokens
     in all (a blend's datasets share them), spread over 64 chunks of each file (a sample: cheap at any size, and a foreign tokenizer's ids
@@ -162,7 +162,6 @@ def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1
     from megatron.data.builders import parse_data_path
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
-    d = cfg.data
     for flag, values in (
         ("--data-path", d.data_path),
         ("--train-data-path", d.train_data_path),
@@ -187,13 +186,13 @@ def check_data_vocab(cfg: TridentConfig, vocab_size: int, sample_tokens: int = 1
                 )
 
 
-def build_run_tokenizer(cfg: TridentConfig) -> Any:
+def build_run_tokenizer(d: DataConfig) -> Any:
     """--tokenizer-type's tokenizer, or NullTokenizer(--vocab-size) when only --vocab-size is given."""
     from megatron.tokenizer.tokenizer import build_tokenizer
 
-    if cfg.data.tokenizer_type is None:
-        return build_tokenizer(cfg.data, tokenizer_type="NullTokenizer")
-    return build_tokenizer(cfg.data)
+    if d.tokenizer_type is None:
+        return build_tokenizer(d, tokenizer_type="NullTokenizer")
+    return build_tokenizer(d)
 
 
 def build_datasets(
@@ -233,13 +232,15 @@ def build_datasets(
 
 def _micro_batches(
     loader: Any,
-    cfg: TridentConfig,
+    d: DataConfig,
+    *,
     eod: int,
     device: torch.device,
+    ulysses: tuple[int, int],
     seqlen: CurrentSeqlen | None = None,
 ) -> Iterator[Batch]:
-    d = cfg.data
-    sp_rank, sp_size = mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
+    """``ulysses``: (this rank's index in its Ulysses group, the group's size)."""
+    sp_rank, sp_size = ulysses
     for raw in loader:
         batch = prepare_gpt_batch(
             raw["text"],
@@ -276,24 +277,26 @@ def build_iterators(
     cfg: TridentConfig,
     plan: RunPlan,
     tokenizer: Any,
+    run: Distributed,
     *,
-    device: torch.device,
     consumed_train_samples: int,
     consumed_valid_samples: int = 0,
 ) -> RunIterators:
     """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank.
 
-    Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise.
+    Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise; on ``run.device``, sliced
+    over this rank's DP and Ulysses groups of ``run.state``.
     """
+    state = run.state
     gbs = plan.global_batch_size
     train_ds, valid_ds, test_ds = build_datasets(
         cfg, tokenizer, train_iters=plan.train_iters, global_batch=gbs
     )
     common = {
-        "micro_batch_size": cfg.training.micro_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
         "global_batch_size": gbs,
-        "data_parallel_rank": mpu.get_data_parallel_rank(),
-        "data_parallel_size": mpu.get_data_parallel_world_size(),
+        "data_parallel_rank": state.get_data_parallel_rank(),
+        "data_parallel_size": state.get_data_parallel_world_size(),
         "num_workers": cfg.data.num_workers,
         "seed": cfg.training.seed,
     }
@@ -315,13 +318,16 @@ def build_iterators(
     )
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
     eod = tokenizer.eod
+    ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
 
     seqlen = CurrentSeqlen()
 
     def batches(loader: Any, cut: CurrentSeqlen | None = None) -> Iterator[Any] | None:
         if loader is None:
             return None
-        micro = _micro_batches(loader, cfg, eod, device, cut)
+        micro = _micro_batches(
+            loader, cfg.data, eod=eod, device=run.device, ulysses=ulysses, seqlen=cut
+        )
         return _pipe_batches(micro) if plan.pipeline_engine else micro
 
     return RunIterators(

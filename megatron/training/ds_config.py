@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import ParallelConfig, RunPlan, TrainingConfig, TridentConfig
 from megatron.training.curriculum import SeqlenCurriculum, parse_curriculum, without_curriculum
 from megatron.training.zero_init import check_nvme_offload
 
@@ -337,7 +337,7 @@ def build_ds_config(
         user,
         source,
         seq_length=cfg.model.seq_length,
-        sequence_multiple=_sequence_multiple(cfg),
+        sequence_multiple=_sequence_multiple(cfg.parallel),
         data_efficiency=cfg.training.data_efficiency_curriculum_learning,
     )  # checked here with the other JSON errors; DeepSpeed 0.19.8 refuses the legacy section: Trident runs it
     user = without_curriculum(user)
@@ -362,31 +362,32 @@ def build_ds_config(
     return merged
 
 
-def _sequence_multiple(cfg: TridentConfig) -> int:
+def _sequence_multiple(p: ParallelConfig) -> int:
     # Megatron SP splits s over TP, Ulysses over its N ranks (validate() keeps the two exclusive).
-    p = cfg.parallel
     megatron_sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
     return megatron_sp * p.ds_sequence_parallel_size
 
 
-def curriculum_of(cfg: TridentConfig) -> SeqlenCurriculum | None:
+def curriculum_of(
+    t: TrainingConfig, parallel: ParallelConfig, *, seq_length: int
+) -> SeqlenCurriculum | None:
     """The sequence-length curriculum of --deepspeed_config (``curriculum.py``), None without one."""
-    source = cfg.training.deepspeed_config
+    source = t.deepspeed_config
     return parse_curriculum(
         load_user_ds_config(source) if source else {},
         source or "no --deepspeed_config",
-        seq_length=cfg.model.seq_length,
-        sequence_multiple=_sequence_multiple(cfg),
-        data_efficiency=cfg.training.data_efficiency_curriculum_learning,
+        seq_length=seq_length,
+        sequence_multiple=_sequence_multiple(parallel),
+        data_efficiency=t.data_efficiency_curriculum_learning,
     )
 
 
-def log_zero_upgrade(cfg: TridentConfig, plan: RunPlan) -> None:
+def log_zero_upgrade(t: TrainingConfig, plan: RunPlan) -> None:
     """Log once when the ZeRO stage in effect differs from --zero-stage (see ``effective_zero_stage``)."""
     if plan.zero_stage_raised:
         logger.info(
             "--zero-stage 0 with --pipeline-model-parallel-size %d and --clip-grad %s: using ZeRO-1 "
             "(DeepSpeed 0.19.8 computes a wrong grad norm for ZeRO-0 pipelines with clipping).",
             plan.pipeline_model_parallel_size,
-            cfg.training.clip_grad,
+            t.clip_grad,
         )

@@ -10,36 +10,49 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron import fused_kernels, mpu
-from megatron.config import TridentConfig
+from megatron.config import ParallelConfig
 from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
 from megatron.launch.cpu_allocator import keep_freed_memory
 from megatron.launch.device import device_type, local_device
 from megatron.launch.rendezvous import local_world_size
 from megatron.log import log_rank_0
 from megatron.mpu.mappings import all_gather_object
+from megatron.mpu.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
 
-def run_device_type(cfg: TridentConfig) -> str:
+def run_device_type(parallel: ParallelConfig) -> str:
     """The device type of this run: :func:`megatron.launch.device.device_type` for --distributed-backend."""
-    return device_type(cfg.parallel.distributed_backend)
+    return device_type(parallel.distributed_backend)
 
 
-def _backend(cfg: TridentConfig, dev: str) -> str:
-    if cfg.parallel.distributed_backend != "auto":
-        return cfg.parallel.distributed_backend
+def _backend(parallel: ParallelConfig, dev: str) -> str:
+    if parallel.distributed_backend != "auto":
+        return parallel.distributed_backend
     return "nccl" if dev == "cuda" else "gloo"
 
 
-def init_distributed(cfg: TridentConfig, *, planned_bytes: int | None = None) -> torch.device:
-    """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups; returns the device.
+@dataclass(frozen=True)
+class Distributed:
+    """What :func:`init_distributed` sets up for this rank, kept by the run and passed down."""
+
+    device: torch.device
+    """This rank's device."""
+    state: ParallelState
+    """The model-parallel groups (``initialize_model_parallel``'s result): TP, PP, DP, Ulysses, ..."""
+
+
+def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = None) -> Distributed:
+    """``deepspeed.init_distributed`` (gloo on CPU, NCCL on CUDA) and the model-parallel groups of ``parallel``;
+    returns the device and the groups.
 
     On CPU, DeepSpeed's shared-memory all-reduce op (used only by inference) is not JIT-built (that build costs
     30-50 s per cold start and needs a compiler), and glibc is told to keep freed memory for reuse
@@ -47,7 +60,7 @@ def init_distributed(cfg: TridentConfig, *, planned_bytes: int | None = None) ->
     with). --distributed-timeout-minutes reaches the default group, every group of ``parallel_state``
     and the groups DeepSpeed creates later (``set_default_group_timeout``).
     """
-    dev = run_device_type(cfg)
+    dev = run_device_type(parallel)
     allocator = None
     if dev == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -56,26 +69,26 @@ def init_distributed(cfg: TridentConfig, *, planned_bytes: int | None = None) ->
     import deepspeed
 
     device = local_device(dev)
-    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
     # Also when the caller already created the default group (a library user, the test spawner): DeepSpeed then
     # wraps that group; without it DeepSpeed's own comm layer is unset and PipelineModule fails on get_rank().
     deepspeed.init_distributed(
-        dist_backend=_backend(cfg, dev),
+        dist_backend=_backend(parallel, dev),
         auto_mpi_discovery=False,
         verbose=False,
         timeout=timeout,
     )
     set_default_group_timeout(timeout)  # the groups DeepSpeed creates itself (pipeline grid, ...)
-    mpu.initialize_model_parallel(
-        cfg.parallel.tensor_model_parallel_size,
-        cfg.parallel.pipeline_model_parallel_size,
-        ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
+    state = mpu.initialize_model_parallel(
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        ds_sequence_parallel_size=parallel.ds_sequence_parallel_size,
         timeout=timeout,
     )
     agree_on_fused_kernels(device.type)
     if allocator is not None:
         log_rank_0(logger, "%s", allocator)
-    return device
+    return Distributed(device=device, state=state)
 
 
 def agree_on_fused_kernels(device_type: str) -> None:
@@ -126,7 +139,7 @@ def rank_seed(seed: int, pp_rank: int, sp_rank: int) -> int:
     return seed + PIPELINE_SEED_OFFSET * pp_rank + SEQUENCE_PARALLEL_SEED_OFFSET * sp_rank
 
 
-def set_seeds(seed: int) -> None:
+def set_seeds(seed: int, state: ParallelState) -> None:
     """Seed torch's default generators and the model-parallel RNG tracker for this rank's dropout.
 
     Parameter values come from ``param_seed(seed, name)`` inside the model and the data order from the sampler's
@@ -135,32 +148,34 @@ def set_seeds(seed: int) -> None:
     one sequence chunk another's), and the tracker's "model-parallel-rng" stream from that plus 2718 + tp_rank
     (Megatron's), for dropout inside tensor-parallel regions.
     """
-    own = rank_seed(seed, mpu.get_pipeline_model_parallel_rank(), mpu.get_sequence_parallel_rank())
+    own = rank_seed(
+        seed, state.get_pipeline_model_parallel_rank(), state.get_sequence_parallel_rank()
+    )
     torch.manual_seed(own)
     mpu.model_parallel_cuda_manual_seed(own)
 
 
-def check_pipe_grid(grid: object) -> None:
-    """Verify that DeepSpeed's pipeline grid and our ``parallel_state`` agree on every rank coordinate.
+def check_pipe_grid(grid: object, state: ParallelState) -> None:
+    """Verify that DeepSpeed's pipeline grid and our ``state`` agree on every rank coordinate.
 
     Raises:
         RuntimeError: a coordinate or size differs (a rank-order bug; training would silently mix shards).
     """
     pairs = {
-        "tensor rank": (grid.get_slice_parallel_rank(), mpu.get_tensor_model_parallel_rank()),  # type: ignore[attr-defined]
+        "tensor rank": (grid.get_slice_parallel_rank(), state.get_tensor_model_parallel_rank()),  # type: ignore[attr-defined]
         "tensor size": (
             grid.get_slice_parallel_world_size(),  # type: ignore[attr-defined]
-            mpu.get_tensor_model_parallel_world_size(),
+            state.get_tensor_model_parallel_world_size(),
         ),
-        "pipeline stage": (grid.get_stage_id(), mpu.get_pipeline_model_parallel_rank()),  # type: ignore[attr-defined]
+        "pipeline stage": (grid.get_stage_id(), state.get_pipeline_model_parallel_rank()),  # type: ignore[attr-defined]
         "pipeline size": (
             grid.get_pipe_parallel_world_size(),  # type: ignore[attr-defined]
-            mpu.get_pipeline_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_world_size(),
         ),
-        "data rank": (grid.get_data_parallel_rank(), mpu.get_data_parallel_rank()),  # type: ignore[attr-defined]
+        "data rank": (grid.get_data_parallel_rank(), state.get_data_parallel_rank()),  # type: ignore[attr-defined]
         "data size": (
             grid.get_data_parallel_world_size(),  # type: ignore[attr-defined]
-            mpu.get_data_parallel_world_size(),
+            state.get_data_parallel_world_size(),
         ),
     }
     bad = {k: v for k, v in pairs.items() if v[0] != v[1]}

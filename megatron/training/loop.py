@@ -129,7 +129,7 @@ class LoopSpec:
                 if t.rampup_batch_size
                 else None
             ),
-            curriculum=curriculum_of(cfg),
+            curriculum=curriculum_of(t, cfg.parallel, seq_length=cfg.model.seq_length),
         )
 
 
@@ -214,31 +214,57 @@ def _report_non_finite(state: TrainState, result: StepResult, last_saved: int | 
     )
 
 
+@dataclass
+class _Interval:
+    """The iterations since the last progress line: their start (evaluation time excluded), count and tokens."""
+
+    start: float
+    iters: int = 0
+    tokens: int = 0
+    """The real tokens trained (--rampup-batch-size, the curriculum), for tokens/s and TFLOPs."""
+
+
+@dataclass(frozen=True)
+class _Iteration:
+    """What one iteration of the loop did."""
+
+    result: StepResult
+    lr: float
+    """The LR the step ran with."""
+    batch: int
+    """Its global batch (--rampup-batch-size)."""
+    seqlen: int | None
+    """Its curriculum sequence length (None: whole samples)."""
+
+
 def _log(
     rates: Throughput,
     spec: LoopSpec,
     state: TrainState,
-    result: StepResult,
-    lr: float,
-    seconds_per_iter: float,
+    it: _Iteration,
+    interval: _Interval,
     writer: MetricsWriter,
     step_log: StepLogger | None = None,
-    curriculum_seqlen: int | None = None,
-    tokens_per_iter: float | None = None,
-) -> None:
+) -> float:
+    """Record the progress line of ``it`` (JSONL, TensorBoard, console); returns the seconds per iteration."""
+    seconds_per_iter = (time.perf_counter() - interval.start) / interval.iters
+    tokens_per_iter = (
+        interval.tokens / interval.iters
+    )  # the real batch and length (ramp-up, curriculum)
     tokens_per_sec, tflops, mfu = rates.rates(seconds_per_iter, tokens_per_iter)
+    result = it.result
     rec = TrainRecord(
         iteration=state.iteration,
         consumed_samples=state.consumed_train_samples,
         lm_loss=result.loss,
-        lr=lr,
+        lr=it.lr,
         grad_norm=result.grad_norm,
         loss_scale=result.loss_scale,
         skipped_iter=int(result.skipped),
         tokens_per_sec=tokens_per_sec,
         tflops_per_device=tflops,
         mfu=mfu,
-        curriculum_seqlen=curriculum_seqlen,
+        curriculum_seqlen=it.seqlen,
         moe_loss=result.moe_loss,
         expert_load=None if result.expert_load is None else result.expert_load.as_dict(),
     )
@@ -254,6 +280,7 @@ def _log(
                 params_norm=None if step_log is None else step_log.params_norm,
             )
         )
+    return seconds_per_iter
 
 
 def run_evaluation(
@@ -284,6 +311,118 @@ def run_test_evaluation(trainer: Trainer, state: TrainState, writer: MetricsWrit
     return loss
 
 
+class _Loop:
+    """One run of :func:`train`: the trainer, the schedule and what the iterations share (interval, saves)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        spec: LoopSpec,
+        rates: Throughput,
+        state: TrainState,
+        writer: MetricsWriter,
+        step_log: StepLogger | None,
+        watchdog: HangWatchdog | None,
+    ) -> None:
+        self.trainer, self.spec, self.rates, self.state = trainer, spec, rates, state
+        self.writer, self.step_log = writer, step_log
+        self.watchdog = (
+            watchdog if watchdog is not None else HangWatchdog(minutes=None, factor=None, rank=0)
+        )
+        self.signals = _StopSignals(spec.exit_signal_handler)
+        self.start = time.time()
+        self.interval = _Interval(start=time.perf_counter())
+        self.first_iteration = state.iteration
+        self.saved = False
+        """The current iteration was saved already (by --save-interval)."""
+        self.last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
+
+    def step(self) -> _Iteration:
+        """Batch size, sequence length and LR of the next iteration, one optimizer step, the counters, the LR
+        schedule (not advanced by a skipped step)."""
+        trainer, spec, state = self.trainer, self.spec, self.state
+        batch = spec.batch_at(state.consumed_train_samples)
+        trainer.set_global_batch(batch)
+        seqlen = spec.seqlen_at(state.iteration + 1)
+        trainer.set_seqlen(seqlen)
+        lr = trainer.apply_lr()
+        with self.watchdog.watch("train step", state.iteration + 1):
+            result = trainer.train_step()
+        state.iteration += 1
+        state.consumed_train_samples += batch
+        # tokens per sample: --seq-length, or the curriculum's length (Megatron-DeepSpeed counts those)
+        tokens = (seqlen or spec.tokens_per_iteration // spec.global_batch) * batch
+        state.consumed_train_tokens += tokens
+        self.interval.tokens += tokens
+        state.history.append(result.loss)
+        state.grad_norms.append(result.grad_norm)
+        if result.moe_loss is not None:
+            state.moe_history.append(result.moe_loss)
+        self.interval.iters += 1
+        if result.skipped:
+            state.skipped_iterations += 1
+        else:
+            trainer.scheduler.step(batch, tokens=state.consumed_train_tokens)
+        return _Iteration(result=result, lr=lr, batch=batch, seqlen=seqlen)
+
+    def log(self, it: _Iteration) -> None:
+        """The optional statistics (every iteration) and the progress line (every --log-interval)."""
+        state, step_log = self.state, self.step_log
+        log_now = state.iteration % self.spec.log_interval == 0
+        if step_log is not None:
+            step_log.after_step(state, it.result, it.lr, batch_size=it.batch, log_now=log_now)
+        if log_now:
+            seconds = _log(self.rates, self.spec, state, it, self.interval, self.writer, step_log)
+            if step_log is not None:
+                step_log.at_log_interval(state.iteration, seconds)
+            self.interval.iters, self.interval.tokens = 0, 0
+
+    def non_finite(self, it: _Iteration) -> bool:
+        """A non-finite loss or grad norm on any rank (--check-for-nan-in-loss-and-grad), reported."""
+        if self.spec.check_for_nan and _any_rank([_non_finite(it.result)], self.trainer.device)[0]:
+            _report_non_finite(self.state, it.result, self.last_saved)
+            return True
+        return False
+
+    def evaluate_and_save(self) -> None:
+        """Evaluate every --eval-interval, save every --save-interval."""
+        spec, state = self.spec, self.state
+        if spec.eval_interval and state.iteration % spec.eval_interval == 0:
+            run_evaluation(self.trainer, spec, state, self.writer)
+        if spec.log_interval and state.iteration % spec.log_interval == 0:
+            self.interval.start = time.perf_counter()  # evaluation time is not training time
+        self.saved = False
+        if spec.save_interval and state.iteration % spec.save_interval == 0:
+            self.save_once()
+
+    def save_once(self) -> None:
+        """Save the current iteration (when --save is given) unless it was saved already."""
+        if not self.trainer.save_enabled or self.saved:
+            return
+        with self.watchdog.watch("checkpoint save", self.state.iteration):
+            self.trainer.save(self.state)
+        self.saved, self.last_saved = True, self.state.iteration
+
+    def exit_code(self) -> int | None:
+        """The exit condition met now, if any. The last iteration finishes the run (exit 0) even when it is also
+        an exit point: a job script that resubmits on 3/4/5 would only relaunch a finished run."""
+        if self.spec.finished(self.state):
+            return None
+        return _exit_code(self.spec, self.state, self.start, self.signals, self.trainer.device)
+
+    def stop(self, code: int) -> int:
+        """Save (unless just saved) and return ``code``."""
+        self.save_once()
+        logger.info("exiting at iteration %d (exit code %d)", self.state.iteration, code)
+        return code
+
+    def finish(self) -> int:
+        """--train-iters (or --train-tokens) reached: save the final iteration too, as Megatron does."""
+        if self.state.iteration > self.first_iteration:
+            self.save_once()
+        return EXIT_OK
+
+
 def train(
     trainer: Trainer,
     spec: LoopSpec,
@@ -297,77 +436,17 @@ def train(
 
     ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration.
     ``watchdog``: this rank's hang watchdog (``watchdog.py``), armed around each step and save; default: none."""
-    wd = watchdog if watchdog is not None else HangWatchdog(minutes=None, factor=None, rank=0)
-    signals = _StopSignals(spec.exit_signal_handler)
-    start = time.time()
-    interval_start, interval_iters, interval_tokens = time.perf_counter(), 0, 0
-    saved, first_iteration = False, state.iteration
-    last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
+    loop = _Loop(trainer, spec, rates, state, writer, step_log, watchdog)
     try:
         while not spec.finished(state):
-            batch = spec.batch_at(state.consumed_train_samples)
-            trainer.set_global_batch(batch)
-            seqlen = spec.seqlen_at(state.iteration + 1)
-            trainer.set_seqlen(seqlen)
-            lr = trainer.apply_lr()
-            with wd.watch("train step", state.iteration + 1):
-                result = trainer.train_step()
-            state.iteration += 1
-            state.consumed_train_samples += batch
-            # tokens per sample: --seq-length, or the curriculum's length (Megatron-DeepSpeed counts those)
-            tokens = (seqlen or spec.tokens_per_iteration // spec.global_batch) * batch
-            state.consumed_train_tokens += tokens
-            interval_tokens += tokens
-            state.history.append(result.loss)
-            state.grad_norms.append(result.grad_norm)
-            if result.moe_loss is not None:
-                state.moe_history.append(result.moe_loss)
-            interval_iters += 1
-            if result.skipped:
-                state.skipped_iterations += 1
-            else:
-                trainer.scheduler.step(batch, tokens=state.consumed_train_tokens)
-            log_now = state.iteration % spec.log_interval == 0
-            if step_log is not None:
-                step_log.after_step(state, result, lr, batch_size=batch, log_now=log_now)
-            if log_now:
-                seconds = (time.perf_counter() - interval_start) / interval_iters
-                per_iter = (
-                    interval_tokens / interval_iters
-                )  # the real batch and length (ramp-up, curriculum)
-                _log(rates, spec, state, result, lr, seconds, writer, step_log, seqlen, per_iter)
-                if step_log is not None:
-                    step_log.at_log_interval(state.iteration, seconds)
-                interval_iters, interval_tokens = 0, 0
-            if spec.check_for_nan and _any_rank([_non_finite(result)], trainer.device)[0]:
-                _report_non_finite(state, result, last_saved)
+            it = loop.step()
+            loop.log(it)
+            if loop.non_finite(it):
                 return EXIT_NON_FINITE
-            if spec.eval_interval and state.iteration % spec.eval_interval == 0:
-                run_evaluation(trainer, spec, state, writer)
-            if spec.log_interval and state.iteration % spec.log_interval == 0:
-                interval_start = time.perf_counter()  # evaluation time is not training time
-            saved = False
-            if (
-                trainer.save_enabled
-                and spec.save_interval
-                and state.iteration % spec.save_interval == 0
-            ):
-                with wd.watch("checkpoint save", state.iteration):
-                    trainer.save(state)
-                saved, last_saved = True, state.iteration
-            # The last iteration finishes the run (exit 0) even when it is also an exit point: a job script that
-            # resubmits on 3/4/5 would only relaunch a finished run.
-            finished = spec.finished(state)
-            code = None if finished else _exit_code(spec, state, start, signals, trainer.device)
+            loop.evaluate_and_save()
+            code = loop.exit_code()
             if code is not None:
-                if trainer.save_enabled and not saved:
-                    with wd.watch("checkpoint save", state.iteration):
-                        trainer.save(state)
-                logger.info("exiting at iteration %d (exit code %d)", state.iteration, code)
-                return code
-        if trainer.save_enabled and not saved and state.iteration > first_iteration:
-            with wd.watch("checkpoint save", state.iteration):
-                trainer.save(state)  # Megatron saves the final iteration too
-        return EXIT_OK
+                return loop.stop(code)
+        return loop.finish()
     finally:
-        signals.restore()
+        loop.signals.restore()

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from megatron.config import TrainingConfig
+from megatron.config import RunPlan, TrainingConfig
 from megatron.config.plan import train_samples_and_iters
 from megatron.launch.exit_codes import ConfigError
 
@@ -54,51 +55,71 @@ ResumePolicy = Literal["error", "override", "checkpoint"]
 logger = logging.getLogger(__name__)
 
 
-class OptimizerParamScheduler:
-    """Megatron's LR schedule (sample-counted), with ``state_dict``/``load_state_dict`` for checkpoints."""
+@dataclass(frozen=True)
+class LRSchedule:
+    """The constants of a schedule (Megatron's ``OptimizerParamScheduler`` arguments), in samples.
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        max_lr: float,
-        min_lr: float,
-        lr_warmup_steps: int,
-        lr_decay_steps: int,
-        lr_decay_style: DecayStyle,
-        on_resume: ResumePolicy = "error",
-        from_run_length: frozenset[str] = frozenset(),
-        lr_warmup_tokens: int | None = None,
-        lr_decay_tokens: int | None = None,
-    ) -> None:
-        if lr_decay_steps <= 0:
+    A value of its own instead of ten constructor arguments: the preflight checks it (:meth:`check`) without
+    building a scheduler, and :class:`OptimizerParamScheduler` is built from it.
+    """
+
+    max_lr: float
+    """--lr."""
+    min_lr: float
+    """--min-lr."""
+    lr_warmup_steps: int
+    """Warmup length in samples."""
+    lr_decay_steps: int
+    """Decay length in samples."""
+    lr_decay_style: DecayStyle
+    on_resume: ResumePolicy = "error"
+    from_run_length: frozenset[str] = frozenset()
+    """Constants derived from the run length (``lr_decay_steps`` without --lr-decay-iters/-samples, then
+    ``lr_warmup_steps`` of a --lr-warmup-fraction): on resume they follow the flags."""
+    lr_warmup_tokens: int | None = None
+    """--lr-warmup-tokens."""
+    lr_decay_tokens: int | None = None
+    """--lr-decay-tokens (the schedule then runs on tokens)."""
+
+    def check(self) -> None:
+        """Raises ValueError for a non-positive decay, or a warmup longer than the decay (samples or tokens)."""
+        if self.lr_decay_steps <= 0:
             raise ValueError(
-                f"LR decay length ({lr_decay_steps} samples) must be positive; set --lr-decay-iters or "
+                f"LR decay length ({self.lr_decay_steps} samples) must be positive; set --lr-decay-iters or "
                 "--lr-decay-samples (or --train-iters/--train-samples)."
             )
-        if lr_warmup_steps > lr_decay_steps:
+        if self.lr_warmup_steps > self.lr_decay_steps:
             raise ValueError(
-                f"LR warmup ({lr_warmup_steps} samples) exceeds the decay length ({lr_decay_steps} samples); "
-                "shorten --lr-warmup-* or lengthen --lr-decay-*."
+                f"LR warmup ({self.lr_warmup_steps} samples) exceeds the decay length ({self.lr_decay_steps} "
+                "samples); shorten --lr-warmup-* or lengthen --lr-decay-*."
             )
-        if lr_warmup_tokens is not None and (
-            lr_decay_tokens is None or lr_warmup_tokens > lr_decay_tokens
-        ):
+        warmup_tokens, decay_tokens = self.lr_warmup_tokens, self.lr_decay_tokens
+        if warmup_tokens is not None and (decay_tokens is None or warmup_tokens > decay_tokens):
             raise ValueError(
-                f"LR warmup of {lr_warmup_tokens} tokens needs a longer --lr-decay-tokens (got {lr_decay_tokens})."
+                f"LR warmup of {warmup_tokens} tokens needs a longer --lr-decay-tokens (got {decay_tokens})."
             )
+
+
+class OptimizerParamScheduler:
+    """Megatron's LR schedule (sample-counted), with ``state_dict``/``load_state_dict`` for checkpoints.
+
+    Raises:
+        ValueError: see :meth:`LRSchedule.check`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, schedule: LRSchedule) -> None:
+        schedule.check()
         self.optimizer = optimizer
-        self.max_lr = float(max_lr)
-        self.min_lr = float(min_lr)
-        self.lr_warmup_steps = int(lr_warmup_steps)
-        self.lr_decay_steps = int(lr_decay_steps)
-        self.lr_decay_style: DecayStyle = lr_decay_style
-        self.on_resume: ResumePolicy = on_resume
-        self.from_run_length = from_run_length
-        """Constants derived from the run length (``lr_decay_steps`` without --lr-decay-iters/-samples, then
-        ``lr_warmup_steps`` of a --lr-warmup-fraction): on resume they follow the flags."""
-        self.lr_warmup_tokens = lr_warmup_tokens
-        self.lr_decay_tokens = lr_decay_tokens
+        self.max_lr = float(schedule.max_lr)
+        self.min_lr = float(schedule.min_lr)
+        self.lr_warmup_steps = int(schedule.lr_warmup_steps)
+        self.lr_decay_steps = int(schedule.lr_decay_steps)
+        self.lr_decay_style: DecayStyle = schedule.lr_decay_style
+        self.on_resume: ResumePolicy = schedule.on_resume
+        self.from_run_length = schedule.from_run_length
+        """Constants derived from the run length (:attr:`LRSchedule.from_run_length`)."""
+        self.lr_warmup_tokens = schedule.lr_warmup_tokens
+        self.lr_decay_tokens = schedule.lr_decay_tokens
         self.num_steps = 0
         self.num_tokens = 0
         """Tokens consumed (the token schedule's position), as last given to :meth:`step`."""
@@ -281,10 +302,14 @@ def _same_value(a: Any, b: Any) -> bool:
     return float(a) == float(b)
 
 
-def build_lr_scheduler(
-    t: TrainingConfig, global_batch: int, optimizer: torch.optim.Optimizer | None
-) -> OptimizerParamScheduler:
-    """The schedule for ``t`` in samples (see the module docstring for the mapping of flags)."""
+def lr_schedule(
+    t: TrainingConfig, global_batch: int, train_samples: int | None = None
+) -> LRSchedule:
+    """The schedule constants of ``t`` in samples (see the module docstring for the mapping of flags).
+
+    ``train_samples``: the run's length in samples (``RunPlan.train_samples``), the default decay of a sample-based
+    run; None computes it from ``t`` (a schedule built outside a run).
+    """
     if t.train_iters is not None:
         decay = (t.lr_decay_iters or t.train_iters) * global_batch
         warmup = (
@@ -293,7 +318,12 @@ def build_lr_scheduler(
             else t.lr_warmup_iters * global_batch
         )
     else:
-        decay = t.lr_decay_samples or train_samples_and_iters(t, global_batch)[0]
+        if t.lr_decay_samples:
+            decay = t.lr_decay_samples
+        elif train_samples is not None:
+            decay = train_samples
+        else:
+            decay = train_samples_and_iters(t, global_batch)[0]
         warmup = (
             int(t.lr_warmup_fraction * decay)
             if t.lr_warmup_fraction is not None
@@ -311,8 +341,7 @@ def build_lr_scheduler(
         derived = frozenset(
             {"lr_decay_steps", *(("lr_warmup_steps",) if t.lr_warmup_fraction is not None else ())}
         )
-    return OptimizerParamScheduler(
-        optimizer,
+    return LRSchedule(
         max_lr=t.lr,
         min_lr=t.min_lr,
         lr_warmup_steps=warmup,
@@ -323,3 +352,23 @@ def build_lr_scheduler(
         lr_warmup_tokens=t.lr_warmup_tokens,
         lr_decay_tokens=t.lr_decay_tokens,
     )
+
+
+def check_lr_schedule(t: TrainingConfig, plan: RunPlan) -> None:
+    """The schedule's own checks (warmup vs decay length) for the run ``plan`` describes, building no scheduler.
+
+    Raises:
+        ValueError: see :meth:`LRSchedule.check`.
+    """
+    lr_schedule(t, plan.global_batch_size, plan.train_samples).check()
+
+
+def build_lr_scheduler(
+    t: TrainingConfig,
+    global_batch: int,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    train_samples: int | None = None,
+) -> OptimizerParamScheduler:
+    """The schedule for ``t`` in samples (:func:`lr_schedule`), writing its LR into ``optimizer``."""
+    return OptimizerParamScheduler(optimizer, lr_schedule(t, global_batch, train_samples))

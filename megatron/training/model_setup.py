@@ -1,12 +1,12 @@
 """Build the model, the torch optimizer and the DeepSpeed engine for a run.
 
-PP = 1: ``GPTModel`` + ``DeepSpeedEngine`` with ``mpu=megatron.mpu`` (DeepSpeed then reduces gradients over our
+PP = 1: ``GPTModel`` + ``DeepSpeedEngine`` with ``mpu=`` the run's ``ParallelState`` (DeepSpeed then reduces gradients over our
 data-parallel group and counts tensor-parallel shards once in the grad norm). PP > 1: ``GPTModelPipe`` on DeepSpeed's
 ``PipeModelDataParallelTopology(num_pp, num_mp=TP, num_dp)`` + ``PipelineEngine``; its grid must agree with
 ``parallel_state`` rank by rank (:func:`~megatron.training.initialize.check_pipe_grid`).
 
 The model is built in fp32 (parameters drawn in fp32 from ``(seed, name)``) on the run's TP group, given explicitly
-through a ``ParallelContext``; with --bf16/--fp16 DeepSpeed casts it and keeps fp32 master weights in its optimizer
+through a ``ParallelContext`` built from the run's ``ParallelState``; with --bf16/--fp16 DeepSpeed casts it and keeps fp32 master weights in its optimizer
 wrapper. Under ZeRO-3 (PP = 1) it is built inside ``deepspeed.zero.Init`` instead (``zero_init.py``): partitioned over
 DP as each module is built, directly in the run's dtype (the same fp32 draw, cast).
 """
@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from megatron import mpu
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import ModelConfig, ParallelConfig, RunPlan, TrainingConfig
 from megatron.deepspeed_internals import keep_fp32_clip_norm, skip_single_rank_allreduce
 from megatron.model import GPTModel, GPTModelPipe
 from megatron.mpu.context import ParallelContext
 from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
-from megatron.training.initialize import check_pipe_grid
+from megatron.training.initialize import Distributed, check_pipe_grid
 from megatron.training.optimizer import build_optimizer
 from megatron.training.zero_init import uses_zero3_init, zero3_init, zero3_params_dtype
 
@@ -43,72 +42,68 @@ class EngineBundle:
 
 
 def build_model(
-    cfg: TridentConfig,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
     plan: RunPlan,
+    run: Distributed,
     *,
-    device: torch.device,
+    seed: int,
     ds_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """``GPTModel`` or ``GPTModelPipe`` for ``cfg`` (vocabulary = the plan's true one), on the run's TP group.
+    """``GPTModel`` or ``GPTModelPipe`` of ``model_cfg`` (vocabulary = the plan's true one), on the TP group of
+    ``run.state`` with the build settings of ``parallel``; parameters drawn from ``(seed, name)``.
 
     With ``ds_config`` and ZeRO-3 (PP = 1) the model is built inside ``deepspeed.zero.Init`` (partitioned over DP as
     it is built; ``zero_init.py``); without ``ds_config`` it is built whole (conversion tools, tests).
     """
-    model_cfg = replace(cfg.model, vocab_size=plan.true_vocab_size)
+    model_cfg = replace(model_cfg, vocab_size=plan.true_vocab_size)
     zero3_config = ds_config if ds_config is not None and uses_zero3_init(plan) else None
     params_dtype = torch.float32 if zero3_config is None else zero3_params_dtype(zero3_config)
-    parallel = ParallelContext.from_parallel_state(
-        seed=cfg.training.seed,
-        sequence_parallel=plan.sequence_parallel,
-        params_dtype=params_dtype,
-        device=device,
-        async_tensor_model_parallel_allreduce=cfg.parallel.async_tensor_model_parallel_allreduce,
-        force_ds_sequence_parallel=cfg.parallel.force_ds_sequence_parallel,
-        moe_expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
-        enable_expert_tensor_parallelism=cfg.parallel.enable_expert_tensor_parallelism,
+    ctx = ParallelContext.from_state(
+        run.state, parallel, seed=seed, params_dtype=params_dtype, device=run.device
     )
     if zero3_config is not None:
-        with zero3_init(zero3_config, params_dtype=params_dtype):
-            return GPTModel(model_cfg, parallel)
+        with zero3_init(zero3_config, run.state, params_dtype=params_dtype):
+            return GPTModel(model_cfg, ctx)
     if not plan.pipeline_engine:
-        return GPTModel(model_cfg, parallel)
+        return GPTModel(model_cfg, ctx)
     topology = PipeModelDataParallelTopology(
         num_pp=plan.pipeline_model_parallel_size,
         num_mp=plan.tensor_model_parallel_size,
         num_dp=plan.data_parallel_size,
     )
     interval = model_cfg.recompute_num_layers if model_cfg.recompute_granularity == "full" else 0
-    return GPTModelPipe(
-        model_cfg, parallel, topology=topology, activation_checkpoint_interval=interval
-    )
+    return GPTModelPipe(model_cfg, ctx, topology=topology, activation_checkpoint_interval=interval)
 
 
 def build_engine(
-    cfg: TridentConfig,
+    model_cfg: ModelConfig,
+    training: TrainingConfig,
+    parallel: ParallelConfig,
     plan: RunPlan,
     ds_config: dict[str, Any],
+    run: Distributed,
     *,
-    device: torch.device,
     model: torch.nn.Module | None = None,
 ) -> EngineBundle:
     """Model (``model``, or :func:`build_model` with ``ds_config``: inside ``zero.Init`` under ZeRO-3) + torch
-    optimizer (Megatron param groups) + ``deepspeed.initialize``."""
+    optimizer (Megatron param groups, ``training``) + ``deepspeed.initialize`` with ``mpu=run.state``."""
     import deepspeed
 
-    configure_deepspeed_checkpointing(cfg.model)  # before the first forward; no-op without the flag
+    configure_deepspeed_checkpointing(
+        model_cfg, run.state
+    )  # before the first forward; no-op without the flag
     if model is None:
-        model = build_model(cfg, plan, device=device, ds_config=ds_config)
-    optimizer = build_optimizer(
-        model, cfg.training, moe_groups=cfg.model.moe.create_moe_param_group
-    )
+        model = build_model(model_cfg, parallel, plan, run, seed=training.seed, ds_config=ds_config)
+    optimizer = build_optimizer(model, training, moe_groups=model_cfg.moe.create_moe_param_group)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        mpu=None if plan.pipeline_engine else mpu,
+        mpu=None if plan.pipeline_engine else run.state,
         config=ds_config,
     )
     if plan.pipeline_engine:
-        check_pipe_grid(engine.grid)
+        check_pipe_grid(engine.grid, run.state)
     keep_fp32_clip_norm(engine)
     skip_single_rank_allreduce(engine)
     return EngineBundle(engine=engine, client_optimizer=optimizer, is_pipe=plan.pipeline_engine)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron import mpu
 from megatron.model.moe import moe_layers
 from megatron.mpu.mappings import all_reduce_sum_, communication_device
 
@@ -40,7 +39,7 @@ class ExpertLoad:
 
 
 def collect_expert_load(
-    model: torch.nn.Module, num_layers: int, experts: tuple[int, ...]
+    model: torch.nn.Module, num_layers: int, experts: tuple[int, ...], *, tp_size: int
 ) -> ExpertLoad | None:
     """The step's :class:`ExpertLoad` on every rank (a collective: every rank calls it each step); None for a
     dense model.
@@ -49,6 +48,7 @@ def collect_expert_load(
         model: this rank's module (its MoE layers, ``MoEMLP``, hold this step's counts; reading resets them).
         num_layers: L of the whole model.
         experts: experts of each layer 0..L-1 (``MoEConfig.experts_per_layer``).
+        tp_size: the run's TP size (its ranks route the same tokens: the sum counts them ``tp_size`` times).
     """
     moe_ids = [i for i in range(num_layers) if experts[i] > 1]
     if not moe_ids:
@@ -63,7 +63,7 @@ def collect_expert_load(
     if dist.is_available() and dist.is_initialized():
         device = communication_device(dist.group.WORLD)
         summed = all_reduce_sum_(table.to(device), group=dist.group.WORLD).cpu()
-        table = summed / mpu.get_tensor_model_parallel_world_size()
+        table = summed / tp_size
     rows = table.round().to(torch.int64).tolist()
     return ExpertLoad(
         layers=tuple(moe_ids),

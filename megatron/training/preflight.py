@@ -17,8 +17,7 @@ from typing import Any
 from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.pointers import resolve_universal_flag
 from megatron.checkpointing.rules import check_checkpoint_dirs
-from megatron.config import RunPlan, TridentConfig, validate
-from megatron.config.plan import global_batch_size, train_samples_and_iters
+from megatron.config import LoggingConfig, RunPlan, TridentConfig, validate
 from megatron.deepspeed_internals import check_deepspeed_version
 from megatron.launch.cpu_allocator import allocator_choice
 from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
@@ -27,7 +26,7 @@ from megatron.tokenizer import encoding_fingerprint
 from megatron.training import initialize
 from megatron.training.data_iterators import build_run_tokenizer, check_data_flags, check_data_vocab
 from megatron.training.ds_config import build_ds_config
-from megatron.training.lr_scheduler import build_lr_scheduler
+from megatron.training.lr_scheduler import check_lr_schedule
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,8 @@ class Preflight:
     joins them (every rank together) before the load."""
 
 
-def check_output_paths(cfg: TridentConfig) -> None:
+def check_output_paths(log: LoggingConfig) -> None:
     """--metrics-file must be a file path and --tensorboard-dir a directory path (ValueError naming the flag)."""
-    log = cfg.logging
     if log.metrics_file and Path(log.metrics_file).is_dir():
         raise ValueError(f"--metrics-file {log.metrics_file} is a directory; give a file path.")
     if log.tensorboard_dir and Path(log.tensorboard_dir).is_file():
@@ -70,24 +68,20 @@ def preflight(cfg: TridentConfig) -> Preflight:
     check_deepspeed_version()
     ensure_rendezvous_env(cfg.parallel.local_rank)
     world_size = world_size_from_env()
-    device_type = initialize.run_device_type(cfg)
+    device_type = initialize.run_device_type(cfg.parallel)
     if device_type == "cpu":
         allocator_choice(os.environ)
     validate(cfg, world_size=world_size, device_type=device_type)
     check_data_flags(cfg)
-    gbs = global_batch_size(cfg, world_size)
-    train_samples_and_iters(cfg.training, gbs)
-    build_lr_scheduler(
-        cfg.training, gbs, None
-    )  # the schedule's own checks (warmup vs decay length)
-    check_output_paths(cfg)
+    check_output_paths(cfg.logging)
     cfg = resolve_universal_flag(cfg, world_size)
-    tokenizer = build_run_tokenizer(cfg)
-    plan = RunPlan.build(
+    tokenizer = build_run_tokenizer(cfg.data)
+    plan = RunPlan.build(  # also the run-length checks (--train-iters / --train-samples)
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
     )
+    check_lr_schedule(cfg.training, plan)  # the schedule's own checks (warmup vs decay length)
     ds_config = build_ds_config(cfg, plan)
-    check_data_vocab(cfg, tokenizer.vocab_size)
+    check_data_vocab(cfg.data, tokenizer.vocab_size)
     fingerprint = encoding_fingerprint(tokenizer)
     pending = check_checkpoint_dirs(
         cfg, plan, tokenizer_fingerprint=fingerprint, background_hashes=True
@@ -112,7 +106,7 @@ def plan_for_config(
             same flags in ``pretrain_gpt.py`` (the same one-line messages).
     """
     validate(cfg, world_size=world_size, device_type=device_type)
-    tokenizer = build_run_tokenizer(cfg)
+    tokenizer = build_run_tokenizer(cfg.data)
     plan = RunPlan.build(
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
     )

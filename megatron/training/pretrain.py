@@ -40,13 +40,14 @@ from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
 from megatron.training.ds_config import log_zero_upgrade
+from megatron.training.initialize import Distributed
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
 from megatron.training.model_setup import build_engine
 from megatron.training.preflight import Preflight, preflight
 from megatron.training.state import TrainState
 from megatron.training.step_log import build_run_logging, timers_of
-from megatron.training.trainer import Trainer
+from megatron.training.trainer import Checkpointing, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +105,13 @@ def pretrain(
     pre = checked if checked is not None else preflight(cfg)
     memory = plan_memory(pre.cfg, pre.plan, pre.ds_config)
     worst = memory.worst
-    device = initialize.init_distributed(
-        pre.cfg, planned_bytes=worst.total + worst.offloaded_bytes
+    run = initialize.init_distributed(
+        pre.cfg.parallel, planned_bytes=worst.total + worst.offloaded_bytes
     )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
     lock: SaveLock | None = None
     try:
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
-        return _run(pre, memory, device, checkpoint_hooks)
+        return _run(pre, memory, run, checkpoint_hooks)
     finally:
         if lock is not None:
             lock.release()
@@ -151,12 +152,12 @@ def _join_checksums(pending: PendingVerification | None) -> None:
 
 
 def _build_trainer(
-    pre: Preflight, device: Any, hooks: CheckpointHooks | None, state: TrainState
+    pre: Preflight, run: Distributed, hooks: CheckpointHooks | None, state: TrainState
 ) -> Trainer:
     """Engine, schedule, checkpoint load (into ``state``) and data iterators of the run."""
     cfg, plan = pre.cfg, pre.plan
     start = time.perf_counter()
-    bundle = build_engine(cfg, plan, pre.ds_config, device=device)
+    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, pre.ds_config, run)
     logger.info(
         "rank %d: engine ready in %.1f s (%s, ZeRO-%d, global batch %d, micro %d, gas %d, vocab %d -> %d)",
         global_rank(),
@@ -169,7 +170,12 @@ def _build_trainer(
         plan.true_vocab_size,
         plan.padded_vocab_size,
     )
-    scheduler = build_lr_scheduler(cfg.training, plan.global_batch_size, bundle.client_optimizer)
+    scheduler = build_lr_scheduler(
+        cfg.training,
+        plan.global_batch_size,
+        bundle.client_optimizer,
+        train_samples=plan.train_samples,
+    )
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
         hooks = DeepSpeedCheckpointer(cfg, plan, tokenizer_fingerprint=pre.tokenizer_fingerprint)
     if hooks is not None and cfg.checkpoint.load:
@@ -186,7 +192,7 @@ def _build_trainer(
         cfg,
         plan,
         pre.tokenizer,
-        device=device,
+        run,
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
     )
@@ -196,26 +202,25 @@ def _build_trainer(
         bundle=bundle,
         scheduler=scheduler,
         iterators=iterators,
-        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        plan=plan,
+        run=run,
         eval_iters=cfg.training.eval_iters,
-        device=device,
-        checkpointer=hooks,
-        save_enabled=bool(cfg.checkpoint.save),
-        timers=timers_of(cfg),
+        checkpointing=Checkpointing(hooks=hooks, save=bool(cfg.checkpoint.save)),
+        timers=timers_of(cfg.logging),
     )
 
 
 def _run(
-    pre: Preflight, memory: MemoryPlan, device: Any, hooks: CheckpointHooks | None
+    pre: Preflight, memory: MemoryPlan, run: Distributed, hooks: CheckpointHooks | None
 ) -> TrainResult:
     cfg, plan = pre.cfg, pre.plan
-    initialize.set_seeds(cfg.training.seed)
-    log_zero_upgrade(cfg, plan)
+    initialize.set_seeds(cfg.training.seed, run.state)
+    log_zero_upgrade(cfg.training, plan)
     if global_rank() == 0:  # the planner's numbers (tools/plan_memory.py) as the run's first lines
         for line in format_plan(memory, plan):
             logger.info("%s", line)
     state = TrainState()
-    trainer = _build_trainer(pre, device, hooks, state)
+    trainer = _build_trainer(pre, run, hooks, state)
     spec = LoopSpec.of(cfg, plan)
     rates = Throughput(
         tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,

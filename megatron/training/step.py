@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from megatron import mpu
 from megatron.deepspeed_internals import loss_scale
 from megatron.model.moe import clear_moe_state, moe_aux_loss
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
+from megatron.mpu.parallel_state import ParallelState, ProcessGroup, group_world_size
 from megatron.training.moe_log import ExpertLoad, collect_expert_load
 from megatron.training.timers import Timers
 from megatron.training.ulysses import ulysses_backward_scale
@@ -56,16 +56,39 @@ class StepResult:
     """Tokens per expert and dropped tokens of each MoE layer over the global batch (None: dense)."""
 
 
-def _forward_loss(engine: Any, batch: Batch) -> torch.Tensor:
+@dataclass(frozen=True)
+class StepGroups:
+    """The process groups a step reduces over, taken once from the run's ``ParallelState``."""
+
+    data_parallel: ProcessGroup
+    """The loss is averaged over it (DeepSpeed reduces the gradients over it itself)."""
+    pipeline: ProcessGroup
+    """The MoE term of a pipeline batch is summed over its stages."""
+    ulysses: ProcessGroup | None
+    """The DeepSpeed-Ulysses group when its size is > 1: the loss sums its tokens over it; else None."""
+    tensor_parallel_size: int
+    """TP ranks route the same tokens: the expert load is divided by it."""
+
+    @classmethod
+    def of(cls, state: ParallelState) -> StepGroups:
+        """The groups of ``state`` (``initialize_model_parallel``'s result)."""
+        ulysses = state.get_sequence_parallel_world_size() > 1
+        return cls(
+            data_parallel=state.get_data_parallel_group(),
+            pipeline=state.get_pipeline_model_parallel_group(),
+            ulysses=state.get_sequence_parallel_group() if ulysses else None,
+            tensor_parallel_size=state.get_tensor_model_parallel_world_size(),
+        )
+
+
+def _forward_loss(engine: Any, batch: Batch, groups: StepGroups) -> torch.Tensor:
     per_token = engine(
         batch["tokens"],
         batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
         labels=batch["labels"],
     )  # [b, s] fp32 ([b, s/N] under DeepSpeed-Ulysses)
-    ulysses = mpu.get_sequence_parallel_world_size() > 1
-    group = mpu.get_sequence_parallel_group() if ulysses else None
-    return loss_func(per_token, batch["loss_mask"], sequence_parallel_group=group)
+    return loss_func(per_token, batch["loss_mask"], sequence_parallel_group=groups.ulysses)
 
 
 def _grad_norm(engine: Any) -> float | None:
@@ -75,10 +98,10 @@ def _grad_norm(engine: Any) -> float | None:
     return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
-def dp_mean(value: torch.Tensor) -> torch.Tensor:
-    """Average a scalar tensor over the data-parallel group."""
-    total = all_reduce_sum_(value.detach().clone(), group=mpu.get_data_parallel_group())
-    return total / mpu.get_data_parallel_world_size()
+def dp_mean(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Average a scalar tensor over the data-parallel ``group``."""
+    total = all_reduce_sum_(value.detach().clone(), group=group)
+    return total / group_world_size(group)
 
 
 def train_step_engine(
@@ -86,6 +109,7 @@ def train_step_engine(
     micro_batches: Iterator[Batch],
     gas: int,
     *,
+    groups: StepGroups,
     explicit_boundary: bool = False,
     timers: Timers | None = None,
 ) -> StepResult:
@@ -94,7 +118,7 @@ def train_step_engine(
     ``explicit_boundary``: mark the last micro-batch as the accumulation boundary instead of DeepSpeed's
     ``micro_steps % gas`` count, which is off once the batch size changed (--rampup-batch-size).
     ``timers`` (``timers.py``): forward-backward and optimizer (level 1; the update is the last ``engine.step()``),
-    batch-generator, forward-compute, backward-compute (level 2, per micro-batch).
+    batch-generator, forward-compute, backward-compute (level 2, per micro-batch). ``groups``: the run's groups.
     """
     timers = timers if timers is not None else Timers()
     fwd_bwd, opt = timers("forward-backward", 1), timers("optimizer", 1)
@@ -103,7 +127,9 @@ def train_step_engine(
     )
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    backward_scale = ulysses_backward_scale(engine)  # 1 except ZeRO-3 + Ulysses (``ulysses.py``)
+    backward_scale = ulysses_backward_scale(
+        engine, group_world_size(groups.ulysses)
+    )  # 1 except ZeRO-3 + Ulysses (``ulysses.py``)
     moe_total: torch.Tensor | None = None  # MoE term summed over micro-batches
     fwd_bwd.start()
     for i in range(gas):
@@ -114,7 +140,7 @@ def train_step_engine(
         batch_gen.stop()
         fwd.start()
         clear_moe_state(engine.module)
-        loss = _forward_loss(engine, batch)
+        loss = _forward_loss(engine, batch, groups)
         moe_loss = moe_aux_loss(engine.module)  # --moe-loss-coeff x the layers' aux losses, or None
         fwd.stop()
         bwd.start()
@@ -129,19 +155,20 @@ def train_step_engine(
         if moe_loss is not None:
             moe_total = moe_loss.detach() + (0.0 if moe_total is None else moe_total)
     opt.stop()
-    loss_mean = dp_mean(total / gas)
+    dp = groups.data_parallel
+    loss_mean = dp_mean(total / gas, dp)
     return StepResult(
         loss=float(loss_mean.item()),
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
         loss_scale=loss_scale(engine),
-        moe_loss=None if moe_total is None else float(dp_mean(moe_total / gas).item()),
-        expert_load=_expert_load(engine),
+        moe_loss=None if moe_total is None else float(dp_mean(moe_total / gas, dp).item()),
+        expert_load=_expert_load(engine, groups.tensor_parallel_size),
     )
 
 
 def train_step_pipe(
-    engine: Any, pipe_batches: Iterator[Any], timers: Timers | None = None
+    engine: Any, pipe_batches: Iterator[Any], groups: StepGroups, timers: Timers | None = None
 ) -> StepResult:
     """One step with DeepSpeed's ``PipelineEngine``; ``pipe_batches`` yields its micro-batch tuples.
 
@@ -153,26 +180,26 @@ def train_step_pipe(
     if record is not None:
         record.clear()
     loss = float(engine.train_batch(data_iter=pipe_batches).float().item())
-    moe = _pipe_moe_loss(engine)
+    moe = _pipe_moe_loss(engine, groups)
     return StepResult(
         loss=loss if moe is None else loss - moe,  # the engine's loss includes the MoE term
         grad_norm=_grad_norm(engine),
         skipped=not engine.was_step_applied(),
         loss_scale=loss_scale(engine),
         moe_loss=moe,
-        expert_load=_expert_load(engine),
+        expert_load=_expert_load(engine, groups.tensor_parallel_size),
     )
 
 
-def _expert_load(engine: Any) -> ExpertLoad | None:
+def _expert_load(engine: Any, tp_size: int) -> ExpertLoad | None:
     """This step's expert load (a collective over every rank; None for a dense model)."""
     cfg = engine.module.config
     return collect_expert_load(
-        engine.module, cfg.num_layers, cfg.moe.experts_per_layer(cfg.num_layers)
+        engine.module, cfg.num_layers, cfg.moe.experts_per_layer(cfg.num_layers), tp_size=tp_size
     )
 
 
-def _pipe_moe_loss(engine: Any) -> float | None:
+def _pipe_moe_loss(engine: Any, groups: StepGroups) -> float | None:
     """The MoE term of the last pipeline batch (mean over micro-batches and DP), on every stage; None: dense.
 
     The last stage's loss_fn recorded each micro-batch's term (``GPTModelPipe.moe_losses``); the other stages
@@ -183,26 +210,31 @@ def _pipe_moe_loss(engine: Any) -> float | None:
         return None
     record = model.moe_losses
     mean = torch.stack(record).float().mean() if record else torch.zeros(())
-    value = dp_mean(mean.to(engine.device)) if engine.is_last_stage() else mean.zero_()
-    total = all_reduce_sum_(value.reshape(1).clone(), group=mpu.get_pipeline_model_parallel_group())
+    if engine.is_last_stage():
+        value = dp_mean(mean.to(engine.device), groups.data_parallel)
+    else:
+        value = mean.zero_()
+    total = all_reduce_sum_(value.reshape(1).clone(), group=groups.pipeline)
     return float(total.item())
 
 
 @torch.no_grad()
-def eval_step_engine(engine: Any, micro_batches: Iterator[Batch], gas: int) -> float:
+def eval_step_engine(
+    engine: Any, micro_batches: Iterator[Batch], gas: int, groups: StepGroups
+) -> float:
     """Validation loss of one global batch with ``DeepSpeedEngine`` (mean over micro-batches and DP)."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for _ in range(gas):
-        total += _forward_loss(engine, next(micro_batches)).float()
-    return float(dp_mean(total / gas).item())
+        total += _forward_loss(engine, next(micro_batches), groups).float()
+    return float(dp_mean(total / gas, groups.data_parallel).item())
 
 
-def eval_step_pipe(engine: Any, pipe_batches: Iterator[Any]) -> float:
+def eval_step_pipe(engine: Any, pipe_batches: Iterator[Any], groups: StepGroups) -> float:
     """Validation loss of one global batch with the pipeline engine (already averaged, on every stage)."""
     record = getattr(engine.module, "moe_losses", None)
     if record is not None:
         record.clear()
     loss = float(engine.eval_batch(data_iter=pipe_batches).float().item())
-    moe = _pipe_moe_loss(engine)
+    moe = _pipe_moe_loss(engine, groups)
     return loss if moe is None else loss - moe  # the LM loss, as eval_step_engine reports

@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 
-from megatron import mpu
 from megatron.config import LoggingConfig, RunPlan, TridentConfig
 from megatron.log import global_rank
+from megatron.mpu.layers import param_is_not_tensor_parallel_duplicate
 from megatron.mpu.mappings import all_reduce_max_, all_reduce_sum_, communication_device
+from megatron.mpu.parallel_state import ParallelState
 from megatron.training.metrics import MetricsWriter, TrainRecord
+from megatron.training.model_setup import EngineBundle
 from megatron.training.state import TrainState
 from megatron.training.step import StepResult
 from megatron.training.timers import Timers
@@ -49,46 +51,50 @@ _OPT_L1 = ("variance_l1", "variance_sqrt_l1", "momentum_l1", "weight_l1")
 _OPT_MAX = ("variance_abs_max", "variance_sqrt_abs_max", "momentum_abs_max", "weight_abs_max")
 
 
-def _groups(partitioned: bool) -> list[Any]:
+def _groups(state: ParallelState, partitioned: bool) -> list[Any]:
     """The groups a per-rank statistic is summed over: model parallel (TP x PP), plus DP when ZeRO partitions."""
-    groups = [mpu.get_model_parallel_group()]
+    groups = [state.get_model_parallel_group()]
     if partitioned:
-        groups.append(mpu.get_data_parallel_group())
+        groups.append(state.get_data_parallel_group())
     return groups
 
 
-def _sum(t: torch.Tensor, partitioned: bool) -> torch.Tensor:
-    for g in _groups(partitioned):
+def _sum(t: torch.Tensor, state: ParallelState, partitioned: bool) -> torch.Tensor:
+    for g in _groups(state, partitioned):
         all_reduce_sum_(t, group=g)
     return t
 
 
-def params_norm(module: torch.nn.Module, *, pipe: bool) -> float:
-    """L2 norm of the model's parameters, each counted once over the model-parallel group. Every rank calls."""
-    first_stage = mpu.get_pipeline_model_parallel_rank() == 0
+def params_norm(module: torch.nn.Module, state: ParallelState, *, pipe: bool) -> float:
+    """L2 norm of the model's parameters, each counted once over the model-parallel group of ``state``. Every rank
+    calls."""
+    first_stage = state.get_pipeline_model_parallel_rank() == 0
+    tp_group = state.get_tensor_model_parallel_group()
     total = torch.zeros(1, dtype=torch.float64)
     for name, p in module.named_parameters():
         if pipe and not first_stage and name.startswith("tied_modules."):
             continue  # the tied embedding also lives on the first stage
-        if mpu.param_is_not_tensor_parallel_duplicate(p):
+        if param_is_not_tensor_parallel_duplicate(p, tp_group):
             total += p.detach().double().pow(2).sum().cpu()
-    dev = communication_device(mpu.get_model_parallel_group())
-    return float(_sum(total.to(dev), partitioned=False).item()) ** 0.5
+    dev = communication_device(state.get_model_parallel_group())
+    return float(_sum(total.to(dev), state, partitioned=False).item()) ** 0.5
 
 
-def optimizer_states(optimizer: torch.optim.Optimizer, *, partitioned: bool) -> dict[str, float]:
+def optimizer_states(
+    optimizer: torch.optim.Optimizer, state: ParallelState, *, partitioned: bool
+) -> dict[str, float]:
     """Megatron-DeepSpeed's Adam-state statistics (see the module docstring). Every rank calls."""
     sums = torch.zeros(8, dtype=torch.float64)
     maxima = torch.zeros(4, dtype=torch.float64)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            if "exp_avg_sq" not in state:
+            adam = optimizer.state.get(p, {})
+            if "exp_avg_sq" not in adam:
                 continue
             tensors = (
-                state["exp_avg_sq"],
-                state["exp_avg_sq"].sqrt(),
-                state["exp_avg"],
+                adam["exp_avg_sq"],
+                adam["exp_avg_sq"].sqrt(),
+                adam["exp_avg"],
                 p.detach(),
             )
             for i, t in enumerate(tensors):
@@ -96,9 +102,9 @@ def optimizer_states(optimizer: torch.optim.Optimizer, *, partitioned: bool) -> 
                 sums[i] += t.pow(2).sum().item()
                 sums[4 + i] += t.abs().sum().item()
                 maxima[i] = max(maxima[i].item(), t.abs().max().item())
-    dev = communication_device(mpu.get_model_parallel_group())
-    sums, maxima = _sum(sums.to(dev), partitioned).cpu(), maxima.to(dev)
-    for g in _groups(partitioned):
+    dev = communication_device(state.get_model_parallel_group())
+    sums, maxima = _sum(sums.to(dev), state, partitioned).cpu(), maxima.to(dev)
+    for g in _groups(state, partitioned):
         all_reduce_max_(maxima, group=g)
     out = {name: sums[i].item() ** 0.5 for i, name in enumerate(_OPT_L2)}
     out.update({name: sums[4 + i].item() for i, name in enumerate(_OPT_L1)})
@@ -139,12 +145,12 @@ class ZeroCounter:
                 zeros -= self._padding[i]  # ZeRO's alignment padding of this rank's flat partition
         self.last = zeros
 
-    def take(self, *, partitioned: bool) -> float:
+    def take(self, state: ParallelState, *, partitioned: bool) -> float:
         """The latest step's count summed over the ranks holding distinct parts (resets it). Every rank calls."""
-        dev = communication_device(mpu.get_model_parallel_group())
+        dev = communication_device(state.get_model_parallel_group())
         t = torch.tensor([float(self.last)], dtype=torch.float64, device=dev)
         self.last = 0
-        return float(_sum(t, partitioned).item())
+        return float(_sum(t, state, partitioned).item())
 
 
 class StepLogger:
@@ -154,13 +160,12 @@ class StepLogger:
         options: the run's ``LoggingConfig``.
         writer: the run's metrics writer.
         timers: the run's timers.
-        module: the engine's module (for the params norm).
-        optimizer: the torch optimizer inside the engine (optimizer states, num zeros).
-        wrapper: DeepSpeed's optimizer wrapper (``engine.optimizer``), for ZeRO's padding.
-        pipe: the pipeline engine runs the model.
+        bundle: the engine (its module for the params norm; DeepSpeed's optimizer wrapper for ZeRO's padding),
+            the torch optimizer inside it (optimizer states, num zeros) and whether it is the pipeline engine.
         zero_stage: the ZeRO stage (>0: optimizer states and gradients are partitioned over DP).
         world_size: the job's world size.
         device: this rank's device.
+        state: the run's model-parallel groups (the statistics are summed over them).
     """
 
     def __init__(
@@ -169,19 +174,21 @@ class StepLogger:
         *,
         writer: MetricsWriter,
         timers: Timers,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        wrapper: Any,
-        pipe: bool,
+        bundle: EngineBundle,
         zero_stage: int,
         world_size: int,
         device: torch.device,
+        state: ParallelState,
     ) -> None:
         self.o, self.writer, self.timers = options, writer, timers
-        self._module, self._optimizer, self._pipe = module, optimizer, pipe
+        self._module, self._optimizer = bundle.engine.module, bundle.client_optimizer
+        self._pipe, self._state = bundle.is_pipe, state
         self._partitioned = zero_stage > 0
         self._world_size, self._device = world_size, device
-        self._zeros = ZeroCounter(optimizer, wrapper) if options.log_num_zeros_in_grad else None
+        wrapper = getattr(bundle.engine, "optimizer", None)
+        self._zeros = (
+            ZeroCounter(self._optimizer, wrapper) if options.log_num_zeros_in_grad else None
+        )
         self._iters_in_interval = 0
         self.params_norm: float | None = None
         self.num_zeros: float | None = None
@@ -214,9 +221,9 @@ class StepLogger:
         tb_now = it % self.o.tensorboard_log_interval == 0
         self.params_norm = self.num_zeros = None
         if self.o.log_params_norm and (tb_now or log_now):
-            self.params_norm = params_norm(self._module, pipe=self._pipe)
+            self.params_norm = params_norm(self._module, self._state, pipe=self._pipe)
         if self._zeros is not None:
-            self.num_zeros = self._zeros.take(partitioned=self._partitioned)
+            self.num_zeros = self._zeros.take(self._state, partitioned=self._partitioned)
         if not tb_now:
             return
         w = self.writer
@@ -231,7 +238,7 @@ class StepLogger:
         if self.o.log_memory_to_tensorboard:
             extra.update(memory_stats(self._device))
         if self.o.log_optimizer_states_to_tensorboard:
-            stats = optimizer_states(self._optimizer, partitioned=self._partitioned)
+            stats = optimizer_states(self._optimizer, self._state, partitioned=self._partitioned)
             extra.update({f"optimizer/{k}": v for k, v in stats.items()})
         for tag, value in extra.items():
             w.scalar(tag, value, it)
@@ -275,25 +282,21 @@ def build_run_logging(
         wandb=wandb,
         options=o,
     )
-    bundle = trainer.bundle
     step_log = StepLogger(
         o,
         writer=writer,
         timers=trainer.timers,
-        module=bundle.engine.module,
-        optimizer=bundle.client_optimizer,
-        wrapper=getattr(bundle.engine, "optimizer", None),
-        pipe=bundle.is_pipe,
+        bundle=trainer.bundle,
         zero_stage=plan.zero_stage,
         world_size=plan.world_size,
         device=trainer.device,
+        state=trainer.state,
     )
     return writer, step_log
 
 
-def timers_of(cfg: TridentConfig) -> Timers:
+def timers_of(o: LoggingConfig) -> Timers:
     """The run's timers per --timing-log-level, --timing-log-option, --no-barrier-with-level-1-timing."""
-    o = cfg.logging
     return Timers(
         o.timing_log_level, o.timing_log_option, barrier_level_1=o.barrier_with_level_1_timing
     )

@@ -10,15 +10,17 @@ The loop (``loop.py``) owns the schedule (when to log, evaluate, save, exit); th
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
+from megatron.config import RunPlan
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import RunIterators
+from megatron.training.initialize import Distributed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.model_setup import EngineBundle, optimizers_for_lr
 from megatron.training.step import (
+    StepGroups,
     StepResult,
     eval_step_engine,
     eval_step_pipe,
@@ -30,6 +32,16 @@ from megatron.training.timers import Timers, install_pipe_timers
 Split = Literal["valid", "test"]
 
 
+@dataclass(frozen=True)
+class Checkpointing:
+    """How a trainer checkpoints."""
+
+    hooks: CheckpointHooks | None = None
+    """Save/load hooks; None without --save/--load."""
+    save: bool = False
+    """--save is given (the hooks may exist for --load alone)."""
+
+
 class Trainer:
     """The engine of a run and what drives it.
 
@@ -37,11 +49,12 @@ class Trainer:
         bundle: the engine, its client optimizer and whether it is the pipeline engine.
         scheduler: the LR schedule (written into every optimizer's param groups before each step).
         iterators: this rank's micro-batch iterators (train; valid/test or None).
-        gradient_accumulation_steps: micro-batches per rank per step (the plain engine's loop count).
+        plan: the run plan: micro-batch size, DP size, gradient-accumulation steps (the plain engine's loop
+            count) and so the global batch.
+        run: this rank's device (where the loop's exit flags are all-reduced) and model-parallel groups (what the
+            step reduces over).
         eval_iters: global batches per evaluation (0: no evaluation).
-        device: where the loop's flags (exit conditions) are all-reduced.
-        checkpointer: save/load hooks; None without --save/--load.
-        save_enabled: --save is given (the checkpointer may exist for --load alone).
+        checkpointing: save/load hooks and whether --save is given; default: none.
         timers: the run's timers (``timers.py``); default: none exist (--timing-log-level 0).
     """
 
@@ -51,22 +64,25 @@ class Trainer:
         bundle: EngineBundle,
         scheduler: OptimizerParamScheduler,
         iterators: RunIterators,
-        gradient_accumulation_steps: int,
+        plan: RunPlan,
+        run: Distributed,
         eval_iters: int,
-        device: torch.device,
-        checkpointer: CheckpointHooks | None = None,
-        save_enabled: bool = False,
+        checkpointing: Checkpointing | None = None,
         timers: Timers | None = None,
     ) -> None:
+        checkpointing = checkpointing if checkpointing is not None else Checkpointing()
         self.bundle = bundle
         self.engine = bundle.engine
         self.scheduler = scheduler
         self.iterators = iterators
-        self.gas = gradient_accumulation_steps
+        self.gas = plan.gradient_accumulation_steps
         self.eval_iters = eval_iters
-        self.device = device
-        self.checkpointer = checkpointer
-        self.save_enabled = save_enabled and checkpointer is not None
+        self.device = run.device
+        self.state = run.state
+        """The run's model-parallel groups."""
+        self.groups = StepGroups.of(run.state)
+        self.checkpointer = checkpointing.hooks
+        self.save_enabled = checkpointing.save and checkpointing.hooks is not None
         self.optimizers = optimizers_for_lr(bundle)
         self.timers = timers if timers is not None else Timers()
         if bundle.is_pipe:
@@ -75,12 +91,11 @@ class Trainer:
         """The curriculum length the training iterator cuts samples to (``curriculum.py``)."""
         self._pipe_seqlen: int | None = None
         """The sequence length the pipeline engine's p2p buffers were last shaped for (None: whole samples)."""
-        self.global_batch = gradient_accumulation_steps * self._samples_per_micro_step()
+        self._samples_per_micro_step = plan.micro_batch_size * plan.data_parallel_size
+        """Samples one micro-step of every DP rank consumes (the plan's, which DeepSpeed's config was made from)."""
+        self.global_batch = plan.gradient_accumulation_steps * self._samples_per_micro_step
         self.ramped = False
         """True once --rampup-batch-size changed the batch: micro-step boundaries are then set explicitly."""
-
-    def _samples_per_micro_step(self) -> int:
-        return int(self.engine.train_micro_batch_size_per_gpu()) * int(self.engine.dp_world_size)
 
     def set_global_batch(self, global_batch: int) -> None:
         """Train (and evaluate) the next steps with ``global_batch`` samples (--rampup-batch-size): the
@@ -88,7 +103,7 @@ class Trainer:
         if global_batch == self.global_batch:
             return
         self.engine.set_train_batch_size(global_batch)
-        self.gas = global_batch // self._samples_per_micro_step()
+        self.gas = global_batch // self._samples_per_micro_step
         self.global_batch, self.ramped = global_batch, True
 
     def set_seqlen(self, seqlen: int | None) -> None:
@@ -111,11 +126,12 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over the next global batch."""
         if self.bundle.is_pipe:
-            return train_step_pipe(self.engine, self.iterators.train, self.timers)
+            return train_step_pipe(self.engine, self.iterators.train, self.groups, self.timers)
         return train_step_engine(
             self.engine,
             self.iterators.train,
             self.gas,
+            groups=self.groups,
             explicit_boundary=self.ramped,
             timers=self.timers,
         )
@@ -133,9 +149,9 @@ class Trainer:
         total = 0.0
         for _ in range(self.eval_iters):
             if self.bundle.is_pipe:
-                total += eval_step_pipe(self.engine, batches)
+                total += eval_step_pipe(self.engine, batches, self.groups)
             else:
-                total += eval_step_engine(self.engine, batches, self.gas)
+                total += eval_step_engine(self.engine, batches, self.gas, self.groups)
         return total / self.eval_iters
 
     def save(self, state: Any) -> None:

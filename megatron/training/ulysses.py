@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron import mpu
 from megatron.deepspeed_internals import check_deepspeed_version
 
 
-def ulysses_backward_scale(engine: Any) -> float:
+def ulysses_backward_scale(engine: Any, size: int) -> float:
     """The factor the loss is multiplied by before ``engine.backward``: ``N`` under ZeRO-3 with Ulysses size
-    ``N > 1`` (see the module docstring), else 1."""
-    size = mpu.get_sequence_parallel_world_size()
+    ``size = N > 1`` (see the module docstring), else 1."""
     if size > 1 and engine.zero_optimization_stage() == 3:
         check_deepspeed_version()  # the factor compensates 0.19.8's averaging; another release may differ
         return float(size)

@@ -18,7 +18,7 @@ write to a parameter after its module's ``__init__`` returned would see a placeh
 What we pass: ``data_parallel_group`` = our sequence-data-parallel group (``megatron.mpu``: the DP group, times the
 Ulysses group under --ds-sequence-parallel-size, as the engine partitions over it), ``config_dict_or_path`` = the run's
 DeepSpeed config (``offload_param`` gives the remote device, ``bf16`` the parameter dtype), ``mpu=megatron.mpu``
-(DeepSpeed's config reads the DP size from it). ``tensor_overrides=[]``: DeepSpeed's default would also cast every
+(the run's ``ParallelState``; DeepSpeed's config reads the DP size from it). ``tensor_overrides=[]``: DeepSpeed's default would also cast every
 floating tensor created inside the context to the run's dtype, including the fp32 masters the init draws from,
 which would change the drawn numbers under --bf16; the model is instead built directly in the run's dtype (the
 fp32 draw is cast as the engine would) and on the run's device.
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from megatron import mpu
 from megatron.config import RunPlan
+from megatron.mpu.parallel_state import ParallelState
 
 _NVME_KEYS = ("offload_param", "offload_optimizer")
 
@@ -57,20 +57,23 @@ def zero3_params_dtype(ds_config: dict[str, Any]) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def zero3_init(ds_config: dict[str, Any], *, params_dtype: torch.dtype) -> Iterator[None]:
+def zero3_init(
+    ds_config: dict[str, Any], state: ParallelState, *, params_dtype: torch.dtype
+) -> Iterator[None]:
     """Context in which every module's parameters are partitioned over our DP group as its ``__init__`` returns.
 
     Args:
         ds_config: the run's DeepSpeed config (ZeRO-3; ``zero_optimization.offload_param`` sets the remote device).
+        state: the run's model-parallel groups (``initialize_model_parallel``'s result).
         params_dtype: the dtype the model builds its parameters in (:func:`zero3_params_dtype`).
     """
     import deepspeed
 
     with deepspeed.zero.Init(
         # DP x Ulysses SP (= DP at sp 1): the group the engine shards ZeRO-3 parameters over.
-        data_parallel_group=mpu.get_sequence_data_parallel_group(),
+        data_parallel_group=state.get_sequence_data_parallel_group(),
         config_dict_or_path=ds_config,
-        mpu=mpu,
+        mpu=state,
         dtype=params_dtype,
         tensor_overrides=[],
     ):

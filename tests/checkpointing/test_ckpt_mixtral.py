@@ -329,9 +329,10 @@ def _resume_and_logits(
         cfg, model=verification_config(cfg.model)
     )  # HF's kernels, bit for bit
     plan = RunPlan.build(cfg, world_size=world_size_from_env(), true_vocab=VOCAB)
-    device = initialize.init_distributed(cfg)
+    run = initialize.init_distributed(cfg.parallel)
     try:
-        bundle = build_engine(cfg, plan, build_ds_config(cfg, plan), device=device)
+        ds_config = build_ds_config(cfg, plan)
+        bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, ds_config, run)
         scheduler = build_lr_scheduler(
             cfg.training, plan.global_batch_size, bundle.client_optimizer
         )

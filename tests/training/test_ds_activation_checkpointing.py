@@ -67,8 +67,8 @@ def _which_checkpoint(cfg) -> str:
     from megatron.mpu.context import ParallelContext
     from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
 
-    mpu.initialize_model_parallel(2, 2)  # pretrain() destroyed its groups
-    assert configure_deepspeed_checkpointing(cfg.model)
+    state = mpu.initialize_model_parallel(2, 2)  # pretrain() destroyed its groups
+    assert configure_deepspeed_checkpointing(cfg.model, state)
     stack = ParallelTransformer(
         cfg.model, ParallelContext.from_parallel_state(seed=1, device=torch.device("cpu"))
     )

@@ -23,8 +23,8 @@ def _draws() -> list[dict[str, object]]:
 
     out = []
     for tp, pp, sp in LAYOUTS:
-        mpu.initialize_model_parallel(tp, pp, ds_sequence_parallel_size=sp)
-        set_seeds(1234)
+        state = mpu.initialize_model_parallel(tp, pp, ds_sequence_parallel_size=sp)
+        set_seeds(1234, state)
         default = torch.rand(4).tolist()
         with mpu.get_cuda_rng_tracker().fork():
             tracker = torch.rand(4).tolist()

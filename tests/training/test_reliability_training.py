@@ -279,8 +279,7 @@ def _group_timeouts(timeout_minutes: float) -> dict[str, float]:
             "2",
         ]  # fmt: skip
     )
-    init_distributed(cfg)
-    state = mpu.parallel_state.get_parallel_state()
+    state = init_distributed(cfg.parallel).state
     out = {f"mpu {k}": seconds(g) for k, g in state.groups.items() if g is not None}
     grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=1))
     for name in ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group"):

@@ -16,7 +16,11 @@ from megatron.config.plan import effective_zero_stage
 from megatron.launch import exit_codes
 from megatron.planning.flops import flops_per_token, layer_params, lookup_peak_tflops, throughput
 from megatron.training.ds_config import build_ds_config
-from megatron.training.lr_scheduler import OptimizerParamScheduler, build_lr_scheduler
+from megatron.training.lr_scheduler import (
+    LRSchedule,
+    OptimizerParamScheduler,
+    build_lr_scheduler,
+)
 from megatron.training.metrics import (
     EVAL_KEYS,
     TRAIN_KEYS,
@@ -186,11 +190,13 @@ def test_lr_schedule_shapes() -> None:
     def lrs(style: str, warmup: int = 10, decay: int = 100) -> list[float]:
         s = OptimizerParamScheduler(
             None,
-            max_lr=1.0,
-            min_lr=0.1,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=decay,
-            lr_decay_style=style,  # type: ignore[arg-type]
+            LRSchedule(
+                max_lr=1.0,
+                min_lr=0.1,
+                lr_warmup_steps=warmup,
+                lr_decay_steps=decay,
+                lr_decay_style=style,  # type: ignore[arg-type]
+            ),
         )
         out = []
         for _ in range(12):
@@ -210,7 +216,10 @@ def test_lr_schedule_shapes() -> None:
     assert isq[4] == pytest.approx(math.sqrt(10) / math.sqrt(40))
     with pytest.raises(ValueError, match="exceeds the decay length"):
         OptimizerParamScheduler(
-            None, max_lr=1, min_lr=0, lr_warmup_steps=5, lr_decay_steps=2, lr_decay_style="linear"
+            None,
+            LRSchedule(
+                max_lr=1, min_lr=0, lr_warmup_steps=5, lr_decay_steps=2, lr_decay_style="linear"
+            ),
         )
 
 
