@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from megatron import mpu
 from megatron.checkpointing.checksums import (
     CHECKSUMS_KEY,
     ChecksumRecorder,
@@ -60,12 +59,11 @@ from megatron.checkpointing.weights_only import (
     saved_zero_stage,
 )
 from megatron.checkpointing.zero3 import read_zero3_client_state
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import CheckpointConfig, ModelConfig, RunPlan
 from megatron.deepspeed_internals import checkpoint_saves_through
 from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_reduce_max_, communication_device
-from megatron.tokenizer.info import tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +72,28 @@ class DeepSpeedCheckpointer:
     """``CheckpointHooks`` implementation over ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
 
     Args:
-        cfg: the run's config (``checkpoint`` flags; ``model`` for the shape check and the saved config).
+        checkpoint: the checkpoint flags (--save, --load and how to resume).
         plan: the run plan (true and padded vocabulary, layout, world size, precision: all recorded in the meta).
-        tokenizer_fingerprint: ``megatron.tokenizer.encoding_fingerprint`` of the run's tokenizer (recorded in
-            the meta, checked when a run loads the checkpoint).
+        model: the model flags (the shape check at load; saved at the plan's true vocabulary).
+        tokenizer: the meta's ``"tokenizer"`` record of the run (``meta.tokenizer_record``: the tokenizer flags
+            and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
+        tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
     """
 
     def __init__(
-        self, cfg: TridentConfig, plan: RunPlan, *, tokenizer_fingerprint: str | None = None
+        self,
+        checkpoint: CheckpointConfig,
+        plan: RunPlan,
+        *,
+        model: ModelConfig,
+        tokenizer: dict[str, str] | None,
+        tensor_model_parallel_rank: int,
     ) -> None:
-        self.cfg = cfg
+        self.checkpoint = checkpoint
         self.plan = plan
-        self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
+        self.tokenizer = tokenizer
+        self.tensor_model_parallel_rank = tensor_model_parallel_rank
+        self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
         self.last_load_seconds: float | None = None
         self._pending_rng: Path | None = None
@@ -101,7 +108,7 @@ class DeepSpeedCheckpointer:
             CheckpointSaveError: a file could not be written (disk full, quota, permissions): one line naming the
                 file and the checkpoint 'latest' still points to.
         """
-        save_dir = Path(self.cfg.checkpoint.save or "")
+        save_dir = Path(self.checkpoint.save or "")
         try:
             self._save(engine, scheduler, state)
         except OSError as err:
@@ -113,7 +120,7 @@ class DeepSpeedCheckpointer:
 
     def _save(self, engine: Any, scheduler: Any, state: Any) -> None:
         start = time.perf_counter()
-        save_dir = Path(self.cfg.checkpoint.save or "")
+        save_dir = Path(self.checkpoint.save or "")
         tag = tag_for_iteration(state.iteration)
         tag_dir = save_dir / tag
         tag_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +133,7 @@ class DeepSpeedCheckpointer:
         _wait_for_all_ranks()  # no rank overwrites files of the tag before 'latest' left it
         recorder = ChecksumRecorder(tag_dir)
         save_rng_file(tag_dir / rng_file_name(global_rank()), recorder.write_bytes)
-        seq = self.cfg.model.seq_length
+        seq = self.model.seq_length
         client_state = {
             "iteration": int(state.iteration),
             "consumed_train_samples": int(state.consumed_train_samples),
@@ -156,14 +163,7 @@ class DeepSpeedCheckpointer:
             recorder.write_sidecar(global_rank())
             _wait_for_all_ranks()  # every rank's record is on disk before rank 0 merges them
         if global_rank() == 0:
-            d, plan = self.cfg.data, self.plan
-            tokenizer = tokenizer_info(
-                tokenizer_type=d.tokenizer_type,
-                vocab_file=d.vocab_file,
-                merge_file=d.merge_file,
-                tokenizer_model=d.tokenizer_model,
-                fingerprint=self.tokenizer_fingerprint,
-            )
+            plan = self.plan
             meta = {
                 "version": META_VERSION,
                 "iteration": int(state.iteration),
@@ -176,7 +176,7 @@ class DeepSpeedCheckpointer:
                 "world_size": plan.world_size,
                 "zero_stage": int(engine.zero_optimization_stage()),
                 "precision": plan.precision,
-                **({"tokenizer": tokenizer} if tokenizer else {}),
+                **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
                 **self.extra_meta,
                 **({CHECKSUMS_KEY: merge_sidecars(tag_dir)} if hashed else {}),
             }
@@ -215,10 +215,36 @@ class DeepSpeedCheckpointer:
 
     def load(self, engine: Any, scheduler: Any, state: Any) -> None:
         """Resume from --load (nothing there: start from scratch with one log line)."""
-        ck = self.cfg.checkpoint
+        ck = self.checkpoint
         load_dir = ck.load or ""
-        universal = ck.universal_checkpoint
-        tag = find_checkpoint(load_dir, ck.load_tag, universal=universal)
+        tag = self._find_tag(load_dir)
+        if tag is None:
+            return
+        start = time.perf_counter()
+        meta = check_model_matches(load_dir, tag, self.model)
+        check_universal_kind(meta, ck.universal_checkpoint, load_dir, tag)
+        # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
+        finetune = ck.finetune or bool(meta.get("weights_only", False))
+        tag_dir = Path(load_dir) / tag
+        client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
+        if not finetune:  # weights only: iteration 0, the schedule from its start, fresh RNG states
+            self._restore_progress(engine, state, client)
+            self._restore_lr_schedule(scheduler, state, client)
+            self._find_rng_file(meta, tag_dir)
+        self.last_load_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "loaded checkpoint %s (iteration %d%s) in %.2f s",
+                tag_dir,
+                int(client.get("iteration", 0)),
+                ", --finetune: weights only, iteration 0" if finetune else "",
+                self.last_load_seconds,
+            )
+
+    def _find_tag(self, load_dir: str) -> str | None:
+        """The tag to load; None (one log line) when --load holds none and the run may start from scratch."""
+        ck = self.checkpoint
+        tag = find_checkpoint(load_dir, ck.load_tag, universal=ck.universal_checkpoint)
         if tag is None:
             # Every rank sees the same directory, so all ranks stop here together.
             if ck.exit_on_missing_checkpoint:
@@ -228,17 +254,22 @@ class DeepSpeedCheckpointer:
                 )
             if global_rank() == 0:
                 logger.info("no checkpoint in --load %s: starting from scratch", load_dir)
-            return
-        start = time.perf_counter()
-        meta = check_model_matches(load_dir, tag, self.model)
-        check_universal_kind(meta, universal, load_dir, tag)
-        # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
-        finetune = ck.finetune or bool(meta.get("weights_only", False))
+        return tag
+
+    def _load_engine_states(
+        self, engine: Any, meta: dict[str, Any], load_dir: str, tag: str, finetune: bool
+    ) -> dict[str, Any]:
+        """Weights (and the optimizer state unless weights only or --no-load-optim) into ``engine``; returns the
+        client state saved with them."""
+        ck = self.checkpoint
         load_optim = not (ck.no_load_optim or finetune)
-        client: dict[str, Any] | None
         tag_dir = Path(load_dir) / tag
-        if not universal and self._own_weight_loader(engine, meta, tag_dir, load_optim):
-            tp_rank = mpu.get_tensor_model_parallel_rank()
+        client: dict[str, Any] | None
+        own_loader = not ck.universal_checkpoint and self._own_weight_loader(
+            engine, meta, tag_dir, load_optim
+        )
+        if own_loader:
+            tp_rank = self.tensor_model_parallel_rank
             weights = read_tp_rank_weights(tag_dir, meta, tp_rank)
             assign_weights(engine, weights, f"--load {load_dir} (tag {tag})")
             if finetune:
@@ -257,45 +288,51 @@ class DeepSpeedCheckpointer:
             if not load_optim:
                 refresh_master_weights(engine)
         if client is None:
-            raise RuntimeError(f"DeepSpeed could not load {Path(load_dir) / tag}.")
-        if not (finetune or ck.reset_iteration):
-            state.iteration = int(client["iteration"])
-            state.consumed_train_samples = int(client["consumed_train_samples"])
-            state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
-            state.skipped_iterations = int(client.get("skipped_iterations", 0))
-            # Before the token count was kept, every iteration had --seq-length tokens per sample.
-            state.consumed_train_tokens = int(
-                client.get(
-                    "consumed_train_tokens",
-                    state.consumed_train_samples * self.cfg.model.seq_length,
-                )
-            )
-        elif not finetune:
+            raise RuntimeError(f"DeepSpeed could not load {tag_dir}.")
+        return client
+
+    def _restore_progress(self, engine: Any, state: Any, client: dict[str, Any]) -> None:
+        """Iteration and consumed samples/tokens from ``client`` (--reset-iteration: all restart at 0)."""
+        if self.checkpoint.reset_iteration:
             # --reset-iteration (Megatron-DeepSpeed's load_checkpoint): progress restarts at 0, so the data
             # order restarts at its first sample; the engine's step count follows, as theirs does.
             engine.global_steps = 0
             engine.global_samples = 0
-        if not (finetune or ck.no_load_lr_state):
-            scheduler.load_state_dict(client["lr_scheduler"])
-            if "num_tokens" not in client["lr_scheduler"]:
-                scheduler.step(0, tokens=state.consumed_train_tokens)
-        same_world = meta.get("world_size") == self.plan.world_size and not universal
-        if not (ck.no_load_rng or finetune):
-            if same_world:
-                self._pending_rng = Path(load_dir) / tag / rng_file_name(global_rank())
-                if not self._pending_rng.is_file():
-                    load_rng_file(self._pending_rng)  # raises the missing-file error now
-            elif global_rank() == 0:
-                logger.info("checkpoint saved on another layout: fresh RNG states")
-        self.last_load_seconds = time.perf_counter() - start
-        if global_rank() == 0:
-            logger.info(
-                "loaded checkpoint %s (iteration %d%s) in %.2f s",
-                Path(load_dir) / tag,
-                int(client.get("iteration", 0)),
-                ", --finetune: weights only, iteration 0" if finetune else "",
-                self.last_load_seconds,
+            return
+        state.iteration = int(client["iteration"])
+        state.consumed_train_samples = int(client["consumed_train_samples"])
+        state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
+        state.skipped_iterations = int(client.get("skipped_iterations", 0))
+        # Before the token count was kept, every iteration had --seq-length tokens per sample.
+        state.consumed_train_tokens = int(
+            client.get(
+                "consumed_train_tokens",
+                state.consumed_train_samples * self.model.seq_length,
             )
+        )
+
+    def _restore_lr_schedule(self, scheduler: Any, state: Any, client: dict[str, Any]) -> None:
+        """The LR schedule's state from ``client`` (unless --no-load-lr-state)."""
+        if self.checkpoint.no_load_lr_state:
+            return
+        scheduler.load_state_dict(client["lr_scheduler"])
+        if "num_tokens" not in client["lr_scheduler"]:
+            scheduler.step(0, tokens=state.consumed_train_tokens)
+
+    def _find_rng_file(self, meta: dict[str, Any], tag_dir: Path) -> None:
+        """Remember this rank's RNG file for :meth:`restore_rng` (unless --no-load-rng or another layout)."""
+        if self.checkpoint.no_load_rng:
+            return
+        same_world = (
+            meta.get("world_size") == self.plan.world_size
+            and not self.checkpoint.universal_checkpoint
+        )
+        if same_world:
+            self._pending_rng = tag_dir / rng_file_name(global_rank())
+            if not self._pending_rng.is_file():
+                load_rng_file(self._pending_rng)  # raises the missing-file error now
+        elif global_rank() == 0:
+            logger.info("checkpoint saved on another layout: fresh RNG states")
 
 
 class CheckpointSaveError(RuntimeError):

@@ -19,8 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron.config import ModelConfig
+from megatron.config import DataConfig, ModelConfig
 from megatron.model.language_model import has_learned_positions
+from megatron.tokenizer.info import tokenizer_info
 
 META_FILE = "trident_meta.json"
 META_VERSION = 1
@@ -67,6 +68,18 @@ def read_meta(load_dir: str | Path, tag: str) -> dict[str, Any]:
             f"{path} holds a JSON {type(meta).__name__}, not an object; it is damaged."
         )
     return meta
+
+
+def tokenizer_record(data: DataConfig, fingerprint: str | None = None) -> dict[str, str] | None:
+    """The ``"tokenizer"`` entry a run records (``tokenizer_info`` of its tokenizer flags), None without
+    --tokenizer-type. ``fingerprint``: ``megatron.tokenizer.encoding_fingerprint`` of the run's tokenizer."""
+    return tokenizer_info(
+        tokenizer_type=data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+        fingerprint=fingerprint,
+    )
 
 
 def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from megatron.checkpointing.meta import META_FILE, read_meta
-from megatron.config import TridentConfig
+from megatron.config import CheckpointConfig, ParallelConfig
 from megatron.log import global_rank
 
 logger = logging.getLogger(__name__)
@@ -213,35 +213,40 @@ def retreat_latest(save_dir: Path, tag: str) -> None:
         )
 
 
-def resolve_universal_flag(cfg: TridentConfig, world_size: int | None = None) -> TridentConfig:
-    """``cfg`` with --universal-checkpoint dropped when --load holds a regular checkpoint newer than the universal
-    conversion, saved at this run's layout (the flag is for the first resume after a layout change; relaunching the
-    same command afterwards must resume the newer regular checkpoint, with one log line). A newer regular
-    checkpoint of ANOTHER layout keeps the flag (and its explanation of the conflict)."""
-    ck = cfg.checkpoint
+def resolve_universal_flag(
+    ck: CheckpointConfig, parallel: ParallelConfig, world_size: int | None = None
+) -> CheckpointConfig:
+    """``ck`` with --universal-checkpoint dropped when --load holds a regular checkpoint newer than the universal
+    conversion, saved at this run's layout (``parallel``'s TP and PP sizes, ``world_size``; the flag is for the
+    first resume after a layout change; relaunching the same command afterwards must resume the newer regular
+    checkpoint, with one log line). A newer regular checkpoint of ANOTHER layout keeps the flag (and its
+    explanation of the conflict)."""
     if not (ck.universal_checkpoint and ck.load and ck.load_tag is None):
-        return cfg
+        return ck
     root = Path(ck.load)
     universal, regular = root / LATEST_UNIVERSAL_FILE, root / LATEST_FILE
     if not (universal.is_file() and regular.is_file()):
-        return cfg
+        return ck
     u_tag = _read_pointer(universal)
     r_tag = _read_pointer(regular)
     if not (is_complete(root, u_tag) and is_complete(root, r_tag)):
-        return cfg
+        return ck
     meta = read_meta(root, r_tag)
     done = int(meta.get("iteration", 0))
     if done <= int(read_meta(root, u_tag).get("iteration", 0)):
-        return cfg
-    p = cfg.parallel
-    layout = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size)
+        return ck
+    layout = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        world_size,
+    )
     saved = (
         meta.get("tensor_model_parallel_size"),
         meta.get("pipeline_model_parallel_size"),
         meta.get("world_size") if world_size is not None else None,
     )
     if saved != layout:
-        return cfg
+        return ck
     if global_rank() == 0:
         logger.info(
             "--universal-checkpoint: %s holds a newer regular checkpoint (%s, iteration %d) than the universal "
@@ -251,4 +256,4 @@ def resolve_universal_flag(cfg: TridentConfig, world_size: int | None = None) ->
             done,
             u_tag,
         )
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, universal_checkpoint=False))
+    return dataclasses.replace(ck, universal_checkpoint=False)

@@ -28,7 +28,7 @@ from megatron.checkpointing.checksums import (
 from megatron.checkpointing.meta import check_model_matches, check_universal_kind, read_meta
 from megatron.checkpointing.pointers import complete_tags, find_checkpoint
 from megatron.checkpointing.weights_only import saved_zero_stage, stage_family
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import CheckpointConfig, DataConfig, RunPlan, TridentConfig
 from megatron.log import global_rank
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,9 @@ def _same_dir(a: str, b: str) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
-def _check_save_holds_no_other_run(cfg: TridentConfig) -> None:
+def _check_save_holds_no_other_run(ck: CheckpointConfig) -> None:
     """--save must not receive a new run's checkpoints on top of another run's (they would be overwritten and
     'latest' moved): refuse a --save holding checkpoints unless it is the --load directory being resumed."""
-    ck = cfg.checkpoint
     if not ck.save or not Path(ck.save).is_dir():
         return
     tags = complete_tags(Path(ck.save))
@@ -253,18 +252,23 @@ def check_resume_compatibility(case: ResumeCase | None) -> None:
             raise ValueError(rule.message(case))
 
 
-def zero_partitions(cfg: TridentConfig, plan: RunPlan) -> int:
+def zero_partitions(plan: RunPlan, ds_sequence_parallel_size: int) -> int:
     """The ranks ZeRO shards over (what the checkpoint's optimizer files are counted by): DP x Ulysses SP, which is
     world / (TP x PP) as a checkpoint's meta records it (DeepSpeed shards over its sequence-data-parallel group)."""
-    return plan.data_parallel_size * cfg.parallel.ds_sequence_parallel_size
+    return plan.data_parallel_size * ds_sequence_parallel_size
 
 
 def resume_case(
-    meta: dict[str, Any], cfg: TridentConfig, plan: RunPlan, tag: str
+    meta: dict[str, Any],
+    ck: CheckpointConfig,
+    plan: RunPlan,
+    tag: str,
+    *,
+    ds_sequence_parallel_size: int,
 ) -> ResumeCase | None:
-    """The :class:`ResumeCase` of loading ``tag`` (with ``meta``) into the run of ``cfg`` and ``plan``; None for a
-    universal load or a checkpoint that records no layout (nothing to compare)."""
-    ck = cfg.checkpoint
+    """The :class:`ResumeCase` of loading ``tag`` (with ``meta``) into the run of ``ck`` and ``plan`` (its
+    --ds-sequence-parallel-size: :func:`zero_partitions`); None for a universal load or a checkpoint that records
+    no layout (nothing to compare)."""
     if ck.universal_checkpoint or "tensor_model_parallel_size" not in meta:
         return None
     tp, pp = int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"])
@@ -279,7 +283,7 @@ def resume_case(
         saved_precision=meta.get("precision"),
         run_tp=plan.tensor_model_parallel_size,
         run_pp=plan.pipeline_model_parallel_size,
-        run_dp=zero_partitions(cfg, plan),
+        run_dp=zero_partitions(plan, ds_sequence_parallel_size),
         run_stage=plan.zero_stage,
         requested_stage=plan.requested_zero_stage,
         run_precision=plan.precision,
@@ -289,7 +293,7 @@ def resume_case(
 
 
 def _check_tokenizer_matches(
-    meta: dict[str, Any], cfg: TridentConfig, tag: str, fingerprint: str | None
+    meta: dict[str, Any], ck: CheckpointConfig, data: DataConfig, tag: str, fingerprint: str | None
 ) -> None:
     """The run's tokenizer must encode like the checkpoint's: both fingerprints known and different is an error
     (a warning with --finetune, which may change tokenizers on purpose). Without fingerprints, a warning (not an
@@ -298,13 +302,12 @@ def _check_tokenizer_matches(
     recorded = meta.get("tokenizer") or {}
     saved_print = recorded.get("fingerprint")
     if saved_print and fingerprint and saved_print != fingerprint:
-        d = cfg.data
         files = [
             f"{flag} {value}"
             for flag, value in (
-                ("--vocab-file", d.vocab_file),
-                ("--merge-file", d.merge_file),
-                ("--tokenizer-model", d.tokenizer_model),
+                ("--vocab-file", data.vocab_file),
+                ("--merge-file", data.merge_file),
+                ("--tokenizer-model", data.tokenizer_model),
             )
             if value
         ]
@@ -314,11 +317,11 @@ def _check_tokenizer_matches(
             if key in recorded
         ]
         msg = (
-            f"--load {cfg.checkpoint.load} (tag {tag}) was trained with a tokenizer that encodes text into other "
-            f"ids than this run's (--tokenizer-type {d.tokenizer_type}{', ' if files else ''}{', '.join(files)}), "
-            "so its embeddings would be read with the wrong tokens"
+            f"--load {ck.load} (tag {tag}) was trained with a tokenizer that encodes text into other ids "
+            f"than this run's (--tokenizer-type {data.tokenizer_type}{', ' if files else ''}"
+            f"{', '.join(files)}), so its embeddings would be read with the wrong tokens"
         )
-        if not cfg.checkpoint.finetune:
+        if not ck.finetune:
             raise ValueError(
                 f"{msg}. Pass the tokenizer it was trained with (--tokenizer-type "
                 f"{recorded.get('tokenizer_type')}{', ' if was else ''}{', '.join(was)}; the files must be "
@@ -328,12 +331,12 @@ def _check_tokenizer_matches(
             logger.warning("%s (--finetune: continuing on purpose?)", msg)
         return
     saved = recorded.get("tokenizer_type")
-    now = cfg.data.tokenizer_type
+    now = data.tokenizer_type
     if saved and now and saved != now and global_rank() == 0:
         logger.warning(
             "--load %s (tag %s) was trained with --tokenizer-type %s; this run passes %s: make sure both give the "
             "same token ids",
-            cfg.checkpoint.load,
+            ck.load,
             tag,
             saved,
             now,
@@ -361,6 +364,10 @@ def check_checkpoint_dirs(
     too, or, with ``background_hashes``, on a thread whose :class:`PendingVerification` is returned (the caller
     joins it before the load; ``pretrain`` does, on every rank together).
 
+    The one function here that takes the whole ``cfg``: the entry check reads five of its six sections
+    (``checkpoint``, ``model``, ``data`` for the tokenizer, ``training.skip_train``,
+    ``parallel.ds_sequence_parallel_size``) and hands each check below only what it reads.
+
     Raises:
         ValueError / FileNotFoundError: naming the flag, the problem and the fix.
     """
@@ -369,7 +376,7 @@ def check_checkpoint_dirs(
         if Path(ck.save).is_file():
             raise ValueError(f"--save {ck.save} is a file; give a directory.")
         check_save_dir(ck.save)
-        _check_save_holds_no_other_run(cfg)
+        _check_save_holds_no_other_run(ck)
     for flag, given in (
         ("--load-tag", ck.load_tag),
         ("--finetune", ck.finetune),
@@ -405,18 +412,20 @@ def check_checkpoint_dirs(
         model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
         meta = check_model_matches(ck.load, tag, model)
         check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
-        _check_tokenizer_matches(meta, cfg, tag, tokenizer_fingerprint)
-        check_resume_compatibility(resume_case(meta, cfg, plan, tag))
+        _check_tokenizer_matches(meta, ck, cfg.data, tag, tokenizer_fingerprint)
+        sp = cfg.parallel.ds_sequence_parallel_size
+        check_resume_compatibility(resume_case(meta, ck, plan, tag, ds_sequence_parallel_size=sp))
         _check_model_state_files(root / tag, meta)
-        _check_universal_stage(cfg, plan)
-        return _verify_checkpoint_files(root / tag, meta, cfg, plan, background_hashes)
+        _check_universal_stage(ck, plan)
+        return _verify_checkpoint_files(
+            root / tag, meta, ck, plan, ds_sequence_parallel_size=sp, background=background_hashes
+        )
     return None
 
 
-def _check_universal_stage(cfg: TridentConfig, plan: RunPlan) -> None:
+def _check_universal_stage(ck: CheckpointConfig, plan: RunPlan) -> None:
     """DeepSpeed loads a universal checkpoint into a ZeRO (or bf16) optimizer's partitions; fp32/fp16 ZeRO-0 has
     none (DeepSpeed would fail deep inside its loader)."""
-    ck = cfg.checkpoint
     if ck.universal_checkpoint and plan.zero_stage == 0 and plan.precision != "bf16":
         raise ValueError(
             f"--load {ck.load} --universal-checkpoint: DeepSpeed loads a universal checkpoint into the ZeRO "
@@ -425,18 +434,23 @@ def _check_universal_stage(cfg: TridentConfig, plan: RunPlan) -> None:
 
 
 def _verify_checkpoint_files(
-    tag_dir: Path, meta: dict[str, Any], cfg: TridentConfig, plan: RunPlan, background: bool = False
+    tag_dir: Path,
+    meta: dict[str, Any],
+    ck: CheckpointConfig,
+    plan: RunPlan,
+    *,
+    ds_sequence_parallel_size: int,
+    background: bool = False,
 ) -> PendingVerification | None:
     """The files this rank will load have the sizes and SHA-256 recorded at save (``checksums.py``); a checkpoint
     saved before checksums were recorded gets one warning and a structural check of its archives."""
-    ck = cfg.checkpoint
     weights_only = ck.finetune or bool(meta.get("weights_only", False))
     names = files_to_verify(
         meta,
         rank=global_rank(),
         run_tp=plan.tensor_model_parallel_size,
         run_pp=plan.pipeline_model_parallel_size,
-        run_dp=zero_partitions(cfg, plan),
+        run_dp=zero_partitions(plan, ds_sequence_parallel_size),
         optimizer_state=not (weights_only or ck.no_load_optim),
     )
     if names:

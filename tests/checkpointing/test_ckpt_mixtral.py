@@ -313,6 +313,7 @@ def _resume_and_logits(
     term), None on the other stages."""
     from megatron import mpu
     from megatron.checkpointing.engine import DeepSpeedCheckpointer
+    from megatron.checkpointing.meta import tokenizer_record
     from megatron.config import RunPlan, parse_args
     from megatron.conversion.hf_mixtral import verification_config
     from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
@@ -336,7 +337,13 @@ def _resume_and_logits(
         scheduler = build_lr_scheduler(
             cfg.training, plan.global_batch_size, bundle.client_optimizer
         )
-        DeepSpeedCheckpointer(cfg, plan).load(bundle.engine, scheduler, TrainState())
+        DeepSpeedCheckpointer(
+            cfg.checkpoint,
+            plan,
+            model=cfg.model,
+            tokenizer=tokenizer_record(cfg.data),
+            tensor_model_parallel_rank=mpu.get_tensor_model_parallel_rank(),
+        ).load(bundle.engine, scheduler, TrainState())
         engine, inputs = bundle.engine, tokens[:, :-1]
         pos = torch.arange(inputs.shape[1]).unsqueeze(0)  # [1, s]
         if pp > 1:

@@ -276,12 +276,12 @@ def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Pa
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
     argv += ["--mock-data", "--vocab-size", "99", "--load", str(tmp_path), "--universal-checkpoint"]
     cfg = parse_args(argv)
-    assert resolve_universal_flag(cfg).checkpoint.universal_checkpoint  # not newer: kept
+    ck, parallel = cfg.checkpoint, cfg.parallel
+    assert resolve_universal_flag(ck, parallel).universal_checkpoint  # not newer: kept
     _run_checkpoint(tmp_path, "global_step5", model)  # saved by 1 rank at TP = PP = 1
-    assert not resolve_universal_flag(cfg, 1).checkpoint.universal_checkpoint
-    assert resolve_universal_flag(
-        cfg, 2
-    ).checkpoint.universal_checkpoint  # another layout: keep the flag
+    assert not resolve_universal_flag(ck, parallel, 1).universal_checkpoint
+    # Another layout: keep the flag.
+    assert resolve_universal_flag(ck, parallel, 2).universal_checkpoint
 
 
 _RESUMABLE = ResumeCase(
