@@ -66,6 +66,7 @@ def _rank_writer(
 
     from megatron import mpu
     from megatron.checkpointing.engine import DeepSpeedCheckpointer
+    from megatron.checkpointing.meta import tokenizer_record
     from megatron.config import RunPlan, parse_args
     from megatron.layout.names import pipe_to_megatron_name
     from megatron.layout.tensor_parallel import shard_state_dict
@@ -94,19 +95,21 @@ def _rank_writer(
     plan = RunPlan.build(
         cfg,
         world_size=world_size_from_env(),
-        device_type=initialize.run_device_type(cfg),
+        device_type=initialize.run_device_type(cfg.parallel),
         true_vocab=model_cfg.vocab_size,
     )
-    device = initialize.init_distributed(cfg)
+    run = initialize.init_distributed(cfg.parallel)
     try:
-        initialize.set_seeds(cfg.training.seed)
-        module = build_model(cfg, plan, device=device)
+        initialize.set_seeds(cfg.training.seed, run.state)
+        module = build_model(cfg.model, cfg.parallel, plan, run, seed=cfg.training.seed)
         full = load_file(full_path)
         partition = moe_partition(model_cfg, expert_tensor_parallel=False) if moe else None
-        tp_rank = mpu.get_tensor_model_parallel_rank()
+        tp_rank = run.state.get_tensor_model_parallel_rank()
         shard = shard_state_dict(full, model_cfg, tp, tp_rank, partition=partition)
         if moe:
-            shard = local_experts(shard, model_cfg, ep=ep, ep_rank=_expert_parallel_rank(cfg))
+            shard = local_experts(
+                shard, model_cfg, ep=ep, ep_rank=_expert_parallel_rank(cfg, run.state)
+            )
         own = module.state_dict()
         new = {
             k: shard[pipe_to_megatron_name(k, model_cfg.num_layers) if plan.pipeline_engine else k]
@@ -115,29 +118,37 @@ def _rank_writer(
         module.load_state_dict(
             new, strict=True
         )  # before deepspeed.initialize: ZeRO's masters copy it
-        bundle = build_engine(cfg, plan, build_ds_config(cfg, plan), device=device, model=module)
+        ds_config = build_ds_config(cfg, plan)
+        bundle = build_engine(
+            cfg.model, cfg.training, cfg.parallel, plan, ds_config, run, model=module
+        )
         scheduler = build_lr_scheduler(
             cfg.training, plan.global_batch_size, bundle.client_optimizer
         )
-        ckpt = DeepSpeedCheckpointer(cfg, plan)
+        ckpt = DeepSpeedCheckpointer(
+            cfg.checkpoint,
+            plan,
+            model=cfg.model,
+            tokenizer=tokenizer_record(cfg.data),
+            tensor_model_parallel_rank=tp_rank,
+        )
         ckpt.extra_meta = {"weights_only": True, **meta}
         ckpt.save(bundle.engine, scheduler, TrainState())
     finally:
         mpu.destroy_model_parallel()
 
 
-def _expert_parallel_rank(cfg: Any) -> int:
+def _expert_parallel_rank(cfg: Any, state: Any) -> int:
     """This rank's index in its expert-parallel group (the experts it holds), as the model places them."""
     import torch.distributed as dist
 
-    from megatron import mpu
     from megatron.mpu.expert_parallel import expert_parallel_rank
 
     return expert_parallel_rank(
         dist.get_rank(),
         world_size=dist.get_world_size(),
-        tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+        tensor_model_parallel_size=state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=state.get_pipeline_model_parallel_world_size(),
         expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
         expert_tensor_parallel=cfg.parallel.enable_expert_tensor_parallelism,
     )

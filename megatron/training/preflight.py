@@ -9,6 +9,7 @@ check, the token ids in the data, and the checkpoint rules (``megatron.checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,9 @@ def preflight(cfg: TridentConfig) -> Preflight:
     validate(cfg, world_size=world_size, device_type=device_type)
     check_data_flags(cfg)
     check_output_paths(cfg.logging)
-    cfg = resolve_universal_flag(cfg, world_size)
+    cfg = dataclasses.replace(
+        cfg, checkpoint=resolve_universal_flag(cfg.checkpoint, cfg.parallel, world_size)
+    )
     tokenizer = build_run_tokenizer(cfg.data)
     plan = RunPlan.build(  # also the run-length checks (--train-iters / --train-samples)
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.engine import DeepSpeedCheckpointer
+from megatron.checkpointing.meta import tokenizer_record
 from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
 from megatron.diagnostics.watchdog import HangWatchdog
@@ -177,7 +178,13 @@ def _build_trainer(
         train_samples=plan.train_samples,
     )
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
-        hooks = DeepSpeedCheckpointer(cfg, plan, tokenizer_fingerprint=pre.tokenizer_fingerprint)
+        hooks = DeepSpeedCheckpointer(
+            cfg.checkpoint,
+            plan,
+            model=cfg.model,
+            tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
+            tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
+        )
     if hooks is not None and cfg.checkpoint.load:
         _join_checksums(pre.checksums)
         hooks.load(bundle.engine, scheduler, state)
