@@ -52,7 +52,7 @@ def build_generator(a: argparse.Namespace) -> Any:
         raise ValueError(f"--device {a.device}: this torch sees no CUDA device; use --device cpu.")
     if a.micro_batch_size is not None and a.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size ({a.micro_batch_size}) must be >= 1.")
-    device = init_inference_distributed(
+    layout = init_inference_distributed(
         a.tensor_model_parallel_size,
         a.pipeline_model_parallel_size,
         ckpt_dir=a.load,
@@ -69,7 +69,8 @@ def build_generator(a: argparse.Namespace) -> Any:
         a.load,
         tag=a.tag,
         tokenizer=tok,
-        device=device,
+        device=layout.device,
         dtype=torch.bfloat16 if a.bf16 else torch.float32,
         micro_batch_size=a.micro_batch_size,
+        layout=layout,
     )

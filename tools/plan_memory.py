@@ -17,6 +17,7 @@ import sys
 
 from megatron.config import parse_args
 from megatron.planning.memory_plan import GPU_MEMORY_GB, capacity_of, format_fit, format_plan
+from megatron.planning.planner_config import PlannerConfig
 from megatron.training.preflight import plan_for_config
 
 
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(format_plan(mp, plan)))
     if capacity is None:
         return 0
-    print(format_fit(cfg, plan, mp, capacity, ds_config))
+    pc = PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training)
+    print(format_fit(pc, plan, mp, capacity, ds_config))
     return 0 if mp.fits(capacity) else 1
 
 

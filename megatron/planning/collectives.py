@@ -1,4 +1,4 @@
-"""Bytes handed to each collective per optimizer step, from the config and the run plan alone.
+"""Bytes handed to each collective per optimizer step, from the planner's config and the run plan alone.
 
 Sizes of the tensors handed to each call (all-gather: its output, reduce-scatter: its input), per optimizer step,
 on one rank of the first stage, by group (``tp``, ``sp``, ``pp``, ``dp``; MoE adds its all-to-alls).
@@ -6,7 +6,7 @@ on one rank of the first stage, by group (``tp``, ``sp``, ``pp``, ``dp``; MoE ad
 
 from __future__ import annotations
 
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import RunPlan
 from megatron.planning.moe_plan import moe_collective_bytes
 from megatron.planning.params import (
     layers_of_stage,
@@ -15,10 +15,11 @@ from megatron.planning.params import (
     stage_layers,
     stage_param_count,
 )
+from megatron.planning.planner_config import PlannerConfig
 
 
 def collective_bytes(
-    cfg: TridentConfig,
+    pc: PlannerConfig,
     plan: RunPlan,
     *,
     persistence_threshold: int = 100_000,
@@ -32,7 +33,7 @@ def collective_bytes(
     (all-reduce at ZeRO-0, reduce-scatter at 1/2, plus the updated parameters' all-gather; ZeRO-3 also gathers
     the parameters for forward and backward).
     """
-    m = cfg.model
+    m = pc.model
     a = 4 if plan.precision == "fp32" else 2
     t, pp, mb = (
         plan.tensor_model_parallel_size,
@@ -75,8 +76,8 @@ def collective_bytes(
             out["pp"] += pb * plan.padded_vocab_size // t * m.hidden_size
     if plan.data_parallel_size > 1:
         pb = 4 if plan.precision == "fp32" else 2
-        psi = stage_param_count(cfg, plan, 0)
-        gathered = psi - persistent_params(cfg, plan, 0, persistence_threshold)
+        psi = stage_param_count(pc, plan, 0)
+        gathered = psi - persistent_params(pc, plan, 0, persistence_threshold)
         out["dp"] = {
             0: pb * psi,  # one all-reduce at the accumulation boundary
             1: 2 * pb * psi,  # the same, then the updated partitions all-gathered
@@ -85,9 +86,9 @@ def collective_bytes(
             # backward finds them still gathered)
             3: mb * pb * psi + mb * pb * gathered,
         }[plan.zero_stage]
-    if cfg.model.moe.is_moe(m.num_layers):
+    if m.moe.is_moe(m.num_layers):
         first = stage_layers(m.num_layers, pp, 0)
-        moe = moe_collective_bytes(cfg, plan, first, stage_expert_param_count(cfg, plan, 0))
+        moe = moe_collective_bytes(pc, plan, first, stage_expert_param_count(pc, plan, 0))
         for group, size in moe.items():
             out[group] = out.get(group, 0) + size
     return out

@@ -1,8 +1,9 @@
 """Memory and communication planner: bytes per rank, FLOPs and collective bytes per step, from the config alone.
 
     plan = RunPlan.build(cfg, world_size=16, device_type="cuda", true_vocab=50257)
-    mp = plan_memory(cfg, plan, build_ds_config(cfg, plan))
-    mp.stages[k].total, mp.worst.total, mp.fits(80 * 2**30), largest_micro_batch(cfg, plan, ds, 80 * 2**30)
+    pc = PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training)
+    mp = plan_memory(pc, plan, build_ds_config(cfg, plan))
+    mp.stages[k].total, mp.worst.total, mp.fits(80 * 2**30), largest_micro_batch(pc, plan, ds, 80 * 2**30)
 
 Pure arithmetic (no torch, no process group), so the CLI (``tools/plan_memory.py``), the run's first log lines
 (``pretrain``) and the tests compute the same numbers. ``tools/bench_memory_plan.py`` measures them on CPU.
@@ -59,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import ModelConfig, RunPlan
 from megatron.planning.collectives import collective_bytes
 from megatron.planning.flops import flops_per_token
 from megatron.planning.moe_plan import (
@@ -75,6 +76,7 @@ from megatron.planning.params import (
     stage_layers,
     stage_param_count,
 )
+from megatron.planning.planner_config import PlannerConfig
 
 GIB = 2**30
 
@@ -173,7 +175,7 @@ def _bucket(ds_config: Mapping[str, Any], key: str) -> int:
 
 
 def _state_bytes(
-    cfg: TridentConfig,
+    pc: PlannerConfig,
     plan: RunPlan,
     psi: int,
     ds: Mapping[str, Any],
@@ -193,12 +195,10 @@ def _state_bytes(
     n = plan.data_parallel_size if n is None else n
     bucket_psi = psi if bucket_psi is None else bucket_psi
     pb = 4 if plan.precision == "fp32" else 2
-    t = cfg.training
-    moments = (
-        0 if t.optimizer == "sgd" and t.sgd_momentum == 0 else (4 if t.optimizer == "sgd" else 8)
-    )
+    sgd = pc.optimizer == "sgd"
+    moments = 0 if sgd and pc.sgd_momentum == 0 else (4 if sgd else 8)
     master = 0 if (pb == 4 and stage == 0) else 4
-    opt_cpu = _offload(ds, "offload_optimizer") or t.cpu_optimizer
+    opt_cpu = _offload(ds, "offload_optimizer") or pc.cpu_optimizer
     part = -(-psi // n)  # DeepSpeed pads the flat partition up
     if stage == 0:
         params, grads, opt = (
@@ -256,19 +256,19 @@ def _mask_bytes(plan: RunPlan) -> int:
 
 
 def layer_activation_bytes(
-    cfg: TridentConfig, plan: RunPlan, micro_batch: int, layer: int | None = None
+    pc: PlannerConfig, plan: RunPlan, micro_batch: int, layer: int | None = None
 ) -> int:
     """Saved activation bytes of one transformer layer for one micro-batch, without recomputation.
 
     ``layer`` (0-based; None: a dense layer) picks the MLP: a DeepSpeed-MoE layer's is ``moe_mlp_activation_bytes``.
     """
-    m = cfg.model
+    m = pc.model
     t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
     s, b, h, n = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads
     sbh = s * b * h
-    fc1_out = fc1_width(cfg)
+    fc1_out = fc1_width(m)
     qkv = s * b * (n + 2 * m.num_query_groups) * m.head_dim
-    experts = 1 if layer is None else experts_of_layer(cfg, layer)
+    experts = 1 if layer is None else experts_of_layer(m, layer)
     # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
     mlp = s * b * (fc1_out + m.ffn_size) if experts == 1 else 0
     sharded = a * (qkv + sbh + mlp)
@@ -277,7 +277,7 @@ def layer_activation_bytes(
     sp = plan.sequence_parallel
     total = sharded // t + (whole // t if sp else whole) + (masks // t if sp else masks)
     if experts > 1:
-        total += moe_mlp_activation_bytes(cfg, plan, micro_batch, experts)
+        total += moe_mlp_activation_bytes(pc, plan, micro_batch, experts)
     if m.recompute_granularity != "selective":
         if m.attention_dropout > 0:
             total += (12 * b * n * s * s + 2 * a * sbh) // t
@@ -286,8 +286,7 @@ def layer_activation_bytes(
     return total
 
 
-def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int) -> int:
-    m = cfg.model
+def _outside_layers_bytes(m: ModelConfig, plan: RunPlan, stage: int, b: int) -> int:
     t, a, pp = (
         plan.tensor_model_parallel_size,
         (4 if plan.precision == "fp32" else 2),
@@ -303,7 +302,7 @@ def _outside_layers_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, b: int)
 
 
 def pipeline_buffer_bytes(
-    cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int, in_flight: int = 1
+    m: ModelConfig, plan: RunPlan, stage: int, micro_batch: int, in_flight: int = 1
 ) -> int:
     """What DeepSpeed's PipelineEngine holds besides the autograd graph (measured at the peak): on the last stage
     four ``[s, b, h]`` receive / gradient buffers, plus the logits it keeps as the stage output and their gradient
@@ -312,7 +311,6 @@ def pipeline_buffer_bytes(
     micro-batch's output, which it keeps for the backward, and one gradient buffer. 0 without a pipeline."""
     if not plan.pipeline_engine:
         return 0
-    m = cfg.model
     a = 4 if plan.precision == "fp32" else 2
     sbh = m.seq_length * micro_batch * m.hidden_size
     if stage < plan.pipeline_model_parallel_size - 1:
@@ -329,23 +327,23 @@ def pipeline_buffer_bytes(
     return extra + 4 * a * sbh
 
 
-def stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
+def stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
     """Saved activations of one micro-batch on ``stage`` (recompute setting applied), in bytes.
 
     DeepSpeed-Ulysses divides them by N: a rank holds ``s/N`` tokens, and attention's gathered q, k, v ``n/N`` heads
     (``tools/bench_ulysses_memory.py`` measures 1.05/N: one extra ``[s/N, h]`` buffer per layer, not modelled).
     """
-    ulysses = cfg.parallel.ds_sequence_parallel_size
-    return _stage_activation_bytes(cfg, plan, stage, micro_batch) // ulysses
+    ulysses = pc.ds_sequence_parallel_size
+    return _stage_activation_bytes(pc, plan, stage, micro_batch) // ulysses
 
 
-def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
-    m = cfg.model
+def _stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
+    m = pc.model
     layer_ids = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
     layers = len(layer_ids)
-    each = [layer_activation_bytes(cfg, plan, micro_batch, i) for i in layer_ids]
+    each = [layer_activation_bytes(pc, plan, micro_batch, i) for i in layer_ids]
     per_layer = max(each, default=0)  # the largest layer: what a recomputed chunk re-creates
-    outside = _outside_layers_bytes(cfg, plan, stage, micro_batch)
+    outside = _outside_layers_bytes(m, plan, stage, micro_batch)
     if m.recompute_granularity != "full":
         return sum(each) + outside
     a = 4 if plan.precision == "fp32" else 2
@@ -353,7 +351,7 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
     chunk = max(1, m.recompute_num_layers)
     # the peak is in a recomputed chunk's backward, where the MLP's two gradient temporaries ([s, b, f] and
     # [s, b, fc1 out], TP-split) come on top of the chunk's activations (measured: the rest of the step is smaller)
-    fc1_out = fc1_width(cfg)
+    fc1_out = fc1_width(m)
     grads = (
         a * m.seq_length * micro_batch * (m.ffn_size + fc1_out) // plan.tensor_model_parallel_size
     )
@@ -368,13 +366,13 @@ def _stage_activation_bytes(cfg: TridentConfig, plan: RunPlan, stage: int, micro
 
 
 def plan_memory(
-    cfg: TridentConfig,
+    pc: PlannerConfig,
     plan: RunPlan,
     ds_config: Mapping[str, Any],
     *,
     micro_batch: int | None = None,
 ) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``cfg`` run as ``plan`` with DeepSpeed config ``ds_config``.
+    """The :class:`MemoryPlan` of the model and flags in ``pc`` run as ``plan`` with DeepSpeed config ``ds_config``.
 
     Args:
         micro_batch: plan another micro-batch size than the run's (``largest_micro_batch`` searches with it).
@@ -384,15 +382,13 @@ def plan_memory(
     stages = []
     threshold = _bucket(ds_config, "stage3_param_persistence_threshold")
     for k in range(pp):
-        psi = stage_param_count(cfg, plan, k)
-        persistent = persistent_params(cfg, plan, k, threshold) if plan.zero_stage == 3 else 0
-        experts = stage_expert_param_count(cfg, plan, k)
-        st = _state_bytes(
-            cfg, plan, psi - experts, ds_config, persistent=persistent, bucket_psi=psi
-        )
+        psi = stage_param_count(pc, plan, k)
+        persistent = persistent_params(pc, plan, k, threshold) if plan.zero_stage == 3 else 0
+        experts = stage_expert_param_count(pc, plan, k)
+        st = _state_bytes(pc, plan, psi - experts, ds_config, persistent=persistent, bucket_psi=psi)
         if experts:  # partitioned over the expert-data-parallel group
             ex = _state_bytes(
-                cfg, plan, experts, ds_config, n=expert_data_parallel_size(cfg, plan), bucket_psi=0
+                pc, plan, experts, ds_config, n=expert_data_parallel_size(pc, plan), bucket_psi=0
             )
             st = {key: st[key] + ex[key] for key in st}
         flight = in_flight_micro_batches(pp, k, mb) if pp > 1 else 1
@@ -403,8 +399,8 @@ def plan_memory(
                 parameter_bytes=st["params"],
                 gradient_bytes=st["grads"],
                 optimizer_bytes=st["opt"],
-                activation_bytes=flight * stage_activation_bytes(cfg, plan, k, b)
-                + pipeline_buffer_bytes(cfg, plan, k, b, flight),
+                activation_bytes=flight * stage_activation_bytes(pc, plan, k, b)
+                + pipeline_buffer_bytes(pc.model, plan, k, b, flight),
                 bucket_bytes=st["buckets"],
                 in_flight=flight,
                 offloaded_bytes=st["offloaded"],
@@ -413,17 +409,17 @@ def plan_memory(
             )
         )
     flops = (
-        flops_per_token(cfg.model, plan.padded_vocab_size)
+        flops_per_token(pc.model, plan.padded_vocab_size)
         * plan.global_batch_size
-        * cfg.model.seq_length
+        * pc.model.seq_length
     )
     plan_b = plan if b == plan.micro_batch_size else replace(plan, micro_batch_size=b)
     return MemoryPlan(
-        caveats=_caveats(cfg),
+        caveats=_caveats(pc.model),
         stages=tuple(stages),
         flops_per_step=flops,
         collective_bytes=collective_bytes(
-            cfg,
+            pc,
             plan_b,
             persistence_threshold=threshold,
             pipe_partitioned=bool((ds_config.get("pipeline") or {}).get("pipe_partitioned", True)),
@@ -431,11 +427,11 @@ def plan_memory(
     )
 
 
-def _caveats(cfg: TridentConfig) -> tuple[str, ...]:
-    """What the plan leaves out or assumes for ``cfg``."""
-    moe = cfg.model.moe
+def _caveats(m: ModelConfig) -> tuple[str, ...]:
+    """What the plan leaves out or assumes for model ``m``."""
+    moe = m.moe
     out = []
-    if moe.is_moe(cfg.model.num_layers) and not moe.moe_token_dropping:
+    if moe.is_moe(m.num_layers) and not moe.moe_token_dropping:
         out.append(
             "--disable-moe-token-dropping: expert activations are planned at balanced routing (capacity "
             "topk x tokens / experts); DeepSpeed sizes every expert's buffer by the busiest expert, up to all "
@@ -451,7 +447,7 @@ def _caveats(cfg: TridentConfig) -> tuple[str, ...]:
 
 
 def largest_micro_batch(
-    cfg: TridentConfig,
+    pc: PlannerConfig,
     plan: RunPlan,
     ds_config: Mapping[str, Any],
     capacity_bytes: float,
@@ -461,7 +457,7 @@ def largest_micro_batch(
     """The largest micro-batch size (up to ``limit``) whose plan fits ``capacity_bytes``; 0 when none does."""
     best = 0
     for b in range(1, limit + 1):
-        if not plan_memory(cfg, plan, ds_config, micro_batch=b).fits(capacity_bytes):
+        if not plan_memory(pc, plan, ds_config, micro_batch=b).fits(capacity_bytes):
             break
         best = b
     return best
@@ -521,7 +517,7 @@ def capacity_of(gpu_type: str | None, memory_gb: float | None) -> float | None:
 
 
 def format_fit(
-    cfg: TridentConfig,
+    pc: PlannerConfig,
     plan: RunPlan,
     mp: MemoryPlan,
     capacity: float,
@@ -529,7 +525,7 @@ def format_fit(
 ) -> str:
     """One line: whether the plan fits ``capacity`` bytes, and the largest micro-batch that does."""
     limit = 4096
-    best = largest_micro_batch(cfg, plan, ds_config, capacity, limit=limit)
+    best = largest_micro_batch(pc, plan, ds_config, capacity, limit=limit)
     verdict = "fits" if mp.fits(capacity) else "does NOT fit"
     return (
         f"  {verdict} in {capacity / 1e9:.1f} GB per device (worst stage {mp.worst.stage}: "

@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import math
 
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import ModelConfig, RunPlan
+from megatron.planning.planner_config import PlannerConfig
 
 
-def experts_of_layer(cfg: TridentConfig, layer: int) -> int:
+def experts_of_layer(m: ModelConfig, layer: int) -> int:
     """DeepSpeed-MoE experts of transformer layer ``layer`` (0-based; 1: a dense layer)."""
-    moe = cfg.model.moe
-    if not moe.is_moe(cfg.model.num_layers):
+    if not m.moe.is_moe(m.num_layers):
         return 1
-    return moe.experts_per_layer(cfg.model.num_layers)[layer]
+    return m.moe.experts_per_layer(m.num_layers)[layer]
 
 
-def expert_capacity(cfg: TridentConfig, plan: RunPlan, micro_batch: int, experts: int) -> int:
+def expert_capacity(m: ModelConfig, plan: RunPlan, micro_batch: int, experts: int) -> int:
     """DeepSpeed's training capacity C (tokens per expert) of an MoE layer with ``experts`` experts: ``ceil(S / E x
     factor x topk)``, at least ``--moe-min-capacity``, for the ``S = s b`` tokens of one micro-batch on a rank.
     Without token dropping DeepSpeed sizes C by the busiest expert (up to S); planned here at balanced routing,
     ``ceil(S topk / E)`` rounded up to a multiple of TP (see ``_caveats``)."""
-    moe = cfg.model.moe
-    tokens = cfg.model.seq_length * micro_batch
+    moe = m.moe
+    tokens = m.seq_length * micro_batch
     if not moe.moe_token_dropping:
         t = plan.tensor_model_parallel_size
         balanced = -(-tokens * moe.topk // experts)
@@ -43,7 +43,7 @@ def expert_capacity(cfg: TridentConfig, plan: RunPlan, micro_batch: int, experts
 
 
 def moe_mlp_activation_bytes(
-    cfg: TridentConfig, plan: RunPlan, micro_batch: int, experts: int
+    pc: PlannerConfig, plan: RunPlan, micro_batch: int, experts: int
 ) -> int:
     """Saved bytes of a DeepSpeed-MoE layer's MLP (DeepSpeed 0.19.8's sparse routing) for one micro-batch.
 
@@ -59,11 +59,11 @@ def moe_mlp_activation_bytes(
         combine     a k S h + 12 k S       each token's k expert rows (TP-gathered) times their fp32 gates
         residual    a S (f1 + f) / t + 2 a S h   PR-MoE (--mlp-type residual): the dense MLP and the mixing products
     """
-    m, moe = cfg.model, cfg.model.moe
+    m, moe = pc.model, pc.model.moe
     t, a = plan.tensor_model_parallel_size, (4 if plan.precision == "fp32" else 2)
     tokens, h, k = m.seq_length * micro_batch, m.hidden_size, moe.topk
-    capacity = expert_capacity(cfg, plan, micro_batch, experts)
-    expert_tp = cfg.parallel.enable_expert_tensor_parallelism
+    capacity = expert_capacity(m, plan, micro_batch, experts)
+    expert_tp = pc.enable_expert_tensor_parallelism
     rows = experts * (capacity if expert_tp or t == 1 else capacity // t)
     f = m.ffn_size // t if expert_tp else m.ffn_size
     f1 = 2 * f if m.swiglu else f
@@ -77,15 +77,14 @@ def moe_mlp_activation_bytes(
     return total
 
 
-def expert_data_parallel_size(cfg: TridentConfig, plan: RunPlan) -> int:
+def expert_data_parallel_size(pc: PlannerConfig, plan: RunPlan) -> int:
     """The ranks ZeRO partitions an expert's states over (DeepSpeed's expert-data-parallel group,
     ``megatron.mpu.expert_parallel``): ``DP x TP / EP`` with whole experts (the TP ranks hold copies of the same
     experts: EP groups run over them first), ``DP / EP`` with ``--enable-expert-tensor-parallelism``."""
-    par = cfg.parallel
     copies = plan.data_parallel_size
-    if not par.enable_expert_tensor_parallelism:
+    if not pc.enable_expert_tensor_parallelism:
         copies *= plan.tensor_model_parallel_size
-    return max(1, copies // par.moe_expert_parallel_size)
+    return max(1, copies // pc.moe_expert_parallel_size)
 
 
 def _dp_bytes(pb: int, psi: int, zero_stage: int, micro_batches: int) -> int:
@@ -97,7 +96,7 @@ def _dp_bytes(pb: int, psi: int, zero_stage: int, micro_batches: int) -> int:
 
 
 def moe_collective_bytes(
-    cfg: TridentConfig, plan: RunPlan, layers: range, expert_psi: int
+    pc: PlannerConfig, plan: RunPlan, layers: range, expert_psi: int
 ) -> dict[str, int]:
     """What the MoE layers among ``layers`` (one rank's, holding ``expert_psi`` expert parameters) change in the
     planner's per-step collective bytes (added to its dict).
@@ -112,26 +111,26 @@ def moe_collective_bytes(
     - ``dp``: expert gradients run over the expert-data-parallel group (``expert_data_parallel_size`` ranks), not
       the data-parallel one: the planner counted them over DP; corrected here.
     """
-    m, par = cfg.model, cfg.parallel
+    m = pc.model
     t, mb = plan.tensor_model_parallel_size, plan.gradient_accumulation_steps
     a = 4 if plan.precision == "fp32" else 2
     sbh = m.seq_length * plan.micro_batch_size * m.hidden_size
     passes = 2 if m.recompute_granularity == "full" else 1
     out = {"ep": 0, "tp": 0, "dp": 0}
     for layer in layers:
-        experts = experts_of_layer(cfg, layer)
+        experts = experts_of_layer(m, layer)
         if experts == 1:
             continue
-        slots = experts * expert_capacity(cfg, plan, plan.micro_batch_size, experts) * m.hidden_size
-        if par.moe_expert_parallel_size > 1:
+        slots = experts * expert_capacity(m, plan, plan.micro_batch_size, experts) * m.hidden_size
+        if pc.moe_expert_parallel_size > 1:
             out["ep"] += (2 * passes + 2) * a * (slots // t) * mb
-        if t > 1 and par.enable_expert_tensor_parallelism:
+        if t > 1 and pc.enable_expert_tensor_parallelism:
             out["tp"] += ((2 * passes + 2) * slots + (passes + 1) * (slots - sbh)) * a * mb
         elif t > 1:
             out["tp"] += (passes + 1) * (slots - sbh) * a * mb
     pb = 4 if plan.precision == "fp32" else 2
     if plan.data_parallel_size > 1:
         out["dp"] -= _dp_bytes(pb, expert_psi, plan.zero_stage, mb)
-    if expert_data_parallel_size(cfg, plan) > 1:
+    if expert_data_parallel_size(pc, plan) > 1:
         out["dp"] += _dp_bytes(pb, expert_psi, plan.zero_stage, mb)
     return out

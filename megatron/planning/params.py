@@ -1,4 +1,5 @@
-"""Parameter counts per pipeline stage and rank, from the config and the run plan alone (the memory plan's ``Psi``).
+"""Parameter counts per pipeline stage and rank, from the planner's config and the run plan alone (the memory plan's
+``Psi``).
 
 Which layers a stage holds (``layers_of_stage``), the tensors of one layer on one TP rank, the parameters ZeRO-3 keeps
 whole, the local experts' parameters and a stage's total.
@@ -6,7 +7,8 @@ whole, the local experts' parameters and a stage's total.
 
 from __future__ import annotations
 
-from megatron.config import RunPlan, TridentConfig
+from megatron.config import ModelConfig, RunPlan
+from megatron.planning.planner_config import PlannerConfig
 
 
 def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
@@ -26,22 +28,20 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(first, first + layers_of_stage(num_layers, pp, stage))
 
 
-def fc1_width(cfg: TridentConfig) -> int:
+def fc1_width(m: ModelConfig) -> int:
     """Output columns of the MLP's first linear (SwiGLU's gate and up projections together), before TP."""
-    m = cfg.model
     return 2 * m.ffn_size if m.swiglu else m.ffn_size
 
 
-def _mlp_tensors(cfg: TridentConfig, tp: int) -> list[int]:
+def _mlp_tensors(m: ModelConfig, tp: int) -> list[int]:
     """Element counts of one MLP's (``ParallelMLP``) parameter tensors split over ``tp`` ranks."""
-    m = cfg.model
     h, ffn = m.hidden_size, m.ffn_size
-    fc1_out = fc1_width(cfg) // tp
+    fc1_out = fc1_width(m) // tp
     sizes = [h * fc1_out, ffn // tp * h]
     return sizes + [fc1_out, h] if m.add_bias_linear else sizes
 
 
-def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[list[int], list[int]]:
+def layer_param_tensors(pc: PlannerConfig, tp: int, layer: int = 0) -> tuple[list[int], list[int]]:
     """Element counts of transformer layer ``layer``'s parameter tensors on one rank: (non-expert, expert).
 
     Experts are DeepSpeed-MoE's (``--num-experts``): a layer with ``E > 1`` holds the gate ``[E, h]`` (+ with
@@ -50,7 +50,7 @@ def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[li
     ``--num-experts-switch N`` a router ``[N, h]`` + ``[N]`` and N TP-split expert MLPs (not expert-parallel, so
     counted as non-expert).
     """
-    m, par = cfg.model, cfg.parallel
+    m = pc.model
     h, hn = m.hidden_size, m.head_dim
     qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
     norms = [h] * (4 if m.normalization == "layernorm" else 2)
@@ -61,23 +61,23 @@ def layer_param_tensors(cfg: TridentConfig, tp: int, layer: int = 0) -> tuple[li
     if experts > 1:
         dense.append(experts * h)  # the gate
         if m.moe.mlp_type == "residual":
-            dense += [*_mlp_tensors(cfg, tp), 2 * h, 2]
-        expert_tp = tp if par.enable_expert_tensor_parallelism else 1
-        return dense, _mlp_tensors(cfg, expert_tp) * (experts // par.moe_expert_parallel_size)
+            dense += [*_mlp_tensors(m, tp), 2 * h, 2]
+        expert_tp = tp if pc.enable_expert_tensor_parallelism else 1
+        return dense, _mlp_tensors(m, expert_tp) * (experts // pc.moe_expert_parallel_size)
     switch = m.moe.num_experts_switch
     if switch is not None:
-        return [*dense, switch * h, switch, *_mlp_tensors(cfg, tp) * switch], []
-    return dense + _mlp_tensors(cfg, tp), []
+        return [*dense, switch * h, switch, *_mlp_tensors(m, tp) * switch], []
+    return dense + _mlp_tensors(m, tp), []
 
 
-def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: int) -> int:
+def persistent_params(pc: PlannerConfig, plan: RunPlan, stage: int, threshold: int) -> int:
     """Parameters of ``stage`` that ZeRO-3 keeps whole on every rank (tensors below
     ``stage3_param_persistence_threshold`` elements)."""
-    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    m, tp, pp = pc.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     count = sum(
         n
         for layer in stage_layers(m.num_layers, pp, stage)
-        for n in layer_param_tensors(cfg, tp, layer)[0]
+        for n in layer_param_tensors(pc, tp, layer)[0]
         if n < threshold
     )
     extra = []
@@ -90,20 +90,20 @@ def persistent_params(cfg: TridentConfig, plan: RunPlan, stage: int, threshold: 
     return count + sum(n for n in extra if n < threshold)
 
 
-def stage_expert_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+def stage_expert_param_count(pc: PlannerConfig, plan: RunPlan, stage: int) -> int:
     """DeepSpeed-MoE expert parameters of one rank of pipeline stage ``stage`` (part of :func:`stage_param_count`;
     ZeRO partitions them over the expert-data-parallel group, ``expert_data_parallel_size`` ranks)."""
-    m, tp = cfg.model, plan.tensor_model_parallel_size
+    m, tp = pc.model, plan.tensor_model_parallel_size
     layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
-    return sum(sum(layer_param_tensors(cfg, tp, layer)[1]) for layer in layers)
+    return sum(sum(layer_param_tensors(pc, tp, layer)[1]) for layer in layers)
 
 
-def stage_param_count(cfg: TridentConfig, plan: RunPlan, stage: int) -> int:
+def stage_param_count(pc: PlannerConfig, plan: RunPlan, stage: int) -> int:
     """Parameters Psi of one TP rank of pipeline stage ``stage`` (its local experts included)."""
-    m, tp, pp = cfg.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    m, tp, pp = pc.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = m.hidden_size
     count = sum(
-        sum(map(sum, layer_param_tensors(cfg, tp, layer)))
+        sum(map(sum, layer_param_tensors(pc, tp, layer)))
         for layer in stage_layers(m.num_layers, pp, stage)
     )
     word = plan.padded_vocab_size // tp * h

@@ -3,6 +3,7 @@ layout, and the REST server."""
 
 from megatron.text_generation.generation import (
     Generated,
+    LogitsSource,
     PromptRequest,
     TextGenerator,
     generate_tokens,
@@ -12,6 +13,7 @@ from megatron.text_generation.sampling import SamplingParams, filter_logits, sam
 
 __all__ = [
     "Generated",
+    "LogitsSource",
     "PromptRequest",
     "SamplingParams",
     "TextGenerator",

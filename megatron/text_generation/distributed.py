@@ -6,14 +6,20 @@
 :func:`init_inference_distributed` reads the launcher's environment (torchrun, the ``deepspeed`` launcher, ``srun``;
 nothing = one process), checks the layout against the checkpoint and the world size before any group exists (every
 rank raises the same error, none hangs), creates the default group (gloo on CPU, NCCL on CUDA) and the
-``parallel_state`` groups. :func:`load_stage` then builds this rank's :class:`GPTStage` and reads only its share of
-the checkpoint (``megatron.checkpointing.stage_reader``). With one process nothing distributed is created.
+``parallel_state`` groups, and returns an :class:`InferenceLayout` (this rank's device and its TP / PP groups).
+:func:`load_stage` takes those groups, builds this rank's :class:`GPTStage` and reads only its share of the
+checkpoint (``megatron.checkpointing.stage_reader``). With one process nothing distributed is created and the
+layout has no groups (the whole model).
+
+    layout = init_inference_distributed(tp, pp, ckpt_dir=ckpt)
+    gen = TextGenerator.from_checkpoint(ckpt, device=layout.device, layout=layout)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,18 @@ from megatron.mpu.context import ParallelContext
 from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InferenceLayout:
+    """What :func:`init_inference_distributed` set up for this rank, passed to :func:`load_stage`."""
+
+    device: torch.device
+    """This rank's device."""
+    tp_group: ProcessGroup | None = None
+    """This rank's tensor-parallel group (None: one process, TP = 1)."""
+    pp_group: ProcessGroup | None = None
+    """This rank's pipeline group (None: one process, one stage)."""
 
 
 def resolve_layout(
@@ -79,8 +97,8 @@ def init_inference_distributed(
     tag: str | None = None,
     device: str | None = None,
     timeout_minutes: float = 30.0,
-) -> torch.device:
-    """Join the launched job (if any) and build the TP/PP groups; returns this rank's device.
+) -> InferenceLayout:
+    """Join the launched job (if any) and build the TP/PP groups; returns this rank's device and groups.
 
     Raises:
         ValueError / FileNotFoundError: see :func:`resolve_layout`; no checkpoint at ``ckpt_dir``; a CUDA device
@@ -102,13 +120,15 @@ def init_inference_distributed(
     )
     dev = local_device(requested_device(device))
     if world == 1 and not dist.is_initialized():
-        return dev
+        return InferenceLayout(device=dev)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             timeout=timedelta(minutes=timeout_minutes),
         )
-    parallel_state.initialize_model_parallel(tp, pp, timeout=timedelta(minutes=timeout_minutes))
+    state = parallel_state.initialize_model_parallel(
+        tp, pp, timeout=timedelta(minutes=timeout_minutes)
+    )
     if dist.get_rank() == 0:
         logger.info(
             "generation at TP = %d x PP = %d (checkpoint saved at TP = %d x PP = %d)",
@@ -116,27 +136,18 @@ def init_inference_distributed(
             pp,
             *saved,
         )
-    return dev
+    return InferenceLayout(
+        device=dev,
+        tp_group=state.get_tensor_model_parallel_group(),
+        pp_group=state.get_pipeline_model_parallel_group(),
+    )
 
 
 def destroy_inference_distributed() -> None:
     """Tear down what :func:`init_inference_distributed` created (nothing in one process)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    parallel_state.destroy_model_parallel()  # forgets the default state; a no-op when there is none
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def inference_groups() -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """``(tp_group, pp_group)`` of this rank: ``parallel_state``'s, or ``(None, None)`` in one process."""
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and parallel_state.model_parallel_is_initialized()
-    ):
-        state = parallel_state.get_parallel_state()
-        return state.get_tensor_model_parallel_group(), state.get_pipeline_model_parallel_group()
-    return None, None
 
 
 def load_stage(
@@ -145,14 +156,16 @@ def load_stage(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> tuple[GPTStage, ModelConfig, dict[str, Any], ProcessGroup | None]:
-    """This rank's stage of the checkpoint (eval mode) at the current layout: ``(stage, config, meta, pp_group)``.
+    tp_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+) -> tuple[GPTStage, ModelConfig, dict[str, Any]]:
+    """This rank's stage of the checkpoint (eval mode) at the layout of ``tp_group`` x ``pp_group`` (an
+    :class:`InferenceLayout`'s; None, None: the whole model): ``(stage, config, meta)``.
 
     Raises:
         FileNotFoundError / ValueError: no checkpoint, a missing or damaged file of this stage.
     """
     found, config, meta = read_checkpoint_config(ckpt_dir, tag)
-    tp_group, pp_group = inference_groups()
     pp, pp_rank = group_world_size(pp_group), group_rank(pp_group)
     layers = split_layers_for_pp(config.num_layers, pp)[pp_rank]
     parallel = ParallelContext(seed=0, tp_group=tp_group, params_dtype=dtype, device=device)
@@ -169,4 +182,4 @@ def load_stage(
         post_process=last,
     )
     stage.load_state_dict(weights, strict=True)
-    return stage.eval(), config, meta, pp_group
+    return stage.eval(), config, meta

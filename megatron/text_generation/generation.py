@@ -24,7 +24,7 @@ from megatron.launch.device import requested_device
 from megatron.model.stage import GPTStage
 from megatron.mpu.mappings import broadcast_object
 from megatron.mpu.parallel_state import ProcessGroup
-from megatron.text_generation.distributed import load_stage
+from megatron.text_generation.distributed import InferenceLayout, load_stage
 from megatron.text_generation.engine import InferenceEngine, TokenRequest, TokenResult
 from megatron.text_generation.sampling import SamplingParams, sample_next
 from megatron.tokenizer import build_tokenizer, encoding_fingerprint
@@ -111,29 +111,42 @@ def check_lengths(prompt_tokens: int, max_new_tokens: int, max_positions: int) -
         raise TooManyTokensError(prompt_tokens, max_new_tokens, max_positions)
 
 
+@dataclass(frozen=True)
+class LogitsSource:
+    """The model as :func:`generate_tokens` sees it: how to get logits, and its sizes.
+
+    Exactly one of ``logits_fn`` (re-runs the whole sequence per token) and ``step_fn`` (feeds only new tokens to
+    a KV-cached model) is used; ``step_fn`` wins when both are given.
+    """
+
+    vocab_size: int
+    """The true vocabulary: logit columns beyond it (the padded rows) are never sampled."""
+    max_positions: int
+    """The model's context: the prompt plus the new tokens must fit in it."""
+    logits_fn: LogitsFn | None = None
+    step_fn: StepFn | None = None
+    device: torch.device | str = "cpu"
+    """Where the token tensors are made."""
+
+
 def generate_tokens(
-    logits_fn: LogitsFn | None,
+    model: LogitsSource,
     prompt_ids: Sequence[int],
     *,
-    vocab_size: int,
-    max_positions: int,
     max_new_tokens: int,
     params: SamplingParams,
     generator: torch.Generator,
     eod: int | None = None,
-    device: torch.device | str = "cpu",
-    step_fn: StepFn | None = None,
 ) -> list[int]:
     """Tokens generated after ``prompt_ids`` (at most ``max_new_tokens``, stopping after ``eod`` when given).
 
-    Exactly one of ``logits_fn`` (re-runs the whole sequence per token) and ``step_fn`` (feeds only new tokens to
-    a KV-cached model) is used; ``step_fn`` wins when both are given.
-
     Raises:
-        ValueError: see :func:`check_lengths` (a request that does not fit is refused, never cut short).
+        ValueError: see :func:`check_lengths` (a request that does not fit is refused, never cut short); ``model``
+            has neither ``logits_fn`` nor ``step_fn``.
     """
-    check_lengths(len(prompt_ids), max_new_tokens, max_positions)
-    seq = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, s]
+    check_lengths(len(prompt_ids), max_new_tokens, model.max_positions)
+    vocab_size, step_fn, logits_fn = model.vocab_size, model.step_fn, model.logits_fn
+    seq = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)  # [1, s]
     fresh, offset = seq, 0  # tokens the cached model has not seen yet, and how many it has
     out: list[int] = []
     for _ in range(max_new_tokens):
@@ -198,10 +211,11 @@ class TextGenerator:
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         micro_batch_size: int | None = None,
+        layout: InferenceLayout | None = None,
     ) -> TextGenerator:
-        """Load a Trident checkpoint (any saved TP/PP/ZeRO) at the current layout (collective: every rank calls it
-        after ``init_inference_distributed``; one process: the whole model) and its tokenizer (recorded at
-        training, or ``tokenizer``).
+        """Load a Trident checkpoint (any saved TP/PP/ZeRO) at ``layout`` (what ``init_inference_distributed``
+        returned; collective: every rank calls it) or, without one, whole in this process, and its tokenizer
+        (recorded at training, or ``tokenizer``).
 
         Without a recorded tokenizer (a ``--vocab-size`` run) the ``NullTokenizer`` is used: prompts and output are
         space-separated token ids.
@@ -210,8 +224,17 @@ class TextGenerator:
             FileNotFoundError / ValueError: no checkpoint, unreadable files, or a tokenizer whose vocabulary
                 differs from the model's.
         """
-        dev = torch.device(requested_device(device))
-        stage, cfg, meta, pp_group = load_stage(ckpt_dir, tag, dtype=dtype, device=dev)
+        # a torch.device (what init_inference_distributed chose) is checked like a --device string
+        dev = torch.device(requested_device(None if device is None else str(device)))
+        layout = layout or InferenceLayout(device=dev)
+        stage, cfg, meta = load_stage(
+            ckpt_dir,
+            tag,
+            dtype=dtype,
+            device=dev,
+            tp_group=layout.tp_group,
+            pp_group=layout.pp_group,
+        )
         tok, fallback = _checkpoint_tokenizer(cfg, meta, tokenizer)
         return cls(
             stage,
@@ -219,7 +242,7 @@ class TextGenerator:
             tok,
             dev,
             tokenizer_fallback=fallback,
-            pp_group=pp_group,
+            pp_group=layout.pp_group,
             micro_batch_size=micro_batch_size,
         )
 
@@ -326,16 +349,11 @@ class TextGenerator:
         if use_cache:
             req = TokenRequest(ids, max_new_tokens, params, generator, stop, return_log_probs)
             return self._generated(prompt, ids, self.engine.generate([req])[0], stop)
+        model = LogitsSource(
+            self.config.vocab_size, self.max_positions, logits_fn=self._logits, device=self.device
+        )
         out = generate_tokens(
-            self._logits,
-            ids,
-            vocab_size=self.config.vocab_size,
-            max_positions=self.max_positions,
-            max_new_tokens=max_new_tokens,
-            params=params,
-            generator=generator,
-            eod=stop,
-            device=self.device,
+            model, ids, max_new_tokens=max_new_tokens, params=params, generator=generator, eod=stop
         )
         return self._generated(prompt, ids, TokenResult(tokens=out), stop)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.config import RunPlan, parse_args, validate
+from megatron.config import RunPlan, TridentConfig, parse_args, validate
 from megatron.model import GPTModel
 from megatron.mpu.context import ParallelContext
 from megatron.planning import memory_plan as mpl
 from megatron.planning import moe_plan
+from megatron.planning.planner_config import PlannerConfig
 from tools import plan_memory
 
 SMALL = [
@@ -23,10 +24,15 @@ SMALL = [
 PSI, PART = 110_336, 27_584
 
 
-def _plan(*extra: str, world: int = 4) -> tuple:
+def _planner(cfg: TridentConfig) -> PlannerConfig:
+    return PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training)
+
+
+def _plan(*extra: str, world: int = 4) -> tuple[PlannerConfig, RunPlan]:
+    """(the planner's config, the run plan) of SMALL + ``extra`` on ``world`` CUDA ranks."""
     cfg = parse_args([*SMALL, *extra])
     validate(cfg, world_size=world, device_type="cuda")
-    return cfg, RunPlan.build(cfg, world_size=world, device_type="cuda", true_vocab=100)
+    return _planner(cfg), RunPlan.build(cfg, world_size=world, device_type="cuda", true_vocab=100)
 
 
 def test_param_count_matches_a_built_model() -> None:
@@ -118,7 +124,9 @@ def test_dropout_mask_bytes_by_device() -> None:
         plan = RunPlan.build(cfg, world_size=1, device_type=device, true_vocab=100)
         cfg0 = parse_args([*SMALL, *flags[:1], "0", *flags[2:]])
         plan0 = RunPlan.build(cfg0, world_size=1, device_type=device, true_vocab=100)
-        diff = mpl.layer_activation_bytes(cfg, plan, 1) - mpl.layer_activation_bytes(cfg0, plan0, 1)
+        diff = mpl.layer_activation_bytes(_planner(cfg), plan, 1) - mpl.layer_activation_bytes(
+            _planner(cfg0), plan0, 1
+        )
         assert diff == 2 * mask * sbh, device
 
 
@@ -189,15 +197,15 @@ def test_pipeline_engine_buffers() -> None:
     )
     sbh = 32 * 64
     # first stage: each in-flight micro-batch's output + one gradient buffer
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 2 * 4 * sbh
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1, in_flight=2) == 3 * 4 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 0, 1) == 2 * 4 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 0, 1, in_flight=2) == 3 * 4 * sbh
     # last stage: receive / gradient buffers; the logits and their gradient only without the fused loss
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 4 * 4 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 1, 1) == 4 * 4 * sbh
     cfg, plan = _plan(
         "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-stage", "1",
         "--no-cross-entropy-loss-fusion",
     )  # fmt: skip
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 1, 1) == 2 * 4 * 32 * 128 + 4 * 4 * sbh
     # bf16, fused loss: the bf16 logits and their gradient beside the fp32 ones
     cfg, plan = _plan(
         "--pipeline-model-parallel-size",
@@ -208,9 +216,9 @@ def test_pipeline_engine_buffers() -> None:
         "1",
         "--bf16",
     )
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 1, 1) == 2 * 2 * 32 * 128 + 4 * 2 * sbh
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 1, 1) == 2 * 2 * 32 * 128 + 4 * 2 * sbh
     cfg, plan = _plan()
-    assert mpl.pipeline_buffer_bytes(cfg, plan, 0, 1) == 0
+    assert mpl.pipeline_buffer_bytes(cfg.model, plan, 0, 1) == 0
 
 
 def test_tool_prints_the_plan_and_fits(capsys: pytest.CaptureFixture[str]) -> None:
@@ -324,7 +332,7 @@ def test_moe_layer_activations_and_collectives() -> None:
     )
     # top-2: C = 16; TP 2 with whole experts: each TP rank's experts see C / 2 of the slots
     top2 = _plan(*MOE, "--topk", "2", "--tensor-model-parallel-size", "2", world=8)
-    assert moe_plan.expert_capacity(*top2, 1, 4) == 16
+    assert moe_plan.expert_capacity(top2[0].model, top2[1], 1, 4) == 16
     assert moe_plan.moe_mlp_activation_bytes(*top2, 1, 4) == (
         4 * 32 * 4 * 3 + 8 * (4 * 16 + 1) + 4 * 4 * 8 * (64 + 512) + 2 * 4 * 32 * 64 + 12 * 2 * 32
     )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.testing import run_distributed
-from megatron.text_generation import SamplingParams, generate_tokens
+from megatron.text_generation import LogitsSource, SamplingParams, generate_tokens
 from megatron.text_generation.generation import TooManyTokensError
 from tools import generate_text
 
@@ -42,16 +42,14 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str,
 
 
 def test_generate_tokens_refuses_what_does_not_fit() -> None:
-    logits_fn = lambda t: torch.zeros(1, t.shape[1], 8)  # noqa: E731
-    common = {"vocab_size": 8, "max_positions": 16, "params": SamplingParams(greedy=True)}
+    model = LogitsSource(8, 16, logits_fn=lambda t: torch.zeros(1, t.shape[1], 8))
+    common = {"params": SamplingParams(greedy=True)}
     out = generate_tokens(
-        logits_fn, [1, 2, 3], max_new_tokens=13, generator=torch.Generator(), **common
+        model, [1, 2, 3], max_new_tokens=13, generator=torch.Generator(), **common
     )
     assert len(out) == 13  # exactly fills the context
     with pytest.raises(TooManyTokensError, match="request at most 13 new tokens") as exc:
-        generate_tokens(
-            logits_fn, [1, 2, 3], max_new_tokens=14, generator=torch.Generator(), **common
-        )
+        generate_tokens(model, [1, 2, 3], max_new_tokens=14, generator=torch.Generator(), **common)
     assert isinstance(exc.value, ValueError)  # the REST server answers 400
     assert (exc.value.prompt_tokens, exc.value.max_new_tokens, exc.value.context) == (3, 14, 16)
 

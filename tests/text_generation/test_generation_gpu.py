@@ -9,7 +9,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu.context import ParallelContext
-from megatron.text_generation import SamplingParams, generate_tokens
+from megatron.text_generation import LogitsSource, SamplingParams, generate_tokens
 
 CFG = ModelConfig(
     num_layers=2,
@@ -37,14 +37,11 @@ def test_greedy_tokens_same_on_cpu_and_gpu() -> None:
         with torch.no_grad():
             outs.append(
                 generate_tokens(
-                    logits,
+                    LogitsSource(CFG.vocab_size, 48, logits_fn=logits, device=dev),
                     [1, 2, 3],
-                    vocab_size=CFG.vocab_size,
-                    max_positions=48,
                     max_new_tokens=24,
                     params=SamplingParams(greedy=True),
                     generator=torch.Generator(),
-                    device=dev,
                 )
             )
     assert outs[0] == outs[1]

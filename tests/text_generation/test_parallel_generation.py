@@ -104,11 +104,11 @@ def _layouts(ck: str, layouts: list[tuple[int, int]], stop: int) -> dict[tuple[i
 
     out = {}
     for tp, pp in layouts:
-        init_inference_distributed(tp, pp, ckpt_dir=ck, device="cpu")
+        layout = init_inference_distributed(tp, pp, ckpt_dir=ck, device="cpu")
         micro = (
             1 if (tp, pp) == (1, 2) else None
         )  # one layout pushes each prompt alone through the pipe
-        gen = TextGenerator.from_checkpoint(ck, device="cpu", micro_batch_size=micro)
+        gen = TextGenerator.from_checkpoint(ck, device="cpu", micro_batch_size=micro, layout=layout)
         out[(tp, pp)] = _run_all(gen, stop)
         parallel_state.destroy_model_parallel()
     return out
