@@ -23,6 +23,7 @@ from megatron.deepspeed_internals import check_deepspeed_version
 from megatron.launch.cpu_allocator import allocator_choice
 from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
 from megatron.planning.memory_plan import MemoryPlan, plan_memory
+from megatron.planning.planner_config import PlannerConfig
 from megatron.tokenizer import encoding_fingerprint
 from megatron.training import initialize
 from megatron.training.data_iterators import build_run_tokenizer, check_data_flags, check_data_vocab
@@ -114,4 +115,5 @@ def plan_for_config(
         cfg, world_size=world_size, device_type=device_type, true_vocab=tokenizer.vocab_size
     )
     ds_config = build_ds_config(cfg, plan)
-    return plan, plan_memory(cfg, plan, ds_config), ds_config
+    pc = PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training)
+    return plan, plan_memory(pc, plan, ds_config), ds_config

@@ -37,6 +37,7 @@ from megatron.log import global_rank
 from megatron.mpu.mappings import all_gather_object
 from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.planning.memory_plan import MemoryPlan, format_plan, plan_memory
+from megatron.planning.planner_config import PlannerConfig
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
@@ -104,7 +105,8 @@ def pretrain(
         ValueError / FileNotFoundError: from ``preflight``, before any process group is created.
     """
     pre = checked if checked is not None else preflight(cfg)
-    memory = plan_memory(pre.cfg, pre.plan, pre.ds_config)
+    planner = PlannerConfig.from_configs(pre.cfg.model, pre.cfg.parallel, pre.cfg.training)
+    memory = plan_memory(planner, pre.plan, pre.ds_config)
     worst = memory.worst
     run = initialize.init_distributed(
         pre.cfg.parallel, planned_bytes=worst.total + worst.offloaded_bytes

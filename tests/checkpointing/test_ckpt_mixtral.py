@@ -506,8 +506,8 @@ def _generate_at(ckpt: str, tp: int, pp: int) -> tuple[list[int], list[float]]:
     from megatron.text_generation import SamplingParams, TextGenerator
     from megatron.text_generation.distributed import init_inference_distributed
 
-    init_inference_distributed(tp, pp, ckpt_dir=ckpt, device="cpu")
-    gen = TextGenerator.from_checkpoint(ckpt, device="cpu")
+    layout = init_inference_distributed(tp, pp, ckpt_dir=ckpt, device="cpu")
+    gen = TextGenerator.from_checkpoint(ckpt, device="cpu", layout=layout)
     out = gen.generate(
         "5 17 42",
         max_new_tokens=20,
