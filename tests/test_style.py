@@ -129,3 +129,97 @@ def test_the_rng_tracker_is_one_object_shared_with_deepspeed() -> None:
         assert deepspeed.checkpointing.get_cuda_rng_tracker() is ours
     finally:
         deepspeed.checkpointing._CUDA_RNG_STATE_TRACKER = saved
+
+
+GLOBAL_READS: dict[tuple[str, str], str] = {
+    (
+        "megatron/diagnostics/comm_bench.py",
+        "model_parallel_is_initialized",
+    ): "comm_bench joins the groups its "
+    "caller built, or builds (and forgets) its own: it asks whether any exist",
+    (
+        "megatron/diagnostics/comm_bench.py",
+        "get_parallel_state",
+    ): "the state comm_bench found or just built",
+    (
+        "megatron/checkpointing/rng.py",
+        "get_cuda_rng_tracker",
+    ): "saves and restores the RNG tracker (the second "
+    "process-wide object, megatron/mpu/random.py)",
+    (
+        "megatron/model/attention.py",
+        "get_cuda_rng_tracker",
+    ): "dropout on sharded heads forks the tracker stream",
+    (
+        "megatron/model/language_model.py",
+        "get_cuda_rng_tracker",
+    ): "embedding dropout under SP forks the tracker",
+    (
+        "megatron/model/transformer.py",
+        "get_cuda_rng_tracker",
+    ): "activation checkpointing replays the tracker",
+    (
+        "megatron/training/activation_checkpointing.py",
+        "get_cuda_rng_tracker",
+    ): "hands the tracker to DeepSpeed",
+}
+"""Every place outside ``megatron/mpu`` that reads the process-wide state through a module getter, with the reason.
+Everything else is given the run's ``ParallelState`` (or its groups) or a ``ParallelContext``."""
+
+
+def _global_getters(root: Path) -> set[str]:
+    mpu = root / "megatron" / "mpu"
+    tree = ast.parse((mpu / "parallel_state.py").read_text(encoding="utf-8"))
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    names |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    getters = {
+        n for n in names if n.startswith(("get_", "is_")) or n == "model_parallel_is_initialized"
+    }
+    return getters | {"get_cuda_rng_tracker"}
+
+
+def global_reads(root: Path) -> set[tuple[str, str]]:
+    """(file, getter) for every call of a ``parallel_state`` getter or of the RNG tracker getter outside
+    ``megatron/mpu``, spelled ``mpu.get_x()``, ``parallel_state.get_x()`` or as an imported ``get_x()`` (calls on a
+    passed ``ParallelState`` object are not reads of the global)."""
+    getters = _global_getters(root)
+    found = set()
+    for path in sorted((root / "megatron").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel.startswith("megatron/mpu/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=rel)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                if f.value.id in ("mpu", "parallel_state", "mpu_random") and f.attr in getters:
+                    found.add((rel, f.attr))
+            elif isinstance(f, ast.Name) and f.id in getters:
+                found.add((rel, f.id))
+    return found
+
+
+def test_global_getters_only_in_the_listed_places(tmp_path: Path) -> None:
+    assert global_reads(ROOT) == set(GLOBAL_READS)
+    planted = tmp_path / "megatron" / "training" / "s.py"
+    planted.parent.mkdir(parents=True)
+    (tmp_path / "megatron" / "mpu").mkdir()
+    (tmp_path / "megatron" / "mpu" / "parallel_state.py").write_text(
+        (ROOT / "megatron" / "mpu" / "parallel_state.py").read_text(encoding="utf-8")
+    )
+    planted.write_text(
+        "from megatron import mpu\nfrom megatron.mpu.parallel_state import get_data_parallel_group\n"
+        "def f(state):\n    state.get_data_parallel_group()\n    get_data_parallel_group()\n"
+        "    return mpu.get_pipeline_model_parallel_rank()\n"
+    )
+    assert global_reads(tmp_path) == {
+        ("megatron/training/s.py", "get_data_parallel_group"),
+        ("megatron/training/s.py", "get_pipeline_model_parallel_rank"),
+    }
