@@ -31,8 +31,8 @@ for kind in ('cpu', 'cuda'):
     fk.extension(kind)
 print(fk.status())"
 step pytest-gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider
-step bench-bf16 "$PY" -m tools.bench_kernels --device cuda --dtype bf16 --repeats 10 --json "$OUT/kernels_bf16.json"
-step bench-fp32 "$PY" -m tools.bench_kernels --device cuda --dtype fp32 --repeats 10 --json "$OUT/kernels_fp32.json"
+step bench-bf16 "$PY" -m benchmarks.bench_kernels --device cuda --dtype bf16 --repeats 10 --json "$OUT/kernels_bf16.json"
+step bench-fp32 "$PY" -m benchmarks.bench_kernels --device cuda --dtype fp32 --repeats 10 --json "$OUT/kernels_fp32.json"
 step train-124m "$PY" pretrain_gpt.py \
   --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
   --max-position-embeddings 1024 --vocab-size 50257 --tokenizer-type NullTokenizer --mock-data \

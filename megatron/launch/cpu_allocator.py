@@ -9,7 +9,7 @@ fault and a kernel-side zero fill for every page of them. Measured on a 2-core V
 :func:`keep_freed_memory` with the ``reuse`` setting sets ``M_MMAP_MAX=0`` (large blocks come from the heap like
 small ones) and ``M_TRIM_THRESHOLD=-1`` (the heap is never trimmed): the second step reuses the first step's pages,
 as CUDA's caching allocator does on a GPU. The heap then also keeps what fragmentation costs:
-``tools/bench_zero3_build.py`` (a 700M GPT, ZeRO-3, DP 4, on the 24 GB box) peaked at 1.1-1.9 GiB per rank while
+``benchmarks/bench_zero3_build.py`` (a 700M GPT, ZeRO-3, DP 4, on the 24 GB box) peaked at 1.1-1.9 GiB per rank while
 building instead of 0.94 GiB, and a rank was killed for memory in training (a fixed 32 MiB mmap threshold with a
 256 MiB trim threshold failed the same way). So it is for runs that are small next to the machine's memory.
 

@@ -6,7 +6,7 @@
     mp.stages[k].total, mp.worst.total, mp.fits(80 * 2**30), largest_micro_batch(pc, plan, ds, 80 * 2**30)
 
 Pure arithmetic (no torch, no process group), so the CLI (``tools/plan_memory.py``), the run's first log lines
-(``pretrain``) and the tests compute the same numbers. ``tools/bench_memory_plan.py`` measures them on CPU.
+(``pretrain``) and the tests compute the same numbers. ``benchmarks/bench_memory_plan.py`` measures them on CPU.
 
 Notation: ``Psi`` parameters held by one rank (its TP shard of its pipeline stage's layers), ``N`` the
 data-parallel size, ``pb`` bytes per model parameter (2 with --bf16/--fp16, else 4), ``a`` bytes per activation
@@ -32,9 +32,9 @@ whole (``Psi_s``) and was measured holding every partitioned one (``Psi_p``) gat
 first gradient and keep it to the accumulation boundary, beside the next micro-batch's activations; what is marked
 "after" exists only after backward (ZeRO-0's flat all-reduce copy; the fp32 gradients the optimizer steps on, which
 DeepSpeed makes at the step for bf16 runs and fp32 ZeRO-2), so the peak takes the larger of it and the activations.
-These rows were fitted to and checked against ``tools/bench_memory_plan.py`` (fp32 and bf16, CPU).
+These rows were fitted to and checked against ``benchmarks/bench_memory_plan.py`` (fp32 and bf16, CPU).
 
-Activations per layer per micro-batch, in bytes (measured on our layers, ``tools/bench_memory_plan.py``):
+Activations per layer per micro-batch, in bytes (measured on our layers, ``benchmarks/bench_memory_plan.py``):
 
     no recompute   a s b h (4 + 12/t) [4 + 12/t -> 16/t with SP] + MLP beyond 4h
                    + s b h x 2 hidden-dropout masks (/t with SP) with --hidden-dropout > 0: 1 byte each on
@@ -225,7 +225,7 @@ def _state_bytes(
         buckets = pb * min(bucket_psi, _bucket(ds, "reduce_bucket_size"))
     if stage == 3:
         params = pb * (persistent + -(-(psi - persistent) // n))
-        # Measured (tools/bench_memory_plan.py): at the end of backward DeepSpeed 0.19.8 holds the whole shard
+        # Measured (benchmarks/bench_memory_plan.py): at the end of backward DeepSpeed 0.19.8 holds the whole shard
         # gathered, past stage3_max_live_parameters; the planner assumes so (conservative for large models).
         buckets += pb * (psi - persistent)
     offloaded = 0
@@ -331,7 +331,7 @@ def stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_b
     """Saved activations of one micro-batch on ``stage`` (recompute setting applied), in bytes.
 
     DeepSpeed-Ulysses divides them by N: a rank holds ``s/N`` tokens, and attention's gathered q, k, v ``n/N`` heads
-    (``tools/bench_ulysses_memory.py`` measures 1.05/N: one extra ``[s/N, h]`` buffer per layer, not modelled).
+    (``benchmarks/bench_ulysses_memory.py`` measures 1.05/N: one extra ``[s/N, h]`` buffer per layer, not modelled).
     """
     ulysses = pc.ds_sequence_parallel_size
     return _stage_activation_bytes(pc, plan, stage, micro_batch) // ulysses

@@ -8,7 +8,7 @@ a micro-batch on one rank, ``E`` experts, ``k`` top-k, ``C`` capacity, ``t`` TP 
       -> all-to-all over EP -> (expert TP) all-gather the slots over TP -> experts -> (expert TP) keep C / t
       -> all-to-all back -> (t > 1) all-gather the slots over TP -> each token's k rows times its gates
 
-Measured against real runs by ``tools/bench_memory_plan.py`` (the ``moe-*`` layouts).
+Measured against real runs by ``benchmarks/bench_memory_plan.py`` (the ``moe-*`` layouts).
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def test_expert_states_partition_over_expert_data_parallel() -> None:
 
 def test_moe_layer_activations_and_collectives() -> None:
     """SMALL with 4 experts in layer 2, EP 2, fp32, s 32 x b 1 = S 32 tokens: hand counts of the MoE terms (the
-    formulas were fitted to real runs, ``python -m tools.bench_memory_plan --only moe-...``: within 4 %)."""
+    formulas were fitted to real runs, ``python -m benchmarks.bench_memory_plan --only moe-...``: within 4 %)."""
     cfg, plan = _plan(*MOE, "--attention-dropout", "0", "--hidden-dropout", "0")
     dense = mpl.layer_activation_bytes(cfg, plan, 1, 0)
     # top-1, capacity factor 1: C = ceil(32 / 4) = 8, so E C = 32 slots; f = 256

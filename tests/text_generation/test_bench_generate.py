@@ -1,4 +1,4 @@
-"""tools/bench_generate.py smoke test: a tiny model end to end (table, JSON, greedy agreement), and bad flags."""
+"""benchmarks/bench_generate.py smoke test: a tiny model end to end (table, JSON, greedy agreement), and bad flags."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_generate
+from benchmarks import bench_generate
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

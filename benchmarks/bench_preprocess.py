@@ -1,7 +1,7 @@
 """Benchmark tools/preprocess_data.py against the tokenizer's own batch encoding (not a test).
 
-    python tools/bench_preprocess.py --sizes 10 100 [--workdir /tmp/bench] [--gpt2-dir DIR]
-    python tools/bench_preprocess.py --corpus my.jsonl --reference-cmd \
+    python benchmarks/bench_preprocess.py --sizes 10 100 [--workdir /tmp/bench] [--gpt2-dir DIR]
+    python benchmarks/bench_preprocess.py --corpus my.jsonl --reference-cmd \
         "python /path/to/Megatron-DeepSpeed/tools/preprocess_data.py --input {input} --output-prefix {output_prefix} \
          --vocab-file {vocab} --merge-file {merges} --tokenizer-type GPT2BPETokenizer --append-eod --workers {workers}"
 

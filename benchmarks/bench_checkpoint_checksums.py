@@ -1,6 +1,6 @@
 """Checkpoint save/load time with checksums on vs off, for a GPT-2 124M-sized model on this machine (not a test).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m tools.bench_checkpoint_checksums [--repeats 3] [--dir /tmp/x]
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m benchmarks.bench_checkpoint_checksums [--repeats 3] [--dir /tmp/x]
 
 One process, ZeRO-1 fp32 (GPT-2 small: 12 layers, hidden 768, 12 heads, vocab 50257, seq 1024), through the real
 ``DeepSpeedCheckpointer``: "save" is ``save()`` with the hashing writer vs DeepSpeed's own ``torch.save`` (the

@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses memory benchmark: activation memory per rank at a long sequence for SP = 1, 2, 4.
 
-    python -m tools.bench_ulysses_memory                        # seq 8192, 4 layers x 64 wide, 8 heads; N = 1 2 4
-    python -m tools.bench_ulysses_memory --sizes 1 2 --seq-length 16384 --json out.json
+    python -m benchmarks.bench_ulysses_memory                        # seq 8192, 4 layers x 64 wide, 8 heads; N = 1 2 4
+    python -m benchmarks.bench_ulysses_memory --sizes 1 2 --seq-length 16384 --json out.json
 
 Not a test: a measurement. For each N, N gloo ranks (one process each) build the same tiny GPT-2-style model with
 ``--ds-sequence-parallel-size N`` (``GPTModel`` with the run's Ulysses group; SDPA attention), take their ``s/N``

@@ -1,8 +1,8 @@
 """Benchmark: the memory planner (``megatron/planning/memory_plan.py``) against real short CPU runs.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m tools.bench_memory_plan            # every layout
-    python -m tools.bench_memory_plan --only zero1-dp2 --json out.jsonl
-    python -m tools.bench_memory_plan --model-flags=--bf16                           # bf16 (or any other flags)
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m benchmarks.bench_memory_plan            # every layout
+    python -m benchmarks.bench_memory_plan --only zero1-dp2 --json out.jsonl
+    python -m benchmarks.bench_memory_plan --model-flags=--bf16                           # bf16 (or any other flags)
 
 For each layout (ZeRO 0-3 x TP 1-2 x PP 1-2, SP, recompute) a real ``pretrain``-built engine (the same preflight,
 engine, iterators and step function as a run) trains ``--steps`` steps on mock data, and per rank we report the

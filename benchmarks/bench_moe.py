@@ -1,7 +1,7 @@
 """MoE benchmark: step time of a DeepSpeed-MoE model at EP = 2 vs the dense model of equal ACTIVE parameters (CPU).
 
-    python -m tools.bench_moe                         # 2 ranks, small defaults for a CPU box
-    python -m tools.bench_moe --experts 8 --iters 20 --hidden 256
+    python -m benchmarks.bench_moe                         # 2 ranks, small defaults for a CPU box
+    python -m benchmarks.bench_moe --experts 8 --iters 20 --hidden 256
 
 Not a test: the numbers depend on the machine. Both runs are ``pretrain`` on 2 spawned gloo ranks (DP 2), the same
 LLaMA-style model (SwiGLU, RMSNorm, RoPE), sequence, global batch and thread count; dropout 0, fp32:

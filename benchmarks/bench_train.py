@@ -1,7 +1,7 @@
 """Training benchmark: Trident vs a plain Hugging Face GPT-2 loop (tokens/s), and ZeRO 0-3 memory per rank at DP=4.
 
-    python -m tools.bench_train                      # both parts, small defaults for a CPU box
-    python -m tools.bench_train --skip-memory --threads 2 --iters 30
+    python -m benchmarks.bench_train                      # both parts, small defaults for a CPU box
+    python -m benchmarks.bench_train --skip-memory --threads 2 --iters 30
 
 Not a test: the numbers depend on the machine. What is measured:
 
@@ -123,7 +123,7 @@ def hf_in_subprocess(args: list[str], allocator: str) -> float:
     """:func:`hf_tokens_per_sec` in a fresh process (glibc's allocator state is per process): ``allocator`` 'system'
     (a plain loop) or 'reuse' (Trident's CPU setting, ``megatron.launch.cpu_allocator``)."""
     out = subprocess.run(
-        [sys.executable, "-m", "tools.bench_train", *args, "--hf-only", allocator],
+        [sys.executable, "-m", "benchmarks.bench_train", *args, "--hf-only", allocator],
         check=True,
         capture_output=True,
         text=True,

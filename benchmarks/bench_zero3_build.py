@@ -1,7 +1,7 @@
 """ZeRO-3 construction benchmark: peak RSS per rank while a large GPT is built inside ``deepspeed.zero.Init``.
 
-    python -m tools.bench_zero3_build                         # ~700M parameters, DP = 4, 2 iterations
-    python -m tools.bench_zero3_build --num-layers 30 --offload --iters 1   # a larger model with CPU offload
+    python -m benchmarks.bench_zero3_build                         # ~700M parameters, DP = 4, 2 iterations
+    python -m benchmarks.bench_zero3_build --num-layers 30 --offload --iters 1   # a larger model with CPU offload
 
 Not a test: the numbers depend on the machine. Each of the DP ranks (gloo, one process each):
 

@@ -1,8 +1,8 @@
 """Generation benchmark: prefill and decode tokens/s of Trident's generator vs Hugging Face ``generate``.
 
-    python -m tools.bench_generate                                  # GPT-2 124M, P 128, N 64, batch 1 and 8
-    python -m tools.bench_generate --num-layers 4 --hidden-size 256 --num-attention-heads 4 --json out.json
-    python -m tools.bench_generate --preset llama --num-key-value-heads 4 --bf16 --device cuda
+    python -m benchmarks.bench_generate                                  # GPT-2 124M, P 128, N 64, batch 1 and 8
+    python -m benchmarks.bench_generate --num-layers 4 --hidden-size 256 --num-attention-heads 4 --json out.json
+    python -m benchmarks.bench_generate --preset llama --num-key-value-heads 4 --bf16 --device cuda
 
 Not a test: the numbers depend on the machine. What is measured:
 

@@ -1,8 +1,8 @@
 """Fused kernels vs their PyTorch references: forward + backward time, achieved GB/s and peak extra memory.
 
-    python -m tools.bench_kernels                       # CPU, fp32, GPT-2 124M shapes and LLaMA-7B-like rows
-    python -m tools.bench_kernels --device cuda --dtype bf16 --json out.json
-    python -m tools.bench_kernels --ops rms_norm,cross_entropy --small
+    python -m benchmarks.bench_kernels                       # CPU, fp32, GPT-2 124M shapes and LLaMA-7B-like rows
+    python -m benchmarks.bench_kernels --device cuda --dtype bf16 --json out.json
+    python -m benchmarks.bench_kernels --ops rms_norm,cross_entropy --small
 
 Not a test: the numbers depend on the machine. Shapes (``--small`` divides the token count by 8):
 

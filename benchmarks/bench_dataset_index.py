@@ -5,7 +5,7 @@ about 1e6 documents; ``sample_idx`` then has tokens / seq_length rows. Timed per
 ``compute_gpt_indices`` (doc_idx shuffle + sample_idx + shuffle_idx) and ``build_sample_idx`` alone, on each path;
 then Megatron's greedy blending for ``--blend-samples``.
 
-    python -m tools.bench_dataset_index --tokens 1e8 1e9 --seq-length 2048 --numpy-max-tokens 1e9
+    python -m benchmarks.bench_dataset_index --tokens 1e8 1e9 --seq-length 2048 --numpy-max-tokens 1e9
 """
 
 from __future__ import annotations
