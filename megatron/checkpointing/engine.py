@@ -19,6 +19,7 @@ The start-up checks that make a load safe run before any process group exists: :
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -78,6 +79,9 @@ class DeepSpeedCheckpointer:
         tokenizer: the meta's ``"tokenizer"`` record of the run (``meta.tokenizer_record``: the tokenizer flags
             and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
         tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
+        record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
+            an engine that cannot be routed does; a load then checks their archives only). For measuring what
+            the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
     """
 
     def __init__(
@@ -88,8 +92,10 @@ class DeepSpeedCheckpointer:
         model: ModelConfig,
         tokenizer: dict[str, str] | None,
         tensor_model_parallel_rank: int,
+        record_checksums: bool = True,
     ) -> None:
         self.checkpoint = checkpoint
+        self.record_checksums = record_checksums
         self.plan = plan
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
@@ -155,7 +161,12 @@ class DeepSpeedCheckpointer:
         else:
             client_state[UNIVERSAL_CHECKPOINT_INFO] = universal_info
         # Ends with a barrier over all ranks: after it, every rank's files are written.
-        with checkpoint_saves_through(engine, recorder.torch_save) as hashed:
+        route = (
+            checkpoint_saves_through(engine, recorder.torch_save)
+            if self.record_checksums
+            else contextlib.nullcontext(False)
+        )
+        with route as hashed:
             engine.save_checkpoint(
                 str(save_dir), tag=tag, client_state=client_state, save_latest=False
             )

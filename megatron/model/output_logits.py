@@ -39,6 +39,11 @@ class LogitsBuffer:
         self.enabled = enabled
         self._spare: torch.Tensor | None = None
 
+    @property
+    def spare(self) -> torch.Tensor | None:
+        """The tensor kept for the next :meth:`take`, None when none is (read-only: memory accounting)."""
+        return self._spare
+
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:

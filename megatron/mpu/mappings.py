@@ -9,11 +9,16 @@ gathers are the TP layout of hidden/vocab features; first-dim ones the sequence-
 
 Plain helpers (no autograd) serve the cross-entropy, broadcast_data, activation checkpointing and the collective
 benchmark (``megatron/diagnostics/comm_bench.py``).
+
+Observing: inside ``with observe_collectives(fn):`` every tensor collective issued here calls
+``fn(op, nbytes, group)`` first (``benchmarks/bench_memory_plan.py`` counts bytes per group with it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,50 @@ from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_si
 # torch 2.13 renamed the "tensor" collectives; keep working on the older names (setup.py allows torch >= 2.1).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+CollectiveOp = Literal[
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+    "send",
+    "recv",
+]
+"""The ``torch.distributed`` operation a reported collective runs (by its long-standing torch name)."""
+
+CollectiveObserver = Callable[[CollectiveOp, int, ProcessGroup | None], None]
+"""``observer(op, nbytes, group)``: see :func:`observe_collectives`."""
+
+_observers: list[CollectiveObserver] = []
+
+
+@contextmanager
+def observe_collectives(observer: CollectiveObserver) -> Iterator[None]:
+    """While inside, call ``observer(op, nbytes, group)`` just before every tensor collective of this module.
+
+    ``nbytes`` is the size of the whole exchange: an all-gather's gathered output, a reduce-scatter's input, the
+    tensor itself otherwise (all-reduce, all-to-all, broadcast, send, recv). Not reported: calls on a group of one
+    rank (they return before any collective) and the pickled-object ones (``all_gather_object``,
+    ``broadcast_object``). The observer runs on the calling thread, in autograd's backward too; it must not issue
+    collectives itself. Observers nest (each sees every call); with none registered the cost is one list check
+    per collective.
+    """
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def _report(op: CollectiveOp, nbytes: int, group: ProcessGroup | None) -> None:
+    for observer in tuple(_observers):
+        observer(op, nbytes, group)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:
@@ -41,6 +90,8 @@ def _reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if group_world_size(group) == 1:
         return x
     out = x.clone()
+    if _observers:
+        _report("all_reduce", _nbytes(out), group)
     dist.all_reduce(out, group=group)  # [...] -> [...] summed over the group
     return out
 
@@ -60,6 +111,8 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
+    if _observers:
+        _report("all_gather", world * _nbytes(x), group)
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)  # p x [..., h/p] -> [..., h]
 
@@ -79,6 +132,8 @@ def _gather_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((world * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if _observers:
+        _report("all_gather_into_tensor", _nbytes(out), group)
     _all_gather_single(out, x, group=group)  # [s/p, b, h] -> [s, b, h]
     return out
 
@@ -90,6 +145,8 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.
     chunk = _check_divisible(x, 0, world, "reduce-scatter along the sequence dimension")
     x = x.contiguous()
     out = torch.empty((chunk, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if _observers:
+        _report("reduce_scatter_tensor", _nbytes(x), group)
     _reduce_scatter_single(out, x, group=group)  # [s, b, h] -> [s/p, b, h] summed over the group
     return out
 
@@ -308,6 +365,8 @@ def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
     """In place: sum ``tensor`` over the group (default TP); returns it."""
     group = resolve_group(group)
     if group_world_size(group) > 1:
+        if _observers:
+            _report("all_reduce", _nbytes(tensor), group)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -319,6 +378,8 @@ def all_reduce_sum_async_(tensor: torch.Tensor, group: ProcessGroup | None = Non
     group = resolve_group(group)
     if group_world_size(group) == 1:
         return None
+    if _observers:
+        _report("all_reduce", _nbytes(tensor), group)
     # [...] -> [...] summed over the group, once wait() returns
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -327,6 +388,8 @@ def all_reduce_max_(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
     """In place: element-wise max of ``tensor`` over the group (default TP); returns it."""
     group = resolve_group(group)
     if group_world_size(group) > 1:
+        if _observers:
+            _report("all_reduce", _nbytes(tensor), group)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
@@ -337,6 +400,8 @@ def broadcast_(
     """In place: overwrite ``tensor`` with the one of group rank ``src_group_rank`` (default TP group)."""
     group = resolve_group(group)
     if group is not None and group_world_size(group) > 1:
+        if _observers:
+            _report("broadcast", _nbytes(tensor), group)
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
     return tensor
 
@@ -353,6 +418,8 @@ def all_gather_into_(
     group = resolve_group(group)
     if group_world_size(group) == 1:
         return out.copy_(x)
+    if _observers:
+        _report("all_gather_into_tensor", _nbytes(out), group)
     _all_gather_single(out, x.contiguous(), group=group)  # p x [n, ...] -> [p*n, ...]
     return out
 
@@ -366,6 +433,8 @@ def reduce_scatter_into_(
     if world == 1:
         return out.copy_(x)
     _check_divisible(x, 0, world, "reduce-scatter along dim 0")
+    if _observers:
+        _report("reduce_scatter_tensor", _nbytes(x), group)
     _reduce_scatter_single(out, x.contiguous(), group=group)  # [p*n, ...] -> [n, ...] summed
     return out
 
@@ -379,6 +448,8 @@ def all_to_all_into_(
     if world == 1:
         return out.copy_(x)
     _check_divisible(x, 0, world, "all-to-all along dim 0")
+    if _observers:
+        _report("all_to_all_single", _nbytes(x), group)
     dist.all_to_all_single(out, x.contiguous(), group=group)  # [p*n, ...] -> [p*n, ...] by rank
     return out
 
@@ -407,6 +478,8 @@ def communication_device(group: ProcessGroup | None = None) -> torch.device:
 def send_to_group_rank(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup) -> Any:
     """Start sending ``tensor`` to group rank ``dst_group_rank`` (e.g. the next pipeline stage); returns the handle
     whose ``wait()`` completes it. ``tensor`` must not be written until then."""
+    if _observers:
+        _report("send", _nbytes(tensor), group)
     return dist.isend(
         tensor.contiguous(), dst=dist.get_global_rank(group, dst_group_rank), group=group
     )
@@ -416,6 +489,8 @@ def recv_from_group_rank(
     buffer: torch.Tensor, src_group_rank: int, group: ProcessGroup
 ) -> torch.Tensor:
     """Fill ``buffer`` (its shape and dtype agreed with the sender) from group rank ``src_group_rank``."""
+    if _observers:
+        _report("recv", _nbytes(buffer), group)
     dist.recv(buffer, src=dist.get_global_rank(group, src_group_rank), group=group)
     return buffer
 
@@ -429,6 +504,9 @@ def send_recv_(
 ) -> torch.Tensor:
     """Send ``send`` to group rank ``dst_group_rank`` while filling ``recv`` from ``src_group_rank`` (one batch, so a
     ring of ranks that all send first cannot deadlock on NCCL); returns ``recv`` once both are done."""
+    if _observers:
+        _report("send", _nbytes(send), group)
+        _report("recv", _nbytes(recv), group)
     ops = [
         dist.P2POp(
             dist.isend, send.contiguous(), dist.get_global_rank(group, dst_group_rank), group

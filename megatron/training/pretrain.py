@@ -140,7 +140,7 @@ def _hold_save_lock(save: str | None) -> SaveLock | None:
     return lock
 
 
-def _join_checksums(pending: PendingVerification | None) -> None:
+def join_checksums(pending: PendingVerification | None) -> None:
     """Wait for this rank's checkpoint digests (started in preflight); every rank raises the same ``ConfigError``
     when any rank's files do not match, before anything is loaded."""
     error = None
@@ -154,7 +154,7 @@ def _join_checksums(pending: PendingVerification | None) -> None:
         raise ConfigError(errors[0])
 
 
-def _build_trainer(
+def build_trainer(
     pre: Preflight, run: Distributed, hooks: CheckpointHooks | None, state: TrainState
 ) -> Trainer:
     """Engine, schedule, checkpoint load (into ``state``) and data iterators of the run."""
@@ -188,7 +188,7 @@ def _build_trainer(
             tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
         )
     if hooks is not None and cfg.checkpoint.load:
-        _join_checksums(pre.checksums)
+        join_checksums(pre.checksums)
         hooks.load(bundle.engine, scheduler, state)
     if state.iteration >= plan.train_iters and not cfg.training.skip_train and global_rank() == 0:
         logger.info(
@@ -229,7 +229,7 @@ def _run(
         for line in format_plan(memory, plan):
             logger.info("%s", line)
     state = TrainState()
-    trainer = _build_trainer(pre, run, hooks, state)
+    trainer = build_trainer(pre, run, hooks, state)
     spec = LoopSpec.of(cfg, plan)
     rates = Throughput(
         tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,

@@ -198,6 +198,28 @@ def _check_broadcast_data(group: dist.ProcessGroup) -> None:
             mpu.broadcast_data(["text"], None, torch.int64, group)
 
 
+def _check_observe_collectives(group: dist.ProcessGroup, solo: dist.ProcessGroup) -> None:
+    """Every collective inside the block is reported once, before it runs, with its op, whole-exchange bytes and
+    group, backward's too; a one-rank group and calls after the block report nothing."""
+    seen: list[tuple[str, int, dist.ProcessGroup | None]] = []
+    x = torch.ones(4, 2, 8)  # [s, b, h] fp32: 256 bytes
+    xg = x.clone().requires_grad_()
+    with mpu.observe_collectives(lambda op, nbytes, g: seen.append((op, nbytes, g))):
+        mpu.reduce_from_tensor_model_parallel_region(x, group)
+        mpu.gather_from_tensor_model_parallel_region(x, group)  # [4, 2, 8] -> [4, 2, 16]
+        mpu.reduce_scatter_to_sequence_parallel_region(x, group)  # [4, 2, 8] -> [2, 2, 8]
+        mpu.gather_from_sequence_parallel_region(xg, group=group).sum().backward()  # [8, 2, 8]
+        mpu.all_reduce_sum_(x.clone(), solo)
+    mpu.all_reduce_sum_(x.clone(), group)
+    assert seen == [
+        ("all_reduce", 256, group),
+        ("all_gather", 512, group),  # the gathered output
+        ("reduce_scatter_tensor", 256, group),  # the input
+        ("all_gather_into_tensor", 512, group),
+        ("reduce_scatter_tensor", 512, group),  # backward of the gather: its [8, 2, 8] gradient
+    ]
+
+
 def _tp2_worker() -> int:
     state = mpu.initialize_model_parallel(2, 1)
     group = mpu.get_tensor_model_parallel_group()
@@ -219,6 +241,7 @@ def _tp2_worker() -> int:
     _check_sequence_parallel_column_keeps_only_the_local_input(group)
     _check_rng_and_checkpoint(group)
     _check_broadcast_data(group)
+    _check_observe_collectives(group, solo)
     # a replicated parameter is counted on TP rank 0 only; a TP one everywhere
     plain, sharded = torch.zeros(1), ColumnParallelLinear(4, 4, init_seed=1).weight
     assert mpu.param_is_not_tensor_parallel_duplicate(plain) == (rank == 0)
