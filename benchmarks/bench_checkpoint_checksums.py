@@ -3,18 +3,17 @@
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m benchmarks.bench_checkpoint_checksums [--repeats 3] [--dir /tmp/x]
 
 One process, ZeRO-1 fp32 (GPT-2 small: 12 layers, hidden 768, 12 heads, vocab 50257, seq 1024), through the real
-``DeepSpeedCheckpointer``: "save" is ``save()`` with the hashing writer vs DeepSpeed's own ``torch.save`` (the
-checksums off); "load" is the verification (``rules._verify_checkpoint_files``: every file hashed) followed by
-``load()``, vs ``load()`` alone (--no-verify-checkpoint-checksums: sizes only); "resume" is a relaunch's start-up as
-``pretrain`` runs it (preflight starts the digests on a thread, the engine is built meanwhile, the digests are
-joined before the load), with and without --no-verify-checkpoint-checksums. Prints one line per measurement and
-the medians.
+``DeepSpeedCheckpointer``: "save" is ``save()`` with the hashing writer vs DeepSpeed's own ``torch.save``
+(``record_checksums=False``: the checksums off); "load" is the verification (``verify_checkpoint_files`` over the
+files this rank reads: every one hashed) followed by ``load()``, vs ``load()`` alone (--no-verify-checkpoint-checksums:
+sizes only); "resume" is a relaunch's start-up as ``pretrain`` runs it (preflight starts the digests on a thread, the
+engine is built meanwhile, the digests are joined before the load), with and without
+--no-verify-checkpoint-checksums. Prints one line per measurement and the medians.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -31,64 +30,79 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def _bench(root: Path, repeats: int) -> dict[str, list[float]]:
-    import megatron.checkpointing.engine as engine_mod
-    from megatron import mpu
-    from megatron.checkpointing import rules
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
-    from megatron.config import parse_args
-    from megatron.training import initialize, preflight
+def _engine_and_schedule(pre: Any, run: Any) -> tuple[Any, Any]:
+    """The run's engine bundle and LR schedule, built as ``pretrain`` builds them."""
     from megatron.training.lr_scheduler import build_lr_scheduler
     from megatron.training.model_setup import build_engine
+
+    cfg, plan = pre.cfg, pre.plan
+    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, pre.ds_config, run)
+    sched = build_lr_scheduler(
+        cfg.training,
+        plan.global_batch_size,
+        bundle.client_optimizer,
+        train_samples=plan.train_samples,
+    )
+    return bundle, sched
+
+
+def _checkpointer(pre: Any, run: Any, *, record_checksums: bool = True) -> Any:
+    """The run's ``DeepSpeedCheckpointer`` (``record_checksums=False``: DeepSpeed's own ``torch.save``)."""
+    from megatron.checkpointing.engine import DeepSpeedCheckpointer
+    from megatron.checkpointing.meta import tokenizer_record
+
+    return DeepSpeedCheckpointer(
+        pre.cfg.checkpoint,
+        pre.plan,
+        model=pre.cfg.model,
+        tokenizer=tokenizer_record(pre.cfg.data, pre.tokenizer_fingerprint),
+        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
+        record_checksums=record_checksums,
+    )
+
+
+def _bench(root: Path, repeats: int) -> dict[str, list[float]]:
+    from megatron import mpu
+    from megatron.config import parse_args
+    from megatron.training import initialize, preflight
     from megatron.training.state import TrainState
 
     save = root / "ck"
     cfg = parse_args([*FLAGS, "--save", str(save), "--load", str(save)])
     pre = preflight(cfg)
-    device = initialize.init_distributed(pre.cfg)
+    run = initialize.init_distributed(pre.cfg.parallel)
     times: dict[str, list[float]] = {
         k: [] for k in ("save_on", "save_off", "load_on", "load_off", "resume_on", "resume_off")
     }
     try:
-        bundle = build_engine(pre.cfg, pre.plan, pre.ds_config, device=device)
-        sched = build_lr_scheduler(
-            pre.cfg.training, pre.plan.global_batch_size, bundle.client_optimizer
-        )
-        ck = DeepSpeedCheckpointer(pre.cfg, pre.plan)
+        bundle, sched = _engine_and_schedule(pre, run)
+        checkpointers = {
+            "on": _checkpointer(pre, run),
+            "off": _checkpointer(pre, run, record_checksums=False),
+        }
+        ck = checkpointers["on"]
         n = sum(p.numel() for p in bundle.engine.module.parameters())
         print(f"model: {n / 1e6:.1f} M parameters")
-        real_route = engine_mod.checkpoint_saves_through
         state = TrainState()
         for i in range(repeats):
             for mode in ("on", "off"):
                 shutil.rmtree(save, ignore_errors=True)
                 state.iteration = i + 1
-                if mode == "off":  # DeepSpeed's own torch.save, no checksums recorded
-
-                    @contextlib.contextmanager
-                    def no_route(engine: Any, fn: Any) -> Any:
-                        yield False
-
-                    engine_mod.checkpoint_saves_through = no_route
                 os.sync()
                 t = time.perf_counter()
-                ck.save(bundle.engine, sched, state)
+                checkpointers[mode].save(bundle.engine, sched, state)
                 times[f"save_{mode}"].append(time.perf_counter() - t)
-                engine_mod.checkpoint_saves_through = real_route
                 if mode == "on":
                     tag = save / f"global_step{i + 1}"
-                    from megatron.checkpointing.meta import read_meta
-
-                    meta = read_meta(save, tag.name)
                     for verify in (True, False):
                         t = time.perf_counter()
                         if verify:
-                            rules._verify_checkpoint_files(tag, meta, pre.cfg, pre.plan)
+                            _verify(tag, pre)
                         ck.load(bundle.engine, sched, TrainState())
                         times[f"load_{'on' if verify else 'off'}"].append(time.perf_counter() - t)
                     for verify in (True, False):
                         times[f"resume_{'on' if verify else 'off'}"].append(
-                            _resume(save, verify, device)
+                            _resume(save, verify, run)
                         )
                 size = sum(p.stat().st_size for p in save.rglob("*") if p.is_file())
                 print(
@@ -106,26 +120,38 @@ def _bench(root: Path, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _resume(save: Path, verify: bool, device: Any) -> float:
+def _verify(tag: Path, pre: Any) -> int:
+    """Hash the files of ``tag`` this rank reads at load, as a run's start-up does (in the foreground here)."""
+    from megatron.checkpointing.checksums import files_to_verify, verify_checkpoint_files
+    from megatron.checkpointing.meta import read_meta
+    from megatron.checkpointing.rules import zero_partitions
+
+    meta = read_meta(tag.parent, tag.name)
+    names = files_to_verify(
+        meta,
+        rank=0,
+        run_tp=pre.plan.tensor_model_parallel_size,
+        run_pp=pre.plan.pipeline_model_parallel_size,
+        run_dp=zero_partitions(pre.plan, pre.cfg.parallel.ds_sequence_parallel_size),
+        optimizer_state=True,
+    )
+    return verify_checkpoint_files(tag, meta, names, hashes=True)
+
+
+def _resume(save: Path, verify: bool, run: Any) -> float:
     """Seconds of a relaunch's start-up as ``pretrain`` runs it: preflight (the digests start on a thread), engine,
     schedule, the join of the digests, the load."""
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
     from megatron.config import parse_args
     from megatron.training import preflight
-    from megatron.training.lr_scheduler import build_lr_scheduler
-    from megatron.training.model_setup import build_engine
-    from megatron.training.pretrain import _join_checksums
+    from megatron.training.pretrain import join_checksums
     from megatron.training.state import TrainState
 
     off = [] if verify else ["--no-verify-checkpoint-checksums"]
     t = time.perf_counter()
     pre = preflight(parse_args([*FLAGS, "--load", str(save), *off]))
-    bundle = build_engine(pre.cfg, pre.plan, pre.ds_config, device=device)
-    sched = build_lr_scheduler(
-        pre.cfg.training, pre.plan.global_batch_size, bundle.client_optimizer
-    )
-    _join_checksums(pre.checksums)
-    DeepSpeedCheckpointer(pre.cfg, pre.plan).load(bundle.engine, sched, TrainState())
+    bundle, sched = _engine_and_schedule(pre, run)
+    join_checksums(pre.checksums)
+    _checkpointer(pre, run).load(bundle.engine, sched, TrainState())
     return time.perf_counter() - t
 
 

@@ -135,82 +135,131 @@ def _leaf(
     return torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
 
 
+@dataclass
+class Case:
+    """One op at one shape, built once for both sides: ``call(fused)`` is the forward, ``params`` the inputs whose
+    gradients backward makes (read when it runs: ``before`` may replace them), ``moved`` the bytes the op must read
+    and write at least once (fwd + bwd)."""
+
+    call: Callable[[bool], torch.Tensor]
+    params: list[torch.Tensor]
+    moved: int
+    before: Callable[[], None] | None = None
+    """Untimed, before each run: what the op's caller makes fresh every step (the cross-entropy's logits)."""
+
+
+def _numel_esize(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel, torch.empty(0, dtype=dtype).element_size()
+
+
+def _norm_case(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Case:
+    numel, esize = _numel_esize(shape, dtype)
+    x, h = _leaf(shape, dtype, device, 1), shape[-1]
+    gamma, beta = _leaf((h,), dtype, device, 2), _leaf((h,), dtype, device, 3)
+    if op == "layer_norm":
+        call = lambda fused: fk.layer_norm(x, gamma, beta, 1e-5, fused=fused)  # noqa: E731
+        params = [x, gamma, beta]
+    else:
+        call = lambda fused: fk.rms_norm(x, gamma, 1e-5, fused=fused)  # noqa: E731
+        params = [x, gamma]
+    return Case(call, params, moved=5 * numel * esize)  # x, y; dy, x again, dx
+
+
+def _softmax_case(
+    op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> Case:
+    numel, esize = _numel_esize(shape, dtype)
+    x = _leaf(shape, dtype, device, 1)
+    scale = 0.125
+    if op == "causal_softmax":
+        call = lambda fused: fk.scaled_upper_triang_masked_softmax(x, scale, fused=fused)  # noqa: E731
+    else:
+        b, n, sq, sk = shape
+        gen = torch.Generator().manual_seed(4)
+        mask = (torch.rand(b, 1, sq, sk, generator=gen) < 0.3).to(device)
+        call = lambda fused: fk.scaled_masked_softmax(x, mask, scale, fused=fused)  # noqa: E731
+    return Case(call, [x], moved=5 * numel * esize)  # x, y; dy, y, dx
+
+
+def _bias_activation_case(
+    op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> Case:
+    numel, esize = _numel_esize(shape, dtype)
+    x = _leaf(shape, dtype, device, 1)
+    bias = _leaf((shape[-1],), dtype, device, 2)
+    if op == "bias_swiglu":
+        call = lambda fused: fk.bias_swiglu(x, bias, fused=fused)  # noqa: E731
+    else:  # bias_gelu_mlp: as ParallelMLP calls it (backward writes over the gradient it is handed)
+        mlp = op == "bias_gelu_mlp"
+        call = lambda fused: fk.bias_gelu(x, bias, fused=fused, overwrite_grad=mlp)  # noqa: E731
+    out = numel // 2 if op == "bias_swiglu" else numel
+    return Case(call, [x, bias], moved=(2 * numel + 2 * out + numel) * esize)  # x, y; dy, x, dx
+
+
+def _rope_case(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Case:
+    from megatron.model.rotary import rotary_cos_sin
+
+    numel, esize = _numel_esize(shape, dtype)
+    s, b, n, hn = shape
+    x = _leaf(shape, dtype, device, 1)
+    pos = torch.arange(s, device=device).repeat(b, 1)
+    cos, sin = rotary_cos_sin(pos, hn, 10000.0, dtype)
+    call = lambda fused: fk.rope(x, cos, sin, fused=fused)  # noqa: E731
+    return Case(call, [x], moved=4 * numel * esize)  # x, y; dy, dx
+
+
+def _cross_entropy_case(
+    op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> Case:
+    from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+
+    numel, _ = _numel_esize(shape, dtype)
+    n, v = shape
+    z = _leaf((n, 1, v), dtype, device, 1)
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, v, (n, 1), generator=gen).to(device)
+    held: list[torch.Tensor] = [z]
+
+    def fresh_logits() -> (
+        None
+    ):  # a fresh fp32 buffer, as the model hands the loss (made before the clock)
+        held[:] = [z.detach().float() if dtype != torch.float32 else z.detach().clone()]
+        held[0].requires_grad_()
+
+    def call(fused: bool) -> torch.Tensor:
+        kernels = fk.cross_entropy_kernels(held[0]) if fused else None
+        return vocab_parallel_cross_entropy(held[0], target, local_kernels=kernels)
+
+    # logits read twice (stats, gradient pass), gradient written once
+    return Case(call, held, moved=3 * numel * 4, before=fresh_logits)
+
+
+_CASES: dict[str, Callable[[str, tuple[int, ...], torch.dtype, torch.device], Case]] = {
+    "layer_norm": _norm_case,
+    "rms_norm": _norm_case,
+    "causal_softmax": _softmax_case,
+    "masked_softmax": _softmax_case,
+    "bias_gelu": _bias_activation_case,
+    "bias_gelu_mlp": _bias_activation_case,
+    "bias_swiglu": _bias_activation_case,
+    "rope": _rope_case,
+    "cross_entropy": _cross_entropy_case,
+}
+"""op -> the builder of its :class:`Case`."""
+
+
 def _case(
     op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> tuple[Callable[[bool], Step], int]:
     """``make(fused) -> step`` and the bytes the op must move once (fwd + bwd)."""
-    esize = torch.empty(0, dtype=dtype).element_size()
-    numel = 1
-    for d in shape:
-        numel *= d
-    if op in ("layer_norm", "rms_norm"):
-        x, h = _leaf(shape, dtype, device, 1), shape[-1]
-        gamma, beta = _leaf((h,), dtype, device, 2), _leaf((h,), dtype, device, 3)
-        if op == "layer_norm":
-            call = lambda fused: fk.layer_norm(x, gamma, beta, 1e-5, fused=fused)  # noqa: E731
-        else:
-            call = lambda fused: fk.rms_norm(x, gamma, 1e-5, fused=fused)  # noqa: E731
-        moved = 5 * numel * esize  # x, y; dy, x again, dx
-        params = [x, gamma, beta] if op == "layer_norm" else [x, gamma]
-    elif op in ("causal_softmax", "masked_softmax"):
-        x = _leaf(shape, dtype, device, 1)
-        scale = 0.125
-        if op == "causal_softmax":
-            call = lambda fused: fk.scaled_upper_triang_masked_softmax(x, scale, fused=fused)  # noqa: E731
-        else:
-            b, n, sq, sk = shape
-            gen = torch.Generator().manual_seed(4)
-            mask = (torch.rand(b, 1, sq, sk, generator=gen) < 0.3).to(device)
-            call = lambda fused: fk.scaled_masked_softmax(x, mask, scale, fused=fused)  # noqa: E731
-        moved = 5 * numel * esize  # x, y; dy, y, dx
-        params = [x]
-    elif op in ("bias_gelu", "bias_gelu_mlp", "bias_swiglu"):
-        x = _leaf(shape, dtype, device, 1)
-        bias = _leaf((shape[-1],), dtype, device, 2)
-        if op == "bias_swiglu":
-            call = lambda fused: fk.bias_swiglu(x, bias, fused=fused)  # noqa: E731
-        else:  # bias_gelu_mlp: as ParallelMLP calls it (backward writes over the gradient it is handed)
-            mlp = op == "bias_gelu_mlp"
-            call = lambda fused: fk.bias_gelu(x, bias, fused=fused, overwrite_grad=mlp)  # noqa: E731
-        out = numel // 2 if op == "bias_swiglu" else numel
-        moved = (2 * numel + 2 * out + numel) * esize  # x, y; dy, x, dx
-        params = [x, bias]
-    elif op == "rope":
-        s, b, n, hn = shape
-        x = _leaf(shape, dtype, device, 1)
-        pos = torch.arange(s, device=device).repeat(b, 1)
-        from megatron.model.rotary import rotary_cos_sin
-
-        cos, sin = rotary_cos_sin(pos, hn, 10000.0, dtype)
-        call = lambda fused: fk.rope(x, cos, sin, fused=fused)  # noqa: E731
-        moved = 4 * numel * esize  # x, y; dy, dx
-        params = [x]
-    elif op == "cross_entropy":
-        from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
-
-        n, v = shape
-        z = _leaf((n, 1, v), dtype, device, 1)
-        gen = torch.Generator().manual_seed(5)
-        target = torch.randint(0, v, (n, 1), generator=gen).to(device)
-        held: list[torch.Tensor] = [z]
-
-        def fresh_logits() -> (
-            None
-        ):  # a fresh fp32 buffer, as the model hands the loss (made before the clock)
-            held[:] = [z.detach().float() if dtype != torch.float32 else z.detach().clone()]
-            held[0].requires_grad_()
-
-        def call(fused: bool) -> torch.Tensor:
-            kernels = fk.cross_entropy_kernels(held[0]) if fused else None
-            return vocab_parallel_cross_entropy(held[0], target, local_kernels=kernels)
-
-        moved = 3 * numel * 4  # logits read twice (stats, gradient pass), gradient written once
-        params = held
-    else:
+    if op not in _CASES:
         raise ValueError(f"unknown op {op!r}")
-
+    case = _CASES[op](op, shape, dtype, device)
     with torch.no_grad():
-        probe = call(False)
+        probe = case.call(False)
     out_shape, out_dtype = probe.shape, probe.dtype
     del probe
 
@@ -218,18 +267,18 @@ def _case(
         upstream: list[torch.Tensor] = []
 
         def prepare() -> None:
-            if op == "cross_entropy":
-                fresh_logits()
+            if case.before is not None:
+                case.before()
             upstream[:] = [torch.ones(out_shape, dtype=out_dtype, device=device)]
 
         def run() -> None:
-            y = call(fused)
+            y = case.call(fused)
             # every input gradient, not accumulated into .grad (no leaf's accumulation is part of the op)
-            torch.autograd.grad(y, list(params), upstream.pop())
+            torch.autograd.grad(y, list(case.params), upstream.pop())
 
         return Step(prepare, run)
 
-    return make, moved
+    return make, case.moved
 
 
 def cases(small: bool) -> list[tuple[str, tuple[int, ...]]]:

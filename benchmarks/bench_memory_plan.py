@@ -22,15 +22,18 @@ used where CUDA runs):
   these include every moment the saved activations reach their peak again. What exists only after backward (ZeRO-0's
   flat all-reduce copy, ZeRO-2's fp32 gradient copy at the step) does not add to the activations' peak. The sum of
   both maxima, whenever they occurred (this bench's total before), is reported as ``states_plus_activations``.
-* collectives: ``torch.distributed``'s functions are wrapped in this process before DeepSpeed binds them; each call
-  adds its tensor's bytes (all-gather: the output, reduce-scatter: the input) to its group (TP, DP, PP by rank set;
-  point-to-point is PP, DeepSpeed-MoE's all-to-all is EP), counted over the last step only.
+* collectives: Trident's own are reported by ``megatron.mpu.observe_collectives``; DeepSpeed's are counted by
+  wrapping ``torch.distributed``'s functions in this process before DeepSpeed binds them (calls made from
+  ``megatron.mpu.mappings`` are skipped there: the observer saw them). Each call adds its tensor's bytes
+  (all-gather: the output, reduce-scatter: the input) to its group (TP, DP, PP by rank set; point-to-point is PP,
+  all-to-all is EP: DeepSpeed-MoE's token exchange), counted over the last step only.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import sys
@@ -110,9 +113,9 @@ def _spare_logits() -> set[int]:
     from megatron.model.output_logits import LogitsBuffer
 
     return {
-        obj._spare.untyped_storage().data_ptr()
+        obj.spare.untyped_storage().data_ptr()
         for obj in gc.get_objects()
-        if isinstance(obj, LogitsBuffer) and obj._spare is not None
+        if isinstance(obj, LogitsBuffer) and obj.spare is not None
     }
 
 
@@ -189,8 +192,24 @@ _COLLECTIVES = (
 )  # fmt: skip
 
 
+def _called_from_mappings() -> bool:
+    """Whether the ``torch.distributed`` call being counted came from ``megatron.mpu.mappings``: the first frame
+    outside this module and ``torch.distributed`` (``batch_isend_irecv`` calls its ops from inside torch)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if name != __name__ and not name.startswith("torch.distributed"):
+                return name == "megatron.mpu.mappings"
+            frame = frame.f_back
+        return False
+    finally:
+        del frame  # no frame cycle keeping callers' tensors alive until the next gc
+
+
 class CollectiveCounter:
-    """Wraps ``torch.distributed`` collectives in this process; bytes per group name while ``active``."""
+    """Bytes per group name while ``active``: Trident's collectives through :meth:`observe` (register it with
+    ``megatron.mpu.observe_collectives``), everyone else's (DeepSpeed) through wrapped ``torch.distributed``."""
 
     def __init__(self) -> None:
         self.active = False
@@ -200,38 +219,32 @@ class CollectiveCounter:
         self.groups: dict[frozenset[int], str] = {}
 
     def install(self) -> None:
+        """Wrap ``torch.distributed``'s collectives (before DeepSpeed binds some of them at engine build)."""
         import torch.distributed as dist
-
-        from megatron.mpu import (
-            mappings,
-        )  # binds its all-gather / reduce-scatter at import: wrap those too
 
         for name in _COLLECTIVES:
             if hasattr(dist, name):
                 setattr(dist, name, self._wrap(name, getattr(dist, name)))
-        mappings._all_gather_single = self._wrap(
-            "all_gather_into_tensor", mappings._all_gather_single
-        )
-        mappings._reduce_scatter_single = self._wrap(
-            "reduce_scatter_tensor", mappings._reduce_scatter_single
-        )
 
-    def name_groups(self) -> None:
-        """Map our TP/DP/PP groups' rank sets to names (call after ``initialize_model_parallel``)."""
+    def observe(self, op: str, nbytes: int, group: Any) -> None:
+        """The ``megatron.mpu.observe_collectives`` observer: one of Trident's collectives."""
+        if self.active:
+            self._add(op, nbytes, group)
+
+    def name_groups(self, state: Any) -> None:
+        """Map the TP/DP/PP groups' rank sets of ``state`` (the run's ``ParallelState``) to names."""
         import torch.distributed as dist
 
-        from megatron import mpu
-
         for name, group in (
-            ("tp", mpu.get_tensor_model_parallel_group()),
-            ("dp", mpu.get_data_parallel_group()),
-            ("pp", mpu.get_pipeline_model_parallel_group()),
+            ("tp", state.get_tensor_model_parallel_group()),
+            ("dp", state.get_data_parallel_group()),
+            ("pp", state.get_pipeline_model_parallel_group()),
         ):
             self.groups.setdefault(frozenset(dist.get_process_group_ranks(group)), name)
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.active:
+            if self.active and not _called_from_mappings():
                 self._count(name, args, kwargs)
             return fn(*args, **kwargs)
 
@@ -254,13 +267,18 @@ class CollectiveCounter:
             size = t.numel() * t.element_size()
         elif name != "all_gather":
             return
+        group = kwargs.get("group") or next(
+            (a for a in args if isinstance(a, dist.ProcessGroup)), None
+        )
+        self._add(name, size, group)
+
+    def _add(self, name: str, size: int, group: Any) -> None:
+        import torch.distributed as dist
+
         if name in ("send", "recv", "isend", "irecv"):
             self.bytes["pp"] += size
             self.by_op[f"pp/{name}"] += size
             return
-        group = kwargs.get("group") or next(
-            (a for a in args if isinstance(a, dist.ProcessGroup)), None
-        )
         ranks = frozenset(
             dist.get_process_group_ranks(group)
             if group is not None
@@ -304,22 +322,27 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     from megatron import mpu
     from megatron.config import parse_args
     from megatron.planning.memory_plan import plan_memory
+    from megatron.planning.planner_config import PlannerConfig
     from megatron.training import initialize
     from megatron.training.preflight import preflight
-    from megatron.training.pretrain import _build_trainer
+    from megatron.training.pretrain import build_trainer
     from megatron.training.state import TrainState
 
     counter = CollectiveCounter()
     counter.install()  # before DeepSpeed binds its all-gather / reduce-scatter functions
     pre = preflight(parse_args(argv))
-    device = initialize.init_distributed(pre.cfg)
-    counter.name_groups()
-    initialize.set_seeds(pre.cfg.training.seed)
-    stage = mpu.get_pipeline_model_parallel_rank()
-    predicted = plan_memory(pre.cfg, pre.plan, pre.ds_config).stages[stage]
+    run = initialize.init_distributed(pre.cfg.parallel)
+    counter.name_groups(run.state)
+    initialize.set_seeds(pre.cfg.training.seed, run.state)
+    stage = run.state.get_pipeline_model_parallel_rank()
+    cfg = pre.cfg
+    memory = plan_memory(
+        PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training), pre.plan, pre.ds_config
+    )
+    predicted = memory.stages[stage]
     gc.collect()
     base = live_tensor_bytes()
-    trainer = _build_trainer(pre, device, None, TrainState())
+    trainer = build_trainer(pre, run, None, TrainState())
     states, total = [0], [0]
     params = {p.untyped_storage().data_ptr() for p in trainer.engine.module.parameters()}
     saved = SavedTensors(params)
@@ -343,14 +366,15 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
     first.register_post_accumulate_grad_hook(lambda _: sample())
     for p in rest:
         p.register_post_accumulate_grad_hook(lambda _: sample() if saved.at_peak else None)
-    for i in range(steps):
-        counter.active = i == steps - 1
-        if i == 1:  # the optimizer states exist now: sample again wherever the activations peak
-            saved.at_peak = sample
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            trainer.train_step()
+    with mpu.observe_collectives(counter.observe):
+        for i in range(steps):
+            counter.active = i == steps - 1
+            if i == 1:  # the optimizer states exist now: sample again wherever the activations peak
+                saved.at_peak = sample
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                trainer.train_step()
     counter.active = False
-    cuda_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    cuda_peak = torch.cuda.max_memory_allocated() if run.device.type == "cuda" else None
     mpu.destroy_model_parallel()
     return {
         "rank": torch.distributed.get_rank(),
@@ -367,9 +391,7 @@ def measure_worker(argv: list[str], steps: int) -> dict[str, Any]:
             "states_plus_activations": states[0] + saved.peak,
             "cuda_max_allocated": cuda_peak,
         },
-        "collectives_predicted": dict(
-            plan_memory(pre.cfg, pre.plan, pre.ds_config).collective_bytes
-        ),
+        "collectives_predicted": dict(memory.collective_bytes),
         "collectives_measured": dict(counter.bytes),
         "collectives_by_op": dict(counter.by_op),
         "largest_at_peak": top,

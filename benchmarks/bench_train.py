@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,41 +72,46 @@ def trident_tokens_per_sec(argv: list[str], warmup: int) -> float:
     return _median_tail([r["tokens_per_sec"] for r in train], warmup)
 
 
-def hf_tokens_per_sec(
-    *,
-    num_layers: int,
-    hidden: int,
-    heads: int,
-    seq: int,
-    vocab: int,
-    batch: int,
-    iters: int,
-    warmup: int,
-    lr: float,
-    seed: int,
-) -> float:
-    """The plain HF GPT-2 loop at the same shapes; median tokens/s after ``warmup``."""
+@dataclass(frozen=True)
+class HFLoop:
+    """The plain HF GPT-2 loop: Trident's shapes (layers, width, heads, sequence, vocabulary, batch) and schedule."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int
+    iters: int
+    warmup: int
+    lr: float = 1e-4
+    seed: int = 1234
+
+
+def hf_tokens_per_sec(loop: HFLoop) -> float:
+    """The plain HF GPT-2 loop at the same shapes; median tokens/s after ``loop.warmup``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from megatron.data.mock_dataset import MockGPTDataset
 
-    torch.manual_seed(seed)
+    torch.manual_seed(loop.seed)
     cfg = GPT2Config(
-        vocab_size=vocab,
-        n_positions=seq,
-        n_embd=hidden,
-        n_layer=num_layers,
-        n_head=heads,
+        vocab_size=loop.vocab,
+        n_positions=loop.seq,
+        n_embd=loop.hidden,
+        n_layer=loop.num_layers,
+        n_head=loop.heads,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(cfg)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    data = MockGPTDataset(iters * batch, seq, vocab, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=loop.lr, weight_decay=0.01)
+    batch, seq = loop.batch, loop.seq
+    data = MockGPTDataset(loop.iters * batch, seq, loop.vocab, loop.seed)
     rates = []
-    for it in range(iters):
+    for it in range(loop.iters):
         text = torch.stack(
             [torch.from_numpy(data[it * batch + j]["text"]) for j in range(batch)]
         )  # [b, s + 1]
@@ -116,7 +122,7 @@ def hf_tokens_per_sec(
         opt.step()
         opt.zero_grad(set_to_none=True)
         rates.append(batch * seq / (time.perf_counter() - start))
-    return _median_tail(rates, warmup)
+    return _median_tail(rates, loop.warmup)
 
 
 def hf_in_subprocess(args: list[str], allocator: str) -> float:
@@ -155,15 +161,16 @@ def zero_memory_worker(argv: list[str], steps: int) -> dict[str, Any]:
 
     cfg = parse_args(argv)
     pre = preflight(cfg)
-    device = initialize.init_distributed(cfg)
-    initialize.set_seeds(cfg.training.seed)
+    run = initialize.init_distributed(cfg.parallel)
+    device = run.device
+    initialize.set_seeds(cfg.training.seed, run.state)
     gc.collect()
     base = live_tensor_bytes()
-    bundle = build_engine(cfg, pre.plan, pre.ds_config, device=device)
+    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, pre.plan, pre.ds_config, run)
     engine = bundle.engine
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     b, s = cfg.training.micro_batch_size, cfg.model.seq_length
-    g = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
+    g = torch.Generator().manual_seed(run.state.get_data_parallel_rank())
     peak = 0
     for _ in range(steps):
         tokens = torch.randint(0, pre.tokenizer.vocab_size, (b, s + 1), generator=g).to(device)
@@ -262,16 +269,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.hf_only == "reuse":
             keep_freed_memory({"TRIDENT_CPU_ALLOCATOR": "reuse"})
         rate = hf_tokens_per_sec(
-            num_layers=a.num_layers,
-            hidden=a.hidden_size,
-            heads=a.num_attention_heads,
-            seq=a.seq_length,
-            vocab=a.vocab,
-            batch=a.batch,
-            iters=a.iters,
-            warmup=a.warmup,
-            lr=1e-4,
-            seed=1234,
+            HFLoop(
+                num_layers=a.num_layers,
+                hidden=a.hidden_size,
+                heads=a.num_attention_heads,
+                seq=a.seq_length,
+                vocab=a.vocab,
+                batch=a.batch,
+                iters=a.iters,
+                warmup=a.warmup,
+                lr=1e-4,
+                seed=1234,
+            )
         )
         print(json.dumps({"hf_tokens_per_sec": rate}))
         return 0

@@ -115,40 +115,61 @@ def _largest_module_bytes(cfg: Any, vocab: int) -> dict[str, int]:
 
 def worker(argv: list[str], iters: int) -> dict[str, Any]:
     """One rank: overhead, construction peak, engine + ``iters`` iterations (``spawn_local_ranks``)."""
-    import gc
+    # everything imported before the overhead is measured (the phases' own imports are then no-ops)
+    import deepspeed  # noqa: F401
+    import torch  # noqa: F401
 
-    import deepspeed  # noqa: F401 - imported before the overhead is measured
-    import torch
-
+    import megatron.model  # noqa: F401
+    import megatron.model.utils  # noqa: F401
+    import megatron.training.model_setup  # noqa: F401
     from megatron import mpu
     from megatron.config import parse_args
-    from megatron.model import loss_func
-    from megatron.model.utils import num_parameters
     from megatron.training import initialize, preflight
-    from megatron.training.model_setup import build_engine, build_model
 
     cfg = parse_args(argv)
     pre = preflight(cfg)
-    device = initialize.init_distributed(cfg)
-    initialize.set_seeds(cfg.training.seed)
+    run = initialize.init_distributed(cfg.parallel)
+    initialize.set_seeds(cfg.training.seed, run.state)
+    model, build = _build_phase(cfg, pre, run)
+    sys.stdout.write(f"build {json.dumps(build)}\n")  # before training, which may run out of memory
+    sys.stdout.flush()
+    train = _train_phase(cfg, pre, run, model, iters, log=build["rank"] == 0)
+    mpu.destroy_model_parallel()
+    return {**build, **train}
+
+
+def _build_phase(cfg: Any, pre: Any, run: Any) -> tuple[Any, dict[str, Any]]:
+    """Steps 1 and 2 of the module docstring: the overhead, then the model built inside ``zero.Init`` and its
+    peak against the bound."""
+    import gc
+
+    from megatron.model.utils import num_parameters
+    from megatron.training.model_setup import build_model
+
     gc.collect()
     overhead = rss_bytes()
     hwm_reset = reset_peak()
     start = time.perf_counter()
     with PeakSampler() as sampler:
-        model = build_model(cfg, pre.plan, device=device, ds_config=pre.ds_config)
+        model = build_model(
+            cfg.model,
+            cfg.parallel,
+            pre.plan,
+            run,
+            seed=cfg.training.seed,
+            ds_config=pre.ds_config,
+        )
     build_s = time.perf_counter() - start
     build_hwm = hwm_bytes() if hwm_reset else None
     after_build = rss_bytes()
-    dp = mpu.get_data_parallel_world_size()
+    dp = run.state.get_data_parallel_world_size()
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     largest = _largest_module_bytes(cfg, pre.plan.padded_vocab_size)
     model_cfg = replace(cfg.model, vocab_size=pre.plan.true_vocab_size)
     layer = 4 * num_parameters(model_cfg)["per_layer"]
     bound = overhead + 4 * n_params / dp + layer
-
-    build = {
-        "rank": mpu.get_data_parallel_rank(),
+    return model, {
+        "rank": run.state.get_data_parallel_rank(),
         "params": int(n_params),
         "full_model_fp32_MiB": 4 * n_params / MiB,
         "overhead_MiB": overhead / MiB,
@@ -162,15 +183,28 @@ def worker(argv: list[str], iters: int) -> dict[str, Any]:
         "within_bound": max(build_hwm or 0, sampler.peak) <= bound,
         "build_s": build_s,
     }
-    sys.stdout.write(f"build {json.dumps(build)}\n")  # before training, which may run out of memory
-    sys.stdout.flush()
+
+
+def _train_phase(
+    cfg: Any, pre: Any, run: Any, model: Any, iters: int, *, log: bool
+) -> dict[str, Any]:
+    """Step 3 of the module docstring: the engine, then ``iters`` iterations of one micro-batch (RSS after each
+    phase of each iteration; ``log``: print them as they come)."""
+    import torch
+
+    from megatron.model import loss_func
+    from megatron.training.model_setup import build_engine
+
     reset_peak()
     start = time.perf_counter()
-    bundle = build_engine(cfg, pre.plan, pre.ds_config, device=device, model=model)
+    bundle = build_engine(
+        cfg.model, cfg.training, cfg.parallel, pre.plan, pre.ds_config, run, model=model
+    )
     engine_s = time.perf_counter() - start
     engine = bundle.engine
     b, s = cfg.training.micro_batch_size, cfg.model.seq_length
-    gen = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
+    device = run.device
+    gen = torch.Generator().manual_seed(run.state.get_data_parallel_rank())
     losses, iter_s = [], []
     phases = {"engine": rss_bytes() / MiB}  # RSS after each phase of each iteration
     with PeakSampler() as train_sampler:
@@ -189,13 +223,11 @@ def worker(argv: list[str], iters: int) -> dict[str, Any]:
             phases[f"step{it}"] = rss_bytes() / MiB
             losses.append(float(loss))
             iter_s.append(time.perf_counter() - t0)
-            if build["rank"] == 0:
+            if log:
                 sys.stdout.write(f"iteration {it}: {json.dumps(phases)}\n")
                 sys.stdout.flush()
     train_hwm = hwm_bytes()
-    mpu.destroy_model_parallel()
     return {
-        **build,
         "engine_s": engine_s,
         "train_peak_hwm_MiB": max(train_hwm, train_sampler.peak) / MiB,
         "train_rss_MiB": phases,
