@@ -123,52 +123,69 @@ def _too_long(prompt: str, err: TooManyTokensError) -> ValueError:
     )
 
 
+def _check_counts(a: argparse.Namespace) -> None:
+    """--batch-size, --num-samples and --beam-width, before anything is loaded."""
+    if a.batch_size < 1:
+        raise ValueError(f"--batch-size ({a.batch_size}) must be >= 1.")
+    if a.beam_width is not None and not 1 <= a.num_samples <= a.beam_width:
+        raise ValueError(
+            f"--num-samples ({a.num_samples}) must be in [1, --beam-width ({a.beam_width})] with beam "
+            "search (it is the number of best hypotheses printed)."
+        )
+    if a.num_samples < 1:
+        raise ValueError(
+            f"--num-samples ({a.num_samples}) must be >= 1 (Megatron's interactive mode, 0, is not "
+            "supported; pass prompts with --prompt or --sample-input-file)."
+        )
+
+
+def _new_tokens(gen: Any, prompts: list[str], out_seq_length: int | None) -> dict[str, int]:
+    """New tokens per prompt, every prompt checked to fit before anything is generated or written."""
+    from megatron.text_generation.generation import TooManyTokensError
+
+    lengths = {}
+    for prompt in prompts:
+        n = out_seq_length
+        if n is None:  # the default: as many as fit, up to DEFAULT_NEW_TOKENS (at least 1)
+            n = max(1, min(DEFAULT_NEW_TOKENS, gen.max_positions - len(gen.prompt_ids(prompt))))
+        try:
+            gen.check_request(prompt, n)
+        except TooManyTokensError as err:
+            raise _too_long(prompt, err) from None
+        lengths[prompt] = n
+    return lengths
+
+
+def _write_rows(rows: list[dict[str, Any]], path: str | None) -> None:
+    """JSON lines into --sample-output-file, or each sample printed with a separator line."""
+    sink = _open_output(path)
+    try:
+        for row in rows:
+            if sink is not None:
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            else:
+                print(f"{row['prompt']}{row['text']}\n{'-' * 40}")
+    finally:
+        if sink is not None:
+            sink.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     from megatron.text_generation import SamplingParams
-    from megatron.text_generation.generation import TooManyTokensError
 
     try:
-        if a.batch_size < 1:
-            raise ValueError(f"--batch-size ({a.batch_size}) must be >= 1.")
-        if a.beam_width is not None and not 1 <= a.num_samples <= a.beam_width:
-            raise ValueError(
-                f"--num-samples ({a.num_samples}) must be in [1, --beam-width ({a.beam_width})] with beam "
-                "search (it is the number of best hypotheses printed)."
-            )
-        if a.num_samples < 1:
-            raise ValueError(
-                f"--num-samples ({a.num_samples}) must be >= 1 (Megatron's interactive mode, 0, is not "
-                "supported; pass prompts with --prompt or --sample-input-file)."
-            )
+        _check_counts(a)
         params = SamplingParams(
             greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p
         )
         prompts = _prompts(a)
         _check_output_file(a.sample_output_file)
         gen = build_generator(a)
-        lengths = {}
-        for prompt in prompts:  # every prompt fits before anything is generated or written
-            n = a.out_seq_length
-            if n is None:  # the default: as many as fit, up to DEFAULT_NEW_TOKENS (at least 1)
-                n = max(1, min(DEFAULT_NEW_TOKENS, gen.max_positions - len(gen.prompt_ids(prompt))))
-            try:
-                gen.check_request(prompt, n)
-            except TooManyTokensError as err:
-                raise _too_long(prompt, err) from None
-            lengths[prompt] = n
+        lengths = _new_tokens(gen, prompts, a.out_seq_length)
         rows = _generate(gen, a, prompts, lengths, params)
         if gen.is_server_rank:  # every rank generated; one writes
-            sink = _open_output(a.sample_output_file)
-            try:
-                for row in rows:
-                    if sink is not None:
-                        sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    else:
-                        print(f"{row['prompt']}{row['text']}\n{'-' * 40}")
-            finally:
-                if sink is not None:
-                    sink.close()
+            _write_rows(rows, a.sample_output_file)
     except (ValueError, FileNotFoundError) as e:
         if _is_rank_zero():
             print(f"error: {e}", file=sys.stderr)

@@ -27,7 +27,13 @@ import os
 import signal
 import sys
 
-from megatron.data.preprocess import PreprocessError, preprocess, rates, resolve_inputs
+from megatron.data.preprocess import (
+    Execution,
+    PreprocessError,
+    preprocess,
+    rates,
+    resolve_inputs,
+)
 from megatron.log import setup_logging
 from megatron.tokenizer import TOKENIZER_TYPES
 
@@ -117,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             output_prefix=args.output_prefix,
             tokenizer_kwargs=tokenizer_kwargs,
             append_eod=args.append_eod,
-            workers=args.workers,
-            log_interval=args.log_interval,
             skip_bad_lines=args.skip_bad_lines,
+            execution=Execution(workers=args.workers, log_interval=args.log_interval),
         )
     except (
         PreprocessError,

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from megatron.conversion.hf_tokenizer import export_tokenizer, special_token_ids
 from megatron.conversion.output_dirs import check_output_dir_path, check_output_not_input
 from megatron.conversion.verify import (
     LogitComparison,
+    Verification,
     compare_logits,
     fixed_prompts,
     hf_logits_fn,
@@ -101,39 +103,48 @@ def remove_stale_export_files(out_dir: Path) -> list[str]:
     return sorted(removed)
 
 
+@dataclass(frozen=True)
+class TokenizerExport:
+    """The tokenizer :func:`export_to_hf` writes beside the weights, and the special-token ids of ``config.json``."""
+
+    info: dict[str, str] | None = None
+    """``hf_tokenizer.TOKENIZER_KEYS`` values of the tokenizer to export; None: the one in the checkpoint's meta."""
+    write: bool = True
+    """Write the tokenizer files (``--no-tokenizer``: False; then no tokenizer is read either)."""
+    bos_token_id: int | None = None
+    """``config.json``'s ``bos_token_id`` (``--bos-token-id``); None: the exported tokenizer's."""
+    eos_token_id: int | None = None
+    """``config.json``'s ``eos_token_id`` (``--eos-token-id``); None: the exported tokenizer's."""
+
+
 def export_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
     *,
     tag: str | None = None,
-    verify: bool = True,
-    steps: int = 32,
+    tokenizer: TokenizerExport = TokenizerExport(),
+    verification: Verification | None = Verification(),
     progress: Progress = no_progress,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    tokenizer: dict[str, str] | None = None,
-    write_tokenizer: bool = True,
     overwrite: bool = False,
-    tolerance: float | None = None,
     say: Callable[[str], None] = logger.info,
 ) -> LogitComparison | None:
     """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint.
 
-    The tokenizer is the one recorded in the checkpoint's meta, or ``tokenizer`` (``hf_tokenizer.TOKENIZER_KEYS``
-    values) when given; ``write_tokenizer=False`` skips it. With ``verify``, loads the written directory with
-    transformers (offline) and compares it with the checkpoint run in our ``GPTModel`` on :func:`fixed_prompts`
-    (greedy decodes of ``steps`` tokens).
+    The tokenizer is the one recorded in the checkpoint's meta, or ``tokenizer.info`` when given;
+    ``tokenizer.write=False`` skips it. With ``verification``, loads the written directory with transformers
+    (offline) and compares it with the checkpoint run in our ``GPTModel`` on :func:`fixed_prompts` (greedy decodes
+    of ``verification.steps`` tokens).
 
     ``out_dir`` must be new or empty; with ``overwrite`` an existing directory is used after removing the
     :data:`STALE_EXPORT_FILES` in it (only once the tokenizer was checked: a refused export changes nothing).
     ``model.safetensors`` gets the mode the umask gives new files (safetensors itself writes 0600).
 
     The files are written and verified in a staging directory beside ``out_dir`` and moved in only when the
-    comparison passes ``tolerance`` (:meth:`LogitComparison.passes`; None: any result): a failed export goes to
-    ``<out_dir>.unverified/`` instead, never into ``out_dir``.
+    comparison passes ``verification.tolerance`` (:meth:`LogitComparison.passes`; None: any result): a failed
+    export goes to ``<out_dir>.unverified/`` instead, never into ``out_dir``.
 
     Returns:
-        The comparison (None without ``verify``).
+        The comparison (None without ``verification``).
 
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint, a tokenizer that cannot be exported faithfully, or
@@ -148,11 +159,8 @@ def export_to_hf(
             f"{ckpt_dir}: a model with a Switch MLP (--num-experts-switch {cfg.moe.num_experts_switch}) has no "
             "Hugging Face transformers counterpart, so it cannot be exported; keep it in Trident's format."
         )
-    tok_info = (tokenizer or meta.get("tokenizer")) if write_tokenizer else None
-    if tok_info:
-        tok_bos, tok_eos = special_token_ids(tok_info)
-        bos_token_id = tok_bos if bos_token_id is None else bos_token_id
-        eos_token_id = tok_eos if eos_token_id is None else eos_token_id
+    tok_info = (tokenizer.info or meta.get("tokenizer")) if tokenizer.write else None
+    bos_token_id, eos_token_id = _config_token_ids(tokenizer, tok_info)
     if is_mixtral(cfg):
         export = megatron_to_mixtral_hf
     else:
@@ -166,14 +174,15 @@ def export_to_hf(
     # not verified) is moved in. A refused tokenizer or a failed verification leaves --out as it was.
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
         staging = Path(tmp)
-        if write_tokenizer:
+        if tokenizer.write:
             trained = (meta.get("tokenizer") or {}).get("fingerprint")
             say(export_tokenizer(tok_info, str(staging), cfg.vocab_size, trained))
         save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / "model.safetensors"))
         apply_umask_mode(staging / "model.safetensors")
         (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
         progress("writing", 1, 1)
-        result = _verify_export(staging, full, cfg, steps) if verify else None
+        result = None if verification is None else _verify_export(staging, full, cfg, verification)
+        tolerance = None if verification is None else verification.tolerance
         if result is not None and tolerance is not None and not result.passes(tolerance):
             failed = out.with_name(f"{out.name}.unverified")
             shutil.rmtree(failed, ignore_errors=True)
@@ -192,8 +201,18 @@ def export_to_hf(
     return result
 
 
+def _config_token_ids(
+    tokenizer: TokenizerExport, tok_info: dict[str, str] | None
+) -> tuple[int | None, int | None]:
+    """``(bos_token_id, eos_token_id)`` of ``config.json``: the ones given, else the exported tokenizer's."""
+    tok_bos, tok_eos = special_token_ids(tok_info)
+    bos = tok_bos if tokenizer.bos_token_id is None else tokenizer.bos_token_id
+    eos = tok_eos if tokenizer.eos_token_id is None else tokenizer.eos_token_id
+    return bos, eos
+
+
 def _verify_export(
-    hf_dir: Path, full: dict[str, torch.Tensor], cfg: ModelConfig, steps: int
+    hf_dir: Path, full: dict[str, torch.Tensor], cfg: ModelConfig, verification: Verification
 ) -> LogitComparison:
     """The written HF directory (loaded with transformers, offline) against the checkpoint in our ``GPTModel``."""
     from transformers import AutoModelForCausalLM
@@ -201,7 +220,7 @@ def _verify_export(
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
     ours = build_megatron_model(full, verification_config(cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
-    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
     with torch.no_grad():
         return compare_logits(
             megatron_logits_fn(ours), hf_logits_fn(hf), prompts, n, vocab_size=cfg.vocab_size

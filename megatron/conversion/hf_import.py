@@ -33,9 +33,14 @@ from megatron.conversion.hf_llama import llama_hf_to_megatron
 from megatron.conversion.hf_mixtral import mixtral_hf_to_megatron, verification_config
 from megatron.conversion.hf_tokenizer import hf_dir_tokenizer
 from megatron.conversion.output_dirs import check_new_save_dir
-from megatron.conversion.rewrite import check_target_layout, write_trident_checkpoint
+from megatron.conversion.rewrite import (
+    TargetLayout,
+    check_target_layout,
+    write_trident_checkpoint,
+)
 from megatron.conversion.verify import (
     LogitComparison,
+    Verification,
     compare_logits,
     fixed_prompts,
     hf_logits_fn,
@@ -75,44 +80,39 @@ def import_from_hf(
     hf_dir: str | Path,
     out_dir: str | Path,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    verify: bool = True,
-    steps: int = 32,
+    layout: TargetLayout = TargetLayout(),
+    verification: Verification | None = Verification(),
     progress: Progress = no_progress,
     timeout: float = 900.0,
 ) -> LogitComparison | None:
-    """Convert a local HF GPT-2/LLaMA/Mixtral directory into a Trident checkpoint for ``tp`` x ``pp`` ranks (and
-    a Mixtral's experts over ``ep`` expert-parallel ranks: ``tp * pp * ep`` ranks write it, data-parallel size
-    ``ep``).
+    """Convert a local HF GPT-2/LLaMA/Mixtral directory into a Trident checkpoint for ``layout.tp`` x
+    ``layout.pp`` ranks (and a Mixtral's experts over ``layout.ep`` expert-parallel ranks: ``tp * pp * ep`` ranks
+    write it, data-parallel size ``ep``).
 
     Returns:
-        The HF-vs-written-checkpoint comparison (None without ``verify``).
+        The HF-vs-written-checkpoint comparison (None without ``verification``).
 
     Raises:
         ValueError / FileNotFoundError: ``out_dir`` is a file or holds checkpoints, the model does not split over
-            ``tp`` x ``pp``, or the HF directory is unreadable or unsupported. All before any rank is spawned.
+            ``layout``, or the HF directory is unreadable or unsupported. All before any rank is spawned.
     """
     check_new_save_dir(out_dir, load=hf_dir, load_flag="--hf-dir")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
-    full, cfg, _ = hf_to_full(hf_dir, tp)
-    check_target_layout(cfg, tp=tp, pp=pp, ep=ep)
+    if layout.tp < 1 or layout.pp < 1:
+        raise ValueError(f"--tp ({layout.tp}) and --pp ({layout.pp}) must be >= 1.")
+    full, cfg, _ = hf_to_full(hf_dir, layout.tp)
+    check_target_layout(cfg, layout)
     progress("converting", 1, 3)
     write_trident_checkpoint(
         full,
         cfg,
         out_dir,
-        tp=tp,
-        pp=pp,
+        layout=layout,
         source=str(hf_dir),
         tokenizer=hf_dir_tokenizer(hf_dir),
         timeout=timeout,
-        ep=ep,
     )
     progress("writing", 2, 3)
-    if not verify:
+    if verification is None:
         return None
     from transformers import AutoModelForCausalLM
 
@@ -120,7 +120,7 @@ def import_from_hf(
     back, back_cfg, _ = read_checkpoint_weights(out_dir)
     ours = build_megatron_model(back, verification_config(back_cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
-    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
     with torch.no_grad():
         result = compare_logits(
             hf_logits_fn(hf), megatron_logits_fn(ours), prompts, n, vocab_size=cfg.vocab_size

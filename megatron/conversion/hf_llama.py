@@ -9,6 +9,7 @@ model uses, so no permutation is applied (the golden logits test proves it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,15 +140,13 @@ def llama_hf_to_megatron(
             f"{dst}dense_4h_to_h.weight": keys.take(f"{src}down_proj.weight").clone(),
         }
 
+    family = LlamaFamily(model="LLaMA", mlp=mlp, default_max_positions=2048, default_eps=1e-6)
     return import_llama_family(
         hf_state_dict,
         cfg,
-        mlp,
-        model="LLaMA",
+        family,
         padded_vocab=padded_vocab,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        default_max_positions=2048,
-        default_eps=1e-6,
     )
 
 
@@ -155,22 +154,34 @@ MlpImport = Callable[[StrictKeys, int], dict[str, torch.Tensor]]
 """``(HF keys, layer i) -> Megatron tensors`` of layer ``i``'s MLP (dense, or Mixtral's experts and router)."""
 
 
+@dataclass(frozen=True)
+class LlamaFamily:
+    """What differs between the members of the LLaMA family (LLaMA, Mixtral) on import."""
+
+    model: str
+    """The family's name in errors (``LLaMA``, ``Mixtral``)."""
+    mlp: MlpImport
+    """Converts each layer's MLP (dense, or the experts and router)."""
+    default_max_positions: int
+    """``max_position_embeddings`` when ``config.json`` has none (the family's default)."""
+    default_eps: float
+    """``rms_norm_eps`` when ``config.json`` has none (the family's default)."""
+    moe: MoEConfig | None = None
+    """The ``ModelConfig.moe`` of the imported model (Mixtral); None: dense."""
+
+
 def import_llama_family(
     hf_state_dict: Mapping[str, torch.Tensor],
     cfg: Mapping[str, Any],
-    mlp: MlpImport,
+    family: LlamaFamily,
     *,
-    model: str,
     padded_vocab: int | None,
     make_vocab_size_divisible_by: int,
-    default_max_positions: int,
-    default_eps: float,
-    moe: MoEConfig | None = None,
 ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """What LLaMA and Mixtral imports share: embeddings, attention and norms of every layer, the final norm and
-    head (tied or not), and the ``ModelConfig`` (rmsnorm, swiglu, RoPE, no biases, GQA; ``moe`` for Mixtral).
-    ``mlp`` converts each layer's MLP; every HF tensor must be used (``check_all_used``). ``model`` names the
-    family in errors; the defaults are its ``config.json`` defaults."""
+    head (tied or not), and the ``ModelConfig`` (rmsnorm, swiglu, RoPE, no biases, GQA; ``family.moe`` for
+    Mixtral). ``family.mlp`` converts each layer's MLP; every HF tensor must be used (``check_all_used``)."""
+    model = family.model
     h = int(require(cfg, "hidden_size", model))
     n = int(require(cfg, "num_attention_heads", model))
     g = int(cfg.get("num_key_value_heads") or n)
@@ -189,7 +200,7 @@ def import_llama_family(
     }
     for i in range(layers):
         out.update(import_attention_and_norms(keys, i, num_heads=n, num_groups=g, head_dim=hn))
-        out.update(mlp(keys, i))
+        out.update(family.mlp(keys, i))
     out[f"{FINAL_NORM}.weight"] = keys.take("norm.weight").clone()
     if keys.has("lm_head.weight"):
         lm_head = keys.take("lm_head.weight")
@@ -205,7 +216,7 @@ def import_llama_family(
         )
     keys.check_all_used()
 
-    max_pos = int(cfg.get("max_position_embeddings", default_max_positions))
+    max_pos = int(cfg.get("max_position_embeddings", family.default_max_positions))
     model_config = ModelConfig(
         num_layers=layers,
         hidden_size=h,
@@ -216,7 +227,7 @@ def import_llama_family(
         seq_length=max_pos,
         max_position_embeddings=max_pos,
         normalization="rmsnorm",
-        layernorm_epsilon=float(cfg.get("rms_norm_eps", default_eps)),
+        layernorm_epsilon=float(cfg.get("rms_norm_eps", family.default_eps)),
         swiglu=True,
         use_rotary_position_embeddings=True,
         rotary_position_embeddings_theta=rope_theta(cfg, model),
@@ -227,7 +238,7 @@ def import_llama_family(
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         vocab_size=vocab,
-        **({} if moe is None else {"moe": moe}),
+        **({} if family.moe is None else {"moe": family.moe}),
     )
     return out, model_config
 

@@ -55,6 +55,7 @@ from megatron.conversion.hf_common import (
     require,
 )
 from megatron.conversion.hf_llama import (
+    LlamaFamily,
     export_llama_family,
     import_llama_family,
     split_gate_up,
@@ -155,13 +156,9 @@ def mixtral_hf_to_megatron(
     _check_mixtral_config(cfg)
     ffn = int(require(cfg, "intermediate_size", "Mixtral"))
     num_experts = int(require(cfg, "num_local_experts", "Mixtral"))
-    return import_llama_family(
-        hf_state_dict,
-        cfg,
-        lambda keys, i: _experts_from_hf(keys, i, num_experts, ffn),
+    family = LlamaFamily(
         model="Mixtral",
-        padded_vocab=padded_vocab,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        mlp=lambda keys, i: _experts_from_hf(keys, i, num_experts, ffn),
         default_max_positions=4096 * 32,
         default_eps=1e-5,
         moe=MoEConfig(
@@ -172,6 +169,13 @@ def mixtral_hf_to_megatron(
             moe_top2_2nd_expert_sampling=False,
             moe_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)),
         ),
+    )
+    return import_llama_family(
+        hf_state_dict,
+        cfg,
+        family,
+        padded_vocab=padded_vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
 
 

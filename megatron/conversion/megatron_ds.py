@@ -56,9 +56,14 @@ from megatron.checkpointing.safe_load import load_state_dict_of
 from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shard
 from megatron.config import ModelConfig
 from megatron.conversion.output_dirs import check_new_save_dir
-from megatron.conversion.rewrite import check_target_layout, write_trident_checkpoint
+from megatron.conversion.rewrite import (
+    TargetLayout,
+    check_target_layout,
+    write_trident_checkpoint,
+)
 from megatron.conversion.verify import (
     LogitComparison,
+    Verification,
     compare_logits,
     fixed_prompts,
     megatron_logits_fn,
@@ -476,35 +481,34 @@ def import_megatron_deepspeed(
     load: str | Path,
     save: str | Path,
     *,
-    tp: int,
-    pp: int,
+    layout: TargetLayout,
     tag: str | None = None,
     qkv_layout: str = "grouped",
-    verify: bool = True,
-    steps: int = 32,
+    verification: Verification | None = Verification(),
     progress: Progress = no_progress,
 ) -> LogitComparison | None:
-    """Convert a Megatron-DeepSpeed checkpoint into a Trident checkpoint for ``tp`` x ``pp`` ranks (weights only,
-    iteration 0: training loads it like --finetune).
+    """Convert a Megatron-DeepSpeed checkpoint into a Trident checkpoint for ``layout.tp`` x ``layout.pp`` ranks
+    (weights only, iteration 0: training loads it like --finetune).
 
     Returns:
         The imported weights vs the written checkpoint, both run in a TP = 1 ``GPTModel`` (None without
-        ``verify``).
+        ``verification``).
 
     Raises:
         FileNotFoundError / ValueError: see :func:`read_mds_checkpoint`; a --save that is not new; a model that
-            does not split over ``tp`` x ``pp``. All before any rank is spawned.
+            does not split over ``layout``. All before any rank is spawned.
     """
     check_new_save_dir(save, load=load)
     full, cfg, tok = read_mds_checkpoint(load, tag=tag, qkv_layout=qkv_layout, progress=progress)
-    check_target_layout(cfg, tp=tp, pp=pp)
-    write_trident_checkpoint(full, cfg, save, tp=tp, pp=pp, source=str(load), tokenizer=tok)
+    check_target_layout(cfg, layout)
+    write_trident_checkpoint(full, cfg, save, layout=layout, source=str(load), tokenizer=tok)
     progress("writing", 1, 1)
-    if not verify:
+    if verification is None:
         return None
     back, back_cfg, _ = read_checkpoint_weights(save)
     a, b = build_megatron_model(full, cfg), build_megatron_model(back, back_cfg)
-    prompts, n = fixed_prompts(cfg.vocab_size, cfg.max_position_embeddings or cfg.seq_length, steps)
+    max_pos = cfg.max_position_embeddings or cfg.seq_length
+    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
     with torch.no_grad():
         return compare_logits(
             megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size

@@ -33,6 +33,7 @@ from megatron.conversion.hf_mixtral import verification_config
 from megatron.conversion.output_dirs import check_new_save_dir
 from megatron.conversion.verify import (
     LogitComparison,
+    Verification,
     compare_logits,
     fixed_prompts,
     megatron_logits_fn,
@@ -46,6 +47,19 @@ from megatron.layout.experts import (
     moe_partition,
 )
 from megatron.layout.vocab import pad_vocab_for_tp
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetLayout:
+    """The parallel layout a converter writes a checkpoint for: ``tp * pp * ep`` ranks write it (data-parallel
+    size ``ep``)."""
+
+    tp: int = 1
+    """Tensor-parallel size (``--tp``)."""
+    pp: int = 1
+    """Pipeline-parallel size (``--pp``)."""
+    ep: int = 1
+    """Expert-parallel size of an MoE model's experts (``--ep``); 1 for a dense model."""
 
 
 def _rank_writer(
@@ -176,13 +190,14 @@ def interrupts_raise() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def check_target_layout(cfg: ModelConfig, *, tp: int, pp: int, ep: int = 1) -> None:
-    """The model of ``cfg`` can be split over ``tp`` x ``pp`` ranks and its experts over ``ep`` (the rules
-    ``GPTModel`` enforces).
+def check_target_layout(cfg: ModelConfig, layout: TargetLayout) -> None:
+    """The model of ``cfg`` can be split over ``layout.tp`` x ``layout.pp`` ranks and its experts over
+    ``layout.ep`` (the rules ``GPTModel`` enforces).
 
     Raises:
         ValueError: naming --tp / --pp / --ep, the model's sizes and the values that would work.
     """
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp ({tp}) and --pp ({pp}) must be >= 1.")
     check_expert_parallel(cfg, ep)
@@ -201,30 +216,28 @@ def write_trident_checkpoint(
     cfg: ModelConfig,
     out_dir: str | Path,
     *,
-    tp: int,
-    pp: int,
+    layout: TargetLayout,
     source: str,
     tokenizer: dict[str, str] | None = None,
     timeout: float = 900.0,
-    ep: int = 1,
 ) -> None:
     """Save ``full`` (Megatron names, any vocab padding; global expert ids) as a Trident checkpoint for
-    ``tp`` x ``pp`` ranks, the experts of MoE layers split over ``ep`` ranks (``tp * pp * ep`` ranks are spawned,
-    data-parallel size ``ep``; the experts are held whole on every TP rank).
+    ``layout.tp`` x ``layout.pp`` ranks, the experts of MoE layers split over ``layout.ep`` ranks
+    (``tp * pp * ep`` ranks are spawned, data-parallel size ``ep``; the experts are held whole on every TP rank).
 
     ``source`` and ``tokenizer`` (``megatron.tokenizer.info.tokenizer_info``) are recorded in ``trident_meta.json``.
 
     Raises:
         ValueError: (before any process is spawned) ``out_dir`` is not a new or empty directory
-            (:func:`check_new_save_dir`), or the model does not split over ``tp`` x ``pp``
+            (:func:`check_new_save_dir`), or the model does not split over ``layout``
             (:func:`check_target_layout`).
     """
     from safetensors.torch import save_file
 
     check_deepspeed_version()  # here, not in each spawned rank: one line instead of a rank's traceback
     check_new_save_dir(out_dir)
-    check_target_layout(cfg, tp=tp, pp=pp, ep=ep)
-    padded = pad_vocab_for_tp(full, cfg, tp)
+    check_target_layout(cfg, layout)
+    padded = pad_vocab_for_tp(full, cfg, layout.tp)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     # Beside --save (same file system, sized for the output; not a small system /tmp), removed on any exit:
@@ -237,14 +250,14 @@ def write_trident_checkpoint(
         save_file({k: v.contiguous() for k, v in padded.items()}, path)
         spawn_local_ranks(
             _rank_writer,
-            tp * pp * ep,
+            layout.tp * layout.pp * layout.ep,
             path,
             dataclasses.asdict(cfg),
-            tp,
-            pp,
+            layout.tp,
+            layout.pp,
             str(out_dir),
             {"converted_from": source, **({"tokenizer": tokenizer} if tokenizer else {})},
-            ep,
+            layout.ep,
             init_process_group=False,
             timeout=timeout,
         )
@@ -254,42 +267,40 @@ def reshard_checkpoint(
     src: str | Path,
     dst: str | Path,
     *,
-    tp: int,
-    pp: int,
-    ep: int = 1,
+    layout: TargetLayout,
     tag: str | None = None,
-    verify: bool = True,
-    steps: int = 32,
+    verification: Verification | None = Verification(),
     progress: Progress = no_progress,
 ) -> LogitComparison | None:
-    """Offline (TP, PP) -> (``tp``, ``pp``) for the weights of a Trident checkpoint (iteration 0, weights only);
-    an MoE model's experts (read from any EP layout) are written over ``ep`` expert-parallel ranks.
+    """Offline (TP, PP) -> (``layout.tp``, ``layout.pp``) for the weights of a Trident checkpoint (iteration 0,
+    weights only); an MoE model's experts (read from any EP layout) are written over ``layout.ep`` expert-parallel
+    ranks.
 
     For resuming WITH optimizer state at another layout use the universal checkpoint (``universal.py``).
 
     Returns:
-        Source vs written checkpoint logits (both run in a TP = 1 ``GPTModel``), None without ``verify``.
+        Source vs written checkpoint logits (both run in a TP = 1 ``GPTModel``), None without ``verification``.
 
     Raises:
         ValueError / FileNotFoundError: ``dst`` is ``src``, a file or holds checkpoints; the model does not split
-            over ``tp`` x ``pp``; the source is unreadable. All before any rank is spawned.
+            over ``layout``; the source is unreadable. All before any rank is spawned.
     """
     found, src_cfg, _ = read_checkpoint_config(src, tag)
-    check_target_layout(src_cfg, tp=tp, pp=pp, ep=ep)
+    check_target_layout(src_cfg, layout)
     check_new_save_dir(dst, load=src)
     full, cfg, meta = read_checkpoint_weights(src, found, progress)
     write_trident_checkpoint(
-        full, cfg, dst, tp=tp, pp=pp, ep=ep, source=str(src), tokenizer=meta.get("tokenizer")
+        full, cfg, dst, layout=layout, source=str(src), tokenizer=meta.get("tokenizer")
     )
     progress("writing", 1, 1)
-    if not verify:
+    if verification is None:
         return None
     back, back_cfg, _ = read_checkpoint_weights(dst)
     # the reference kernels (and for MoE HF Mixtral's routing: verification_config), the same for both sides
     a = build_megatron_model(full, verification_config(cfg))
     b = build_megatron_model(back, verification_config(back_cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
-    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
     with torch.no_grad():
         return compare_logits(
             megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +24,19 @@ class LogitComparison(NamedTuple):
     def passes(self, tolerance: float) -> bool:
         """Within ``tolerance`` and with identical greedy decodes (what the tools accept, else exit 3)."""
         return self.max_abs_dlogit <= tolerance and self.greedy_agreement == 1.0
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How a converter checks what it wrote: both models decode :func:`fixed_prompts` greedily and their logits
+    are compared (:func:`compare_logits`). A converter given ``verification=None`` (``--no-verify``) skips it."""
+
+    steps: int = 32
+    """Greedy tokens decoded per prompt (``--verify-steps``; fewer where the context is shorter)."""
+    tolerance: float | None = None
+    """Largest ``|delta logit|`` that passes (:meth:`LogitComparison.passes`); None accepts any result.
+    ``export_to_hf`` keeps an export that fails it out of ``--out``; the checkpoint writers return the comparison
+    and leave the verdict to their caller."""
 
 
 def _greedy(fn: LogitsFn, prompt: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:

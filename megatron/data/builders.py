@@ -14,6 +14,7 @@ Every rank calls this; all input checks run before any index is built, so all ra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ import numpy as np
 
 from megatron.config.data import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset, normalize_weights
-from megatron.data.gpt_dataset import GPTDataset, get_train_valid_test_split_
+from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec, get_train_valid_test_split_
 from megatron.data.helpers import num_blend_samples
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -101,13 +102,26 @@ def parse_data_path(
     return prefixes, normalized
 
 
-def _dataset_options(data_cfg: DataConfig, name: str) -> dict[str, Any]:
-    """GPTDataset keywords from the Megatron-DeepSpeed data flags; the index flags apply to the train split."""
-    options: dict[str, Any] = {"return_index": data_cfg.return_data_index}
-    if name == "train":
-        options["exact_num_epochs"] = data_cfg.train_data_exact_num_epochs
-        options["index_files"] = index_files(data_cfg)
-    return options
+def _gpt_dataset(
+    spec: GPTIndexSpec,
+    documents: np.ndarray,
+    indexed: MMapIndexedDataset,
+    data_cfg: DataConfig,
+    use_cpp: bool | None,
+) -> GPTDataset:
+    """One GPTDataset with the Megatron-DeepSpeed data flags; the index flags apply to the train split."""
+    train = spec.name == "train"
+    if train:
+        spec = dataclasses.replace(spec, exact_num_epochs=data_cfg.train_data_exact_num_epochs)
+    return GPTDataset(
+        spec,
+        documents,
+        indexed,
+        data_cache_path=data_cfg.data_cache_path,
+        use_cpp=use_cpp,
+        index_files=index_files(data_cfg) if train else None,
+        return_index=data_cfg.return_data_index,
+    )
 
 
 def index_files(data_cfg: DataConfig) -> dict[str, str]:
@@ -167,21 +181,8 @@ def _split_datasets(
             out.append(None)
             continue
         documents = np.arange(splits[i], splits[i + 1], dtype=np.int32)
-        out.append(
-            GPTDataset(
-                name,
-                prefix,
-                documents,
-                indexed,
-                data_cfg.split,
-                num_samples[i],
-                seq_length,
-                seed,
-                data_cfg.data_cache_path,
-                use_cpp=use_cpp,
-                **_dataset_options(data_cfg, name),
-            )
-        )
+        spec = GPTIndexSpec(name, prefix, data_cfg.split, num_samples[i], seq_length, seed)
+        out.append(_gpt_dataset(spec, documents, indexed, data_cfg, use_cpp))
     return out
 
 
@@ -206,18 +207,12 @@ def _whole_file_dataset(
         else [num_blend_samples(w, num_samples) for w in weights]
     )
     datasets = [
-        GPTDataset(
-            name,
-            p,
+        _gpt_dataset(
+            GPTIndexSpec(name, p, data_cfg.split, n, seq_length, seed),
             np.arange(len(ds.sizes), dtype=np.int32),
             ds,
-            data_cfg.split,
-            n,
-            seq_length,
-            seed,
-            data_cfg.data_cache_path,
-            use_cpp=use_cpp,
-            **_dataset_options(data_cfg, name),
+            data_cfg,
+            use_cpp,
         )
         for p, ds, n in zip(prefixes, indexed, counts)
     ]

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,32 @@ def build_shuffle_idx(
     last = np.arange(num_samples, total_size, dtype=dtype)
     np_rng.shuffle(last)
     return np.concatenate((first, last))
+
+
+@dataclass(frozen=True)
+class GPTIndexSpec:
+    """What one split's sample index is built for: the fields of Megatron's description string (whose md5 names
+    the cache files), plus the exact epoch count when one is forced."""
+
+    name: str
+    """Split name (``train``/``valid``/``test``)."""
+    data_prefix: str
+    """The ``--data-path`` prefix, as given."""
+    splits_string: str
+    """The ``--split`` string."""
+    num_samples: int
+    """Samples the run will draw; the index holds whole epochs, so it may hold more."""
+    seq_length: int
+    """Tokens per training sequence; samples have ``seq_length + 1`` tokens."""
+    seed: int
+    """``--seed``: the document and sample shuffles."""
+    exact_num_epochs: int | None = None
+    """``--train-data-exact-num-epochs`` (the train split only): the index holds exactly that many epochs."""
+
+    def __post_init__(self) -> None:
+        # counts computed with numpy arrive as numpy integers; the description and the arithmetic want ints
+        for field in ("num_samples", "seq_length", "seed"):
+            object.__setattr__(self, field, int(getattr(self, field)))
 
 
 def gpt_index_description(
@@ -221,19 +248,13 @@ def _index_checker(num_docs: int, num_epochs: int, num_seqs: int, total: int) ->
 
 
 def build_index_mappings(
-    name: str,
-    data_prefix: str,
+    spec: GPTIndexSpec,
     documents: np.ndarray,
     sizes: np.ndarray,
-    splits_string: str,
-    num_samples: int,
-    seq_length: int,
-    seed: int,
     *,
     data_cache_path: str | None = None,
     use_cpp: bool | None = None,
     data_identity: str | None = None,
-    exact_num_epochs: int | None = None,
     index_files: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], str, str | None]:
     """Cached ``doc_idx``/``sample_idx``/``shuffle_idx`` for one dataset split, its description and cache dir.
@@ -243,8 +264,8 @@ def build_index_mappings(
     None when none was writable (arrays then live in memory). ``data_identity`` names the dataset's contents
     (default: a hash of ``sizes``); a cached set built from other contents is rebuilt.
 
-    ``exact_num_epochs`` (``--train-data-exact-num-epochs``): the dataset holds exactly that many epochs of its
-    documents (part of the description, as in Megatron). ``index_files`` (``--train-*-idx-path``): arrays read
+    ``spec.exact_num_epochs`` (``--train-data-exact-num-epochs``): the dataset holds exactly that many epochs of
+    its documents (part of the description, as in Megatron). ``index_files`` (``--train-*-idx-path``): arrays read
     from the given ``.npy`` files (see :mod:`megatron.data.index_files`); the others come from the cache as
     usual; the returned cache directory is None when all three are given.
 
@@ -254,6 +275,8 @@ def build_index_mappings(
             index file that does not fit the dataset.
         FileNotFoundError: a forced index file that does not exist.
     """
+    name, data_prefix = spec.name, spec.data_prefix
+    seq_length, num_samples = spec.seq_length, spec.num_samples
     if seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
     if num_samples < 0:
@@ -267,9 +290,11 @@ def build_index_mappings(
             "a sample needs at least 2. Give this split more data (--split) or use a larger dataset."
         )
     num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
-    if exact_num_epochs is not None:
-        _check_exact_epochs(exact_num_epochs, num_epochs, tokens_per_epoch, seq_length, num_samples)
-        num_epochs = exact_num_epochs
+    if spec.exact_num_epochs is not None:
+        _check_exact_epochs(
+            spec.exact_num_epochs, num_epochs, tokens_per_epoch, seq_length, num_samples
+        )
+        num_epochs = spec.exact_num_epochs
     if num_epochs * len(documents) >= _MAX_DOC_IDX_ENTRIES:
         raise ValueError(
             f"dataset {name!r} of {data_prefix}: {num_samples} samples of {seq_length} tokens need {num_epochs} "
@@ -277,7 +302,7 @@ def build_index_mappings(
             "samples (--train-iters/--train-samples, --eval-iters, --split)."
         )
     desc = gpt_index_description(
-        name, data_prefix, num_samples, num_epochs, seq_length, seed, splits_string
+        name, data_prefix, num_samples, num_epochs, seq_length, spec.seed, spec.splits_string
     )
     total = (num_epochs * tokens_per_epoch - 1) // seq_length
     directories = [os.path.join(os.path.dirname(data_prefix), "index-cache")]
@@ -291,7 +316,13 @@ def build_index_mappings(
     def build() -> dict[str, np.ndarray]:
         start = time.time()
         arrays = compute_gpt_indices(
-            documents, sizes, num_samples, seq_length, seed, use_cpp=use_cpp, num_epochs=num_epochs
+            documents,
+            sizes,
+            num_samples,
+            seq_length,
+            spec.seed,
+            use_cpp=use_cpp,
+            num_epochs=num_epochs,
         )
         log_rank_0(
             logger,
@@ -349,16 +380,13 @@ class GPTDataset(torch.utils.data.Dataset):
     """Megatron's GPT dataset over one split (``documents``) of an ``MMapIndexedDataset``.
 
     Args:
-        name: split name (``train``/``valid``/``test``); part of the cache description.
-        data_prefix: the ``--data-path`` prefix (as given; part of the cache description).
+        spec: the split's name, prefix, ``--split`` string, sample count, sequence length and seed (the cache
+            description); the dataset holds whole epochs, so ``len(self) >= spec.num_samples``, and items have
+            ``spec.seq_length + 1`` tokens.
         documents: int32 sequence ids of this split (contiguous range in Megatron's splits).
         indexed_dataset: object with int32 ``.sizes`` and ``.get(i, offset=0, length=None)``.
-        splits_string: the ``--split`` string (part of the cache description).
-        num_samples: samples the run will draw; the dataset holds whole epochs, so ``len(self) >= num_samples``.
-        seq_length: tokens per training sequence; items have ``seq_length + 1`` tokens.
-        seed: ``--seed``.
         data_cache_path: ``--data-cache-path`` (default ``index-cache/`` beside the data).
-        exact_num_epochs: ``--train-data-exact-num-epochs`` (the caller passes it for the train split only).
+        use_cpp: force (True) or forbid (False) the C++ index helpers; None picks them when built.
         index_files: ``{"doc_idx": path, ...}`` from ``--train-*-idx-path`` (train split only).
         return_index: ``--return-data-index``: items also hold ``"index"``, int64 ``[1]``, the position asked
             for (before shuffling), as Megatron-DeepSpeed's items do; GPT training does not read it.
@@ -369,18 +397,12 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        name: str,
-        data_prefix: str,
+        spec: GPTIndexSpec,
         documents: np.ndarray,
         indexed_dataset: Any,
-        splits_string: str,
-        num_samples: int,
-        seq_length: int,
-        seed: int,
-        data_cache_path: str | None = None,
         *,
+        data_cache_path: str | None = None,
         use_cpp: bool | None = None,
-        exact_num_epochs: int | None = None,
         index_files: Mapping[str, str] | None = None,
         return_index: bool = False,
     ) -> None:
@@ -388,28 +410,22 @@ class GPTDataset(torch.utils.data.Dataset):
         num_seqs = len(indexed_dataset.sizes)
         if len(documents) == 0 or documents.min() < 0 or documents.max() >= num_seqs:
             raise ValueError(
-                f"dataset {name!r} of {data_prefix}: documents must be a non-empty set of ids in "
+                f"dataset {spec.name!r} of {spec.data_prefix}: documents must be a non-empty set of ids in "
                 f"[0, {num_seqs}); got {len(documents)} ids"
                 + (f" in [{documents.min()}, {documents.max()}]" if len(documents) else "")
                 + "."
             )
-        self.name = name
-        self.data_prefix = data_prefix
+        self.name = spec.name
+        self.data_prefix = spec.data_prefix
         self.indexed_dataset = indexed_dataset
-        self.seq_length = int(seq_length)
+        self.seq_length = spec.seq_length
         arrays, self.desc, self.cache_dir = build_index_mappings(
-            name,
-            data_prefix,
+            spec,
             documents,
             indexed_dataset.sizes,
-            splits_string,
-            int(num_samples),
-            self.seq_length,
-            int(seed),
             data_cache_path=data_cache_path,
             use_cpp=use_cpp,
             data_identity=getattr(indexed_dataset, "content_id", None),
-            exact_num_epochs=exact_num_epochs,
             index_files=index_files,
         )
         self.return_index = bool(return_index)

@@ -464,6 +464,63 @@ def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> 
     return f"{output_prefix}_{key}_{level}"
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How :func:`preprocess` runs: its speed and progress output only, never the bytes it writes."""
+
+    workers: int = 1
+    """Tokenizer processes (``--workers``)."""
+    log_interval: int = 1000
+    """A progress line every this many documents (``--log-interval``)."""
+    chunk_lines: int | None = None
+    """Lines sent to a worker at a time; default ``min(128, max(16, log_interval))``."""
+
+
+def _check_settings(output_prefix: str, json_keys: Sequence[str], workers: int) -> None:
+    check_output_prefix(output_prefix)
+    if workers < 1:
+        raise PreprocessError(f"--workers ({workers}) must be at least 1.")
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise PreprocessError(
+            f"--json-keys {' '.join(json_keys)} must be non-empty and without repeats."
+        )
+
+
+def _add_results(
+    results: Iterator[ChunkResult],
+    builders: dict[str, MMapIndexedDatasetBuilder],
+    summary: Summary,
+    *,
+    skip_bad_lines: bool,
+    progress: _Progress,
+) -> None:
+    """Append every encoded chunk to the builders, in input order, counting into ``summary``.
+
+    Raises:
+        PreprocessError: a bad line, naming its file and line (unless ``skip_bad_lines``).
+    """
+    path, first_line = "", 1  # 1-based number of the chunk's first line in its file
+    for result in results:
+        if result.path != path:
+            path, first_line = result.path, 1
+        if result.bad and not skip_bad_lines:
+            index, reason = result.bad[0]
+            raise PreprocessError(
+                f"{result.path}:{first_line + index}: {reason}. Fix the line, or pass --skip-bad-lines to "
+                "skip bad lines."
+            )
+        for index, reason in result.bad:
+            logger.debug("skipping %s:%d: %s", result.path, first_line + index, reason)
+        first_line += result.num_lines
+        summary.bad_lines += len(result.bad)
+        summary.docs += result.docs
+        summary.num_bytes += result.num_bytes
+        for key, kr in result.keys.items():
+            builders[key].add_documents(kr.tokens, kr.sizes, kr.seqs_per_doc)
+            summary.tokens[key] += len(kr.tokens)
+        progress.update(summary)
+
+
 def preprocess(
     inputs: Sequence[str],
     *,
@@ -471,32 +528,24 @@ def preprocess(
     output_prefix: str,
     tokenizer_kwargs: dict[str, Any],
     append_eod: bool = False,
-    workers: int = 1,
-    log_interval: int = 1000,
     skip_bad_lines: bool = False,
-    chunk_lines: int | None = None,
+    execution: Execution = Execution(),
 ) -> Summary:
     """Tokenize JSONL ``inputs`` into one mmap dataset per key (``{output_prefix}_{key}_document.bin/.idx``).
 
-    ``chunk_lines`` (default ``min(128, max(16, log_interval))``) is the number of lines sent to a worker at a
-    time; it changes speed and progress granularity, never the output. Outputs appear only when the run succeeds (temporary names, then rename); on any error or interrupt the
-    temporary files are removed.
+    ``execution`` (workers, progress interval, lines per chunk) changes speed and progress granularity, never the
+    output. Outputs appear only when the run succeeds (temporary names, then rename); on any error or interrupt
+    the temporary files are removed.
 
     Raises:
         PreprocessError: a bad line (without ``skip_bad_lines``), no documents, a key without tokens, or unusable
             settings (e.g. an ``output_prefix`` ending with a path separator).
         FileNotFoundError: an input, tokenizer file or the output directory is missing.
     """
-    check_output_prefix(output_prefix)
-    if workers < 1:
-        raise PreprocessError(f"--workers ({workers}) must be at least 1.")
+    _check_settings(output_prefix, json_keys, execution.workers)
     os.environ.setdefault(
         "TOKENIZERS_PARALLELISM", "false"
     )  # one thread per process: --workers is the parallelism
-    if not json_keys or len(set(json_keys)) != len(json_keys):
-        raise PreprocessError(
-            f"--json-keys {' '.join(json_keys)} must be non-empty and without repeats."
-        )
     encoder = Encoder(
         tokenizer_kwargs, json_keys, append_eod
     )  # checks the tokenizer (and eod) up front
@@ -513,34 +562,20 @@ def preprocess(
         encoder=getattr(encoder.tokenizer, "encoder", encoder.tokenizer.name),
     )
     start = time.monotonic()
-    progress = _Progress(log_interval)
+    progress = _Progress(execution.log_interval)
     try:
         for key, prefix in prefixes.items():
             builders[key] = make_builder(
                 data_file_path(prefix), vocab_size=encoder.tokenizer.vocab_size
             )
-        lines = chunk_lines or min(CHUNK_LINES, max(16, log_interval))
-        chunks = plan_chunks(inputs, max_lines=lines)
-        path, first_line = "", 1  # 1-based number of the chunk's first line in its file
-        for result in _results(chunks, encoder, workers):
-            if result.path != path:
-                path, first_line = result.path, 1
-            if result.bad and not skip_bad_lines:
-                index, reason = result.bad[0]
-                raise PreprocessError(
-                    f"{result.path}:{first_line + index}: {reason}. Fix the line, or pass --skip-bad-lines to "
-                    "skip bad lines."
-                )
-            for index, reason in result.bad:
-                logger.debug("skipping %s:%d: %s", result.path, first_line + index, reason)
-            first_line += result.num_lines
-            summary.bad_lines += len(result.bad)
-            summary.docs += result.docs
-            summary.num_bytes += result.num_bytes
-            for key, kr in result.keys.items():
-                builders[key].add_documents(kr.tokens, kr.sizes, kr.seqs_per_doc)
-                summary.tokens[key] += len(kr.tokens)
-            progress.update(summary)
+        lines = execution.chunk_lines or min(CHUNK_LINES, max(16, execution.log_interval))
+        _add_results(
+            _results(plan_chunks(inputs, max_lines=lines), encoder, execution.workers),
+            builders,
+            summary,
+            skip_bad_lines=skip_bad_lines,
+            progress=progress,
+        )
         _check_not_empty(summary, inputs, skip_bad_lines)
         for key, prefix in prefixes.items():
             builders[key].finalize(index_file_path(prefix))

@@ -27,6 +27,7 @@ interrupted run would have drawn next. There is no other loader state.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,17 @@ def epoch_generator_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch]).generate_state(1)[0])
 
 
+@dataclass(frozen=True)
+class EpochOrder:
+    """How :class:`MegatronPretrainingRandomSampler` cuts and shuffles its epochs (Trident's additions to
+    Megatron's signature; the defaults are Megatron's behaviour)."""
+
+    global_batch_size: int | None = None
+    """``G``: the epoch length is a multiple of it (default ``micro_batch_size * dp``)."""
+    seed: int = 0
+    """Data seed mixed into each epoch's permutation seed (:func:`epoch_generator_seed`)."""
+
+
 class MegatronPretrainingRandomSampler:
     """Megatron's ``cyclic`` batch sampler: a fresh epoch-seeded permutation each pass over the data.
 
@@ -152,8 +164,7 @@ class MegatronPretrainingRandomSampler:
         data_parallel_size: DP world size.
         data_sharding: Megatron's per-rank contiguous buckets (not DP-invariant); default: the DP-invariant layout
             of the module docstring.
-        global_batch_size: ``G``; the epoch length is a multiple of it (default ``micro_batch_size * dp``).
-        seed: data seed mixed into the epoch seed.
+        order: the epoch length's multiple (``G``) and the data seed mixed into each epoch's seed.
     """
 
     def __init__(
@@ -166,8 +177,7 @@ class MegatronPretrainingRandomSampler:
         data_parallel_size: int,
         data_sharding: bool = False,
         *,
-        global_batch_size: int | None = None,
-        seed: int = 0,
+        order: EpochOrder = EpochOrder(),
     ) -> None:
         _check_layout(
             total_samples,
@@ -184,8 +194,8 @@ class MegatronPretrainingRandomSampler:
         self.data_parallel_size = data_parallel_size
         self.data_sharding = data_sharding
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
-        self.seed = seed
-        block = global_batch_size or self.micro_batch_times_data_parallel_size
+        self.seed = order.seed
+        block = order.global_batch_size or self.micro_batch_times_data_parallel_size
         if block % self.micro_batch_times_data_parallel_size:
             raise ValueError(
                 f"--global-batch-size ({block}) must be a multiple of micro-batch size x data-parallel size "
@@ -253,14 +263,25 @@ class EndlessBatchSampler:
             yield from self.sampler
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """How each global batch is cut into this data-parallel rank's micro-batches (see the module docstring)."""
+
+    micro_batch_size: int
+    """``--micro-batch-size`` ``b``: samples per rank per micro-step."""
+    global_batch_size: int
+    """``--global-batch-size`` ``G``: samples per step over all data-parallel ranks."""
+    data_parallel_rank: int
+    """This rank's index ``r`` in its data-parallel group."""
+    data_parallel_size: int
+    """``dp``: ranks in the data-parallel group."""
+
+
 def build_pretraining_data_loader(
     dataset: Any,
     consumed_samples: int,
     *,
-    micro_batch_size: int,
-    global_batch_size: int,
-    data_parallel_rank: int,
-    data_parallel_size: int,
+    layout: BatchLayout,
     dataloader_type: str = "single",
     num_workers: int = 0,
     seed: int = 0,
@@ -269,17 +290,14 @@ def build_pretraining_data_loader(
     """A DataLoader yielding this DP rank's micro-batches from ``consumed_samples`` on (None for no dataset).
 
     Each batch is the default collation of the items: ``{"text": int64[micro_batch_size, seq_length + 1], ...}``.
-    The trainer draws ``global_batch_size // (micro_batch_size * data_parallel_size)`` batches per step. A
-    ``single`` loader ends after the dataset's last full micro-step; a ``cyclic`` loader never ends (each epoch
-    is a fresh permutation, see :class:`EndlessBatchSampler`).
+    The trainer draws ``G // (b * dp)`` batches per step (the sizes of ``layout``). A ``single`` loader ends after
+    the dataset's last full micro-step; a ``cyclic`` loader never ends (each epoch is a fresh permutation, see
+    :class:`EndlessBatchSampler`).
 
     Args:
         dataset: map-style dataset or None.
         consumed_samples: ``consumed_train_samples`` from the checkpoint (0 when starting).
-        micro_batch_size: ``--micro-batch-size``.
-        global_batch_size: ``--global-batch-size``.
-        data_parallel_rank: this rank's DP index.
-        data_parallel_size: DP world size.
+        layout: micro- and global batch size, this rank's DP index and the DP size.
         dataloader_type: ``--dataloader-type``: ``single`` or ``cyclic``.
         num_workers: ``--num-workers``.
         seed: data seed for ``cyclic``.
@@ -292,16 +310,17 @@ def build_pretraining_data_loader(
     """
     if dataset is None:
         return None
-    if global_batch_size % (micro_batch_size * data_parallel_size):
+    mbs, dp = layout.micro_batch_size, layout.data_parallel_size
+    if layout.global_batch_size % (mbs * dp):
         raise ValueError(
-            f"--global-batch-size ({global_batch_size}) must be a multiple of --micro-batch-size "
-            f"({micro_batch_size}) x data-parallel size ({data_parallel_size})."
+            f"--global-batch-size ({layout.global_batch_size}) must be a multiple of --micro-batch-size "
+            f"({mbs}) x data-parallel size ({dp})."
         )
     if num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {num_workers}.")
     if dataloader_type == "single":
         batch_sampler: Any = MegatronPretrainingSampler(
-            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+            len(dataset), consumed_samples, mbs, layout.data_parallel_rank, dp
         )
     elif dataloader_type == "cyclic":
         batch_sampler = EndlessBatchSampler(
@@ -309,12 +328,11 @@ def build_pretraining_data_loader(
                 dataset,
                 len(dataset),
                 consumed_samples,
-                micro_batch_size,
-                data_parallel_rank,
-                data_parallel_size,
+                mbs,
+                layout.data_parallel_rank,
+                dp,
                 data_sharding,
-                global_batch_size=global_batch_size,
-                seed=seed,
+                order=EpochOrder(global_batch_size=layout.global_batch_size, seed=seed),
             )
         )
     else:

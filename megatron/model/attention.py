@@ -36,11 +36,12 @@ from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
 from megatron.model.rotary import apply_rotary_pos_emb
 from megatron.model.ulysses import UlyssesAttention
-from megatron.model.utils import init_seed, tp_linear_kwargs
+from megatron.model.utils import init_seed
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    WeightInit,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -164,20 +165,22 @@ class ParallelAttention(nn.Module):
             (n + 2 * g) * hn,
             bias=config.add_bias_linear,
             gather_output=False,
-            init_method=init_method_normal(config.init_method_std),
-            init_seed=seed_of("query_key_value.weight"),
-            async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
-            **tp_linear_kwargs(parallel),
+            init=WeightInit(
+                init_method_normal(config.init_method_std), seed_of("query_key_value.weight")
+            ),
+            tp=parallel.tp_settings,
         )
         self.dense = RowParallelLinear(
             n * hn,
             config.hidden_size,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init=WeightInit(
+                scaled_init_method_normal(config.init_method_std, config.num_layers),
+                seed_of("dense.weight"),
+            ),
             skip_bias_add=True,
-            init_seed=seed_of("dense.weight"),
-            **tp_linear_kwargs(parallel),
+            tp=parallel.tp_settings,
         )
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from megatron.mpu.layers import (
     ColumnParallelLinear,
     InitMethod,
     VocabParallelEmbedding,
+    WeightInit,
     init_method_normal,
     linear_with_async_allreduce,
 )
@@ -79,12 +80,12 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab,
             config.hidden_size,
-            init_method=init_method_normal(config.init_method_std),
-            params_dtype=parallel.params_dtype,
-            device=parallel.device,
-            init_seed=init_seed(config, parallel, WORD_EMBEDDINGS),
+            init=WeightInit(
+                init_method_normal(config.init_method_std),
+                init_seed(config, parallel, WORD_EMBEDDINGS),
+            ),
             true_vocab_size=config.vocab_size,
-            group=parallel.tp_group,
+            tp=parallel.tp_settings,
         )
         self.position_embeddings: nn.Embedding | None = None
         if with_position_embeddings and has_learned_positions(config):
@@ -149,13 +150,13 @@ def build_output_layer(
         padded_vocab,
         bias=False,
         gather_output=False,
-        init_method=_true_rows_init(
-            config.init_method_std, config.vocab_size, padded_vocab, parallel.tp_rank
+        init=WeightInit(
+            _true_rows_init(
+                config.init_method_std, config.vocab_size, padded_vocab, parallel.tp_rank
+            ),
+            init_seed(config, parallel, OUTPUT_LAYER),
         ),
-        params_dtype=parallel.params_dtype,
-        device=parallel.device,
-        init_seed=init_seed(config, parallel, OUTPUT_LAYER),
-        group=parallel.tp_group,
+        tp=parallel.tp_settings,
     )
 
 

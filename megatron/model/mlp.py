@@ -22,11 +22,12 @@ from torch import nn
 from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
-from megatron.model.utils import init_seed, tp_linear_kwargs
+from megatron.model.utils import init_seed
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    WeightInit,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -67,22 +68,24 @@ class ParallelMLP(nn.Module):
             2 * ffn if self.swiglu else ffn,
             bias=config.add_bias_linear,
             gather_output=False,
-            init_method=init_method_normal(config.init_method_std),
+            init=WeightInit(
+                init_method_normal(config.init_method_std), seed_of("dense_h_to_4h.weight")
+            ),
             stride=2 if self.swiglu else 1,
             skip_bias_add=True,
-            init_seed=seed_of("dense_h_to_4h.weight"),
-            async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
-            **tp_linear_kwargs(parallel),
+            tp=parallel.tp_settings,
         )
         self.dense_4h_to_h = RowParallelLinear(
             ffn,
             config.hidden_size,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init=WeightInit(
+                scaled_init_method_normal(config.init_method_std, config.num_layers),
+                seed_of("dense_4h_to_h.weight"),
+            ),
             skip_bias_add=True,
-            init_seed=seed_of("dense_4h_to_h.weight"),
-            **tp_linear_kwargs(parallel),
+            tp=parallel.tp_settings,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -112,19 +112,8 @@ class RMSNorm(nn.Module):
         return fused_kernels.rms_norm(x, _gamma(self), self.eps, fused=self.fused)
 
 
-def build_norm(
-    normalization: str,
-    hidden_size: int,
-    *,
-    eps: float,
-    apply_layernorm_1p: bool = False,
-    sequence_parallel: bool,
-    group: ProcessGroup | None,
-    params_dtype: torch.dtype,
-    device: torch.device | str | None,
-    fused: bool = True,
-) -> LayerNorm | RMSNorm:
-    """The norm selected by ``--normalization`` (``layernorm`` or ``rmsnorm``).
+def norm_class(normalization: str) -> type[LayerNorm] | type[RMSNorm]:
+    """The norm selected by ``--normalization`` (``layernorm`` or ``rmsnorm``); both take the same arguments.
 
     Raises:
         ValueError: for any other value.
@@ -132,13 +121,4 @@ def build_norm(
     kinds: dict[str, type[LayerNorm] | type[RMSNorm]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
     if normalization not in kinds:
         raise ValueError(f"--normalization ({normalization!r}) must be 'layernorm' or 'rmsnorm'.")
-    return kinds[normalization](
-        hidden_size,
-        eps=eps,
-        apply_layernorm_1p=apply_layernorm_1p,
-        sequence_parallel=sequence_parallel,
-        group=group,
-        params_dtype=params_dtype,
-        device=device,
-        fused=fused,
-    )
+    return kinds[normalization]

@@ -28,7 +28,7 @@ from megatron.model.attention import ParallelAttention
 from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
 from megatron.model.moe import MoEMLP
-from megatron.model.norms import build_norm
+from megatron.model.norms import norm_class
 from megatron.model.switch_mlp import SwitchMLP
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.parallel_state import ProcessGroup
@@ -74,7 +74,7 @@ def norm_kwargs(config: ModelConfig, parallel: ParallelContext) -> dict[str, Any
 
 def config_norm(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
     """The model's norm (``--normalization``, ``--layernorm-epsilon``) over ``[*, h]``."""
-    return build_norm(config.normalization, config.hidden_size, **norm_kwargs(config, parallel))
+    return norm_class(config.normalization)(config.hidden_size, **norm_kwargs(config, parallel))
 
 
 def checkpoint_chunk(

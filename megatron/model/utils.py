@@ -11,8 +11,6 @@ Names and seeds (the layout-invariance contract): every parameter's FULL value i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron.config import ModelConfig
@@ -27,16 +25,6 @@ def init_seed(config: ModelConfig, parallel: ParallelContext, name: str) -> int 
     """The seed the parameter ``name`` (global Megatron name) is drawn from: ``param_seed(seed, name)`` with
     layout-invariant init, None with --per-shard-init (each TP shard drawn from the model-parallel RNG stream)."""
     return param_seed(parallel.seed, name) if config.layout_invariant_init else None
-
-
-def tp_linear_kwargs(parallel: ParallelContext) -> dict[str, Any]:
-    """The keyword arguments every column/row-parallel linear of a block takes from its ``ParallelContext``."""
-    return {
-        "sequence_parallel": parallel.sequence_parallel,
-        "params_dtype": parallel.params_dtype,
-        "device": parallel.device,
-        "group": parallel.tp_group,
-    }
 
 
 def loss_func(

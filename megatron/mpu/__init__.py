@@ -6,7 +6,7 @@ settings a model is given), ``mappings`` (every collective), ``layers``
 object; activation checkpointing), ``data`` (broadcast over TP), ``utils``. The package itself can be passed to DeepSpeed as ``mpu=``.
 """
 
-from megatron.mpu.context import ParallelContext
+from megatron.mpu.context import ParallelContext, TPSettings
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.data import broadcast_data
 from megatron.mpu.layers import (
@@ -14,6 +14,7 @@ from megatron.mpu.layers import (
     InitMethod,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightInit,
     copy_tensor_model_parallel_attributes,
     gather_full_parameter,
     init_method_normal,
@@ -113,8 +114,10 @@ __all__ = [
     "RNGStatesTracker",
     "RankGrid",
     "RowParallelLinear",
+    "TPSettings",
     "VocabParallelEmbedding",
     "VocabUtility",
+    "WeightInit",
     "all_gather_first_dim",
     "all_gather_object",
     "all_reduce_max_",

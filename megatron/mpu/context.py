@@ -34,6 +34,23 @@ from megatron.mpu.parallel_state import (
 
 
 @dataclass(frozen=True)
+class TPSettings:
+    """What every tensor-parallel layer of a model shares (``mpu/layers.py``): its group, sequence parallelism,
+    where its parameters live and the backward overlap. A model takes it from :attr:`ParallelContext.tp_settings`."""
+
+    group: ProcessGroup | None = None
+    """The TP group the layer is split over (None: the default one of ``parallel_state``)."""
+    sequence_parallel: bool = False
+    """Activations are ``[s/p, b, h]`` outside the TP region (all-gathered in, reduce-scattered out)."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the parameters (initial values are drawn in fp32, then cast)."""
+    device: torch.device | str | None = None
+    """Where the parameters live (None: CPU)."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """Column-parallel linears overlap the input-grad all-reduce with the weight-grad matmul."""
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """The tensor-parallel group of a model and the build settings every layer of it shares.
 
@@ -86,6 +103,17 @@ class ParallelContext:
     def tp_rank(self) -> int:
         """This process's index in the TP group."""
         return group_rank(self.tp_group)
+
+    @property
+    def tp_settings(self) -> TPSettings:
+        """The settings every TP layer of the model takes (``ColumnParallelLinear(..., tp=ctx.tp_settings)``)."""
+        return TPSettings(
+            group=self.tp_group,
+            sequence_parallel=self.sequence_parallel,
+            params_dtype=self.params_dtype,
+            device=self.device,
+            async_tensor_model_parallel_allreduce=self.async_tensor_model_parallel_allreduce,
+        )
 
     @classmethod
     def from_state(

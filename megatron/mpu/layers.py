@@ -6,15 +6,16 @@ Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden (input features), ``o`` 
 Parameters carry ``tensor_model_parallel`` (bool), ``partition_dim`` and ``partition_stride``; a parameter
 without ``tensor_model_parallel`` is replicated on the TP ranks.
 
-Initialization. With ``init_seed`` (an int; the model passes ``param_seed(seed, global_name)``) a layer builds
-the FULL fp32 master weight on CPU, fills it with ``init_method(master, Generator().manual_seed(init_seed))`` and
-keeps its shard, so the TP=k shard is exactly the matching slice of the TP=1 weight: the value depends on
-``init_seed`` and the full shape only. ``stride`` s cuts the partition dim into ``s * p`` chunks and rank r keeps
-chunks ``r, r + p, ..., r + (s - 1) p`` (fused QKV / GLU layouts)::
+Initialization (:class:`WeightInit`). With ``init.seed`` (an int; the model passes
+``param_seed(seed, global_name)``) a layer builds the FULL fp32 master weight on CPU, fills it with
+``init.method(master, Generator().manual_seed(init.seed))`` and keeps its shard, so the TP=k shard is exactly
+the matching slice of the TP=1 weight: the value depends on ``init.seed`` and the full shape only. ``stride`` s
+cuts the partition dim into ``s * p`` chunks and rank r keeps chunks ``r, r + p, ..., r + (s - 1) p`` (fused
+QKV / GLU layouts)::
 
     stride 2, p 2, o = 8:  master rows [c0 c1 c2 c3]  ->  rank 0 [c0 c2], rank 1 [c1 c3]
 
-With ``init_seed=None`` each rank fills its shard directly under ``get_cuda_rng_tracker().fork()`` (faster,
+With ``init.seed=None`` each rank fills its shard directly under ``get_cuda_rng_tracker().fork()`` (faster,
 no full-size buffer, but the values depend on the TP layout). Biases start at zero; embedding rows
 ``>= true_vocab_size`` (vocabulary padding) are zero in both modes.
 
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron.mpu.context import TPSettings
 from megatron.mpu.mappings import (
     all_gather_first_dim,
     all_reduce_sum_async_,
@@ -55,6 +58,18 @@ from megatron.mpu.utils import VocabUtility
 
 InitMethod = Callable[[torch.Tensor, "torch.Generator | None"], None]
 """``init_method(tensor, generator)`` fills ``tensor`` in place (``generator=None``: the default generator)."""
+
+
+@dataclass(frozen=True)
+class WeightInit:
+    """How a TP layer fills its weight (see the module docstring)."""
+
+    method: InitMethod | None = None
+    """``init_method(tensor, generator)`` (Megatron's ``init_method``); None: N(0, 0.02)."""
+    seed: int | None = None
+    """Seed of the full fp32 master weight, so the value does not depend on the TP layout; None: each rank fills
+    its shard under ``get_cuda_rng_tracker().fork()``."""
+
 
 _TP_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -149,13 +164,13 @@ def _init_weight(
     full_shape: tuple[int, int],
     partition_dim: int,
     stride: int,
-    init_method: InitMethod,
-    init_seed: int | None,
+    init: WeightInit,
     rank: int,
     world: int,
     true_rows: int | None = None,
 ) -> None:
     """Fill ``weight`` (this rank's shard); ``true_rows``: only master rows below it are drawn, the rest zero."""
+    init_method, init_seed = init.method or init_method_normal(0.02), init.seed
     with torch.no_grad():
         in_place = world == 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
         if init_seed is not None and in_place:
@@ -253,7 +268,10 @@ class ColumnParallelLinear(torch.nn.Module):
     Input ``[s, b, h]`` replicated on the TP ranks (``[s/p, b, h]`` under sequence parallelism: all-gathered
     in forward, grads reduce-scattered). Output ``[s, b, o/p]`` (this rank's columns), or ``[s, b, o]`` with
     ``gather_output`` (in master order, also for ``stride > 1``). Backward all-reduces the input grad over TP,
-    overlapped with the weight-grad matmul when ``async_tensor_model_parallel_allreduce`` (the default).
+    overlapped with the weight-grad matmul when ``tp.async_tensor_model_parallel_allreduce`` (the default).
+
+    ``init`` fills the weight (:class:`WeightInit`); ``tp`` gives the group, sequence parallelism, the parameters'
+    dtype and device and the async all-reduce choice (:class:`~megatron.mpu.context.TPSettings`).
 
     Attributes:
         weight: ``[o/p, h]``; bias ``[o/p]`` (zero), both partitioned on dim 0 with ``stride``.
@@ -266,19 +284,15 @@ class ColumnParallelLinear(torch.nn.Module):
         *,
         bias: bool = True,
         gather_output: bool = False,
-        init_method: InitMethod | None = None,
+        init: WeightInit = WeightInit(),
         stride: int = 1,
         skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        init_seed: int | None = None,
-        group: ProcessGroup | None = None,
-        async_tensor_model_parallel_allreduce: bool = True,
+        tp: TPSettings = TPSettings(),
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group)
-        self.async_tensor_model_parallel_allreduce = async_tensor_model_parallel_allreduce
+        self.group = resolve_group(tp.group)
+        self.async_tensor_model_parallel_allreduce = tp.async_tensor_model_parallel_allreduce
+        sequence_parallel, params_dtype, device = tp.sequence_parallel, tp.params_dtype, tp.device
         world, rank = group_world_size(self.group), group_rank(self.group)
         _check_partition("ColumnParallelLinear", "output_size", output_size, world, stride)
         if input_size < 1:
@@ -302,8 +316,7 @@ class ColumnParallelLinear(torch.nn.Module):
             full_shape=(output_size, input_size),
             partition_dim=0,
             stride=stride,
-            init_method=init_method or init_method_normal(0.02),
-            init_seed=init_seed,
+            init=init,
             rank=rank,
             world=world,
         )
@@ -344,6 +357,9 @@ class RowParallelLinear(torch.nn.Module):
     (output ``[s/p, b, o]``); the full bias ``[o]`` is added AFTER that reduction. Under sequence parallelism the
     bias goes through :func:`copy_to_tensor_model_parallel_region`, so its grad is summed over the TP ranks.
 
+    ``init`` and ``tp`` as in :class:`ColumnParallelLinear` (``tp.async_tensor_model_parallel_allreduce`` does not
+    apply: the output all-reduce is needed at once).
+
     Attributes:
         weight: ``[o, h/p]`` partitioned on dim 1 with ``stride``; bias ``[o]`` (zero), replicated.
     """
@@ -355,17 +371,14 @@ class RowParallelLinear(torch.nn.Module):
         *,
         bias: bool = True,
         input_is_parallel: bool = False,
-        init_method: InitMethod | None = None,
+        init: WeightInit = WeightInit(),
         stride: int = 1,
         skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        init_seed: int | None = None,
-        group: ProcessGroup | None = None,
+        tp: TPSettings = TPSettings(),
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group)
+        self.group = resolve_group(tp.group)
+        sequence_parallel, params_dtype, device = tp.sequence_parallel, tp.params_dtype, tp.device
         world, rank = group_world_size(self.group), group_rank(self.group)
         _check_partition("RowParallelLinear", "input_size", input_size, world, stride)
         if output_size < 1:
@@ -389,8 +402,7 @@ class RowParallelLinear(torch.nn.Module):
             full_shape=(output_size, input_size),
             partition_dim=1,
             stride=stride,
-            init_method=init_method or init_method_normal(0.02),
-            init_seed=init_seed,
+            init=init,
             rank=rank,
             world=world,
         )
@@ -434,6 +446,9 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     Ids outside ``[0, true_vocab_size)`` raise ValueError instead of silently embedding zeros (one device sync
     per call). Rows ``>= true_vocab_size`` (padding to a multiple of 128 * p) are initialized to zero.
+
+    ``init`` fills the table (:class:`WeightInit`); of ``tp`` the group, the parameters' dtype and device apply
+    (sequence parallelism is the caller's: it scatters the embeddings, as Megatron's language model does).
     """
 
     def __init__(
@@ -441,15 +456,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        init_method: InitMethod | None = None,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        init_seed: int | None = None,
+        init: WeightInit = WeightInit(),
         true_vocab_size: int | None = None,
-        group: ProcessGroup | None = None,
+        tp: TPSettings = TPSettings(),
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group)
+        self.group = resolve_group(tp.group)
         world, rank = group_world_size(self.group), group_rank(self.group)
         _check_partition(
             "VocabParallelEmbedding", "num_embeddings (padded vocab size)", num_embeddings, world
@@ -472,7 +484,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = torch.nn.Parameter(
             torch.empty(
-                self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device
+                self.num_embeddings_per_partition,
+                embedding_dim,
+                dtype=tp.params_dtype,
+                device=tp.device,
             )
         )
         _init_weight(
@@ -480,8 +495,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             full_shape=(num_embeddings, embedding_dim),
             partition_dim=0,
             stride=1,
-            init_method=init_method or init_method_normal(0.02),
-            init_seed=init_seed,
+            init=init,
             rank=rank,
             world=world,
             true_rows=self.true_vocab_size,

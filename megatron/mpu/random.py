@@ -135,7 +135,7 @@ class RNGStatesTracker:
         if name not in self.states:
             raise RuntimeError(
                 f"RNG stream {name!r} does not exist; call megatron.mpu.model_parallel_cuda_manual_seed(seed) "
-                "after initialize_model_parallel (or pass init_seed to the layer)"
+                "after initialize_model_parallel (or give the layer init=WeightInit(seed=...))"
             )
         saved = _get_rng_state()
         _set_rng_state(self.states[name])

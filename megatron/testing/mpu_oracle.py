@@ -29,11 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.launch.spawn import spawn_local_ranks
+from megatron.mpu.context import TPSettings
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightInit,
     gather_full_parameter,
 )
 from megatron.mpu.mappings import (
@@ -155,8 +157,9 @@ def compare_column_parallel_linear(
         stride=stride, skip_bias_add=skip_bias_add,
     )  # fmt: skip
     layer = ColumnParallelLinear(
-        HIDDEN, OUT, gather_output=gather_output, sequence_parallel=sequence_parallel, stride=stride,
-        skip_bias_add=skip_bias_add, init_seed=init_seed, device=device, group=group,
+        HIDDEN, OUT, gather_output=gather_output, stride=stride, skip_bias_add=skip_bias_add,
+        init=WeightInit(seed=init_seed),
+        tp=TPSettings(group=group, sequence_parallel=sequence_parallel, device=device),
     )  # fmt: skip
     _set_bias(layer.bias, randn([OUT], 3, device), rank, world, stride, True)
     x_full, g_full = randn([SEQ, BATCH, HIDDEN], 1, device), randn([SEQ, BATCH, OUT], 2, device)
@@ -228,8 +231,9 @@ def compare_row_parallel_linear(
         stride=stride, skip_bias_add=skip_bias_add,
     )  # fmt: skip
     layer = RowParallelLinear(
-        HIDDEN, OUT, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel, stride=stride,
-        skip_bias_add=skip_bias_add, init_seed=init_seed, device=device, group=group,
+        HIDDEN, OUT, input_is_parallel=input_is_parallel, stride=stride, skip_bias_add=skip_bias_add,
+        init=WeightInit(seed=init_seed),
+        tp=TPSettings(group=group, sequence_parallel=sequence_parallel, device=device),
     )  # fmt: skip
     _set_bias(layer.bias, randn([OUT], 6, device), rank, world, stride, False)
     x_full, g_full = randn([SEQ, BATCH, HIDDEN], 4, device), randn([SEQ, BATCH, OUT], 5, device)
@@ -291,7 +295,11 @@ def compare_vocab_parallel_embedding(
     world, rank = group_world_size(group), group_rank(group)
     name = "VocabParallelEmbedding(padded)"
     layer = VocabParallelEmbedding(
-        VOCAB, HIDDEN, init_seed=init_seed, true_vocab_size=TRUE_VOCAB, device=device, group=group
+        VOCAB,
+        HIDDEN,
+        true_vocab_size=TRUE_VOCAB,
+        init=WeightInit(seed=init_seed),
+        tp=TPSettings(device=device, group=group),
     )
     ids = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7)).to(
         device
@@ -365,14 +373,14 @@ def compare_mappings(
     first = slice(rank * sp, (rank + 1) * sp)
     out: list[Comparison] = []
 
-    def run(
-        name: str, fn, x_in, grad_in, exp_out, exp_grad, exact_out, exact_grad, param=False
-    ) -> None:  # noqa: ANN001
+    def run(name: str, fn, given, expected, exact, param=False) -> None:  # noqa: ANN001
+        """``given`` (input, output grad), ``expected`` (output, input grad), ``exact`` (forward, backward)."""
+        x_in, grad_in = given
         x = torch.nn.Parameter(x_in.clone()) if param else x_in.clone().requires_grad_()
         y = fn(x)
         y.backward(grad_in)
-        out.append(Comparison(name, "forward", y, exp_out, exact_out))
-        out.append(Comparison(name, "backward", x.grad, exp_grad, exact_grad))
+        out.append(Comparison(name, "forward", y, expected[0], exact[0]))
+        out.append(Comparison(name, "backward", x.grad, expected[1], exact[1]))
 
     full = _per_rank([SEQ, BATCH, HIDDEN], 20, world, device)  # rank r's [s, b, h]
     g_full = _per_rank([SEQ, BATCH, HIDDEN], 30, world, device)
@@ -385,35 +393,28 @@ def compare_mappings(
     def copy(x):  # noqa: ANN001, ANN202
         return copy_to_tensor_model_parallel_region(x, group)
 
-    run(
-        "copy_to_tensor_model_parallel_region",
-        copy,
-        full[rank],
-        g_full[rank],
-        full[rank],
-        g_total,
-        True,
-        one,
-    )
-    run("copy_to_tensor_model_parallel_region(Parameter)", copy, full[rank], g_full[rank], full[rank], g_total,
-        True, one, param=True)  # fmt: skip
+    run("copy_to_tensor_model_parallel_region", copy, (full[rank], g_full[rank]), (full[rank], g_total),
+        (True, one))  # fmt: skip
+    run("copy_to_tensor_model_parallel_region(Parameter)", copy, (full[rank], g_full[rank]), (full[rank], g_total),
+        (True, one), param=True)  # fmt: skip
     run("reduce_from_tensor_model_parallel_region", lambda x: reduce_from_tensor_model_parallel_region(x, group),
-        full[rank], g_full[rank], total, g_full[rank], one, True)  # fmt: skip
+        (full[rank], g_full[rank]), (total, g_full[rank]), (one, True))  # fmt: skip
     run("scatter_to_tensor_model_parallel_region", lambda x: scatter_to_tensor_model_parallel_region(x, group),
-        full[0], g_last[rank], full[0][..., last], torch.cat(g_last, -1), True, True)  # fmt: skip
+        (full[0], g_last[rank]), (full[0][..., last], torch.cat(g_last, -1)), (True, True))  # fmt: skip
     run("gather_from_tensor_model_parallel_region", lambda x: gather_from_tensor_model_parallel_region(x, group),
-        full[rank][..., :hp], g_full[rank], torch.cat([f[..., :hp] for f in full], -1), g_full[rank][..., last],
-        True, True)  # fmt: skip
+        (full[rank][..., :hp], g_full[rank]), (torch.cat([f[..., :hp] for f in full], -1), g_full[rank][..., last]),
+        (True, True))  # fmt: skip
     run("scatter_to_sequence_parallel_region", lambda x: scatter_to_sequence_parallel_region(x, group),
-        full[0], g_first[rank], full[0][first], torch.cat(g_first, 0), True, True)  # fmt: skip
+        (full[0], g_first[rank]), (full[0][first], torch.cat(g_first, 0)), (True, True))  # fmt: skip
     run("gather_from_sequence_parallel_region", lambda x: gather_from_sequence_parallel_region(x, True, group),
-        full[rank][:sp], g_full[rank], torch.cat([f[:sp] for f in full], 0), g_total[first], True, one)  # fmt: skip
+        (full[rank][:sp], g_full[rank]), (torch.cat([f[:sp] for f in full], 0), g_total[first]),
+        (True, one))  # fmt: skip
     run("gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)",
-        lambda x: gather_from_sequence_parallel_region(x, False, group), full[rank][:sp], g_full[rank],
-        torch.cat([f[:sp] for f in full], 0), g_full[rank][first], True, True)  # fmt: skip
+        lambda x: gather_from_sequence_parallel_region(x, False, group), (full[rank][:sp], g_full[rank]),
+        (torch.cat([f[:sp] for f in full], 0), g_full[rank][first]), (True, True))  # fmt: skip
     run("reduce_scatter_to_sequence_parallel_region",
-        lambda x: reduce_scatter_to_sequence_parallel_region(x, group), full[rank], g_first[rank], total[first],
-        torch.cat(g_first, 0), one, True)  # fmt: skip
+        lambda x: reduce_scatter_to_sequence_parallel_region(x, group), (full[rank], g_first[rank]),
+        (total[first], torch.cat(g_first, 0)), (one, True))  # fmt: skip
     return out
 
 

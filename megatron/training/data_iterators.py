@@ -20,7 +20,7 @@ import torch
 
 from megatron.config import DataConfig, RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, slice_sequence
-from megatron.data.samplers import build_pretraining_data_loader
+from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.initialize import Distributed
@@ -292,14 +292,13 @@ def build_iterators(
     train_ds, valid_ds, test_ds = build_datasets(
         cfg, tokenizer, train_iters=plan.train_iters, global_batch=gbs
     )
-    common = {
-        "micro_batch_size": plan.micro_batch_size,
-        "global_batch_size": gbs,
-        "data_parallel_rank": state.get_data_parallel_rank(),
-        "data_parallel_size": state.get_data_parallel_world_size(),
-        "num_workers": cfg.data.num_workers,
-        "seed": cfg.training.seed,
-    }
+    layout = BatchLayout(
+        micro_batch_size=plan.micro_batch_size,
+        global_batch_size=gbs,
+        data_parallel_rank=state.get_data_parallel_rank(),
+        data_parallel_size=state.get_data_parallel_world_size(),
+    )
+    common = {"layout": layout, "num_workers": cfg.data.num_workers, "seed": cfg.training.seed}
     # A resumed run that already finished (or --skip-train after the last iteration) has no training left.
     finished = train_ds is None or consumed_train_samples >= len(train_ds)
     train_loader = (

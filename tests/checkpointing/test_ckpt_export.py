@@ -94,7 +94,6 @@ def _train_zero_stages(root: str, vocab_file: str, merge_file: str) -> None:
 
 
 def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, capsys) -> None:
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     (tmp_path / "bpe").mkdir()
@@ -103,13 +102,31 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     run_distributed(
         _train_zero_stages, 4, str(tmp_path), vocab, merges, init_process_group=False, timeout=300
     )
-    z3, z1 = tmp_path / "zero3", tmp_path / "zero1"
+    z3 = tmp_path / "zero3"
     assert any((z3 / "global_step2").glob("zero_pp_rank_1_mp_rank_01_optim_states.pt"))
     meta = json.loads((z3 / "global_step2" / "trident_meta.json").read_text())
     assert meta["tokenizer"]["tokenizer_type"] == "GPT2BPETokenizer" and meta["zero_stage"] == 3
     ours = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     assert meta["tokenizer"]["fingerprint"] == encoding_fingerprint(ours)
 
+    out3 = _check_zero_stages_export_alike(tmp_path, capsys)
+
+    # The exported tokenizer loads offline, encodes like ours, and config.json carries its ids.
+    hf_tok = AutoTokenizer.from_pretrained(str(out3), local_files_only=True)
+    assert hf_tok.encode(TEXTS[3], add_special_tokens=False) == ours.tokenize(TEXTS[3])
+    config = json.loads((out3 / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eod == 0
+
+    _check_refused_tokenizers(tmp_path, z3, vocab, merges, capsys)
+    _check_refused_zero3_files(tmp_path, z3, capsys)
+
+
+def _check_zero_stages_export_alike(tmp_path: Path, capsys) -> Path:
+    """The ZeRO-3, ZeRO-1 and bf16 ZeRO-3 checkpoints export with verification, and the weights rebuilt from
+    ZeRO-3's partitions are the ZeRO-1 run's weights (same training); returns the ZeRO-3 export."""
+    from safetensors.torch import load_file
+
+    z3, z1 = tmp_path / "zero3", tmp_path / "zero1"
     out3, out1 = tmp_path / "hf3", tmp_path / "hf1"
     assert trident_to_hf.main(["--load", str(z3), "--out", str(out3), "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -124,22 +141,17 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     assert trident_to_hf.main(argv) == 0
     assert "greedy agreement = 1.000 -> OK" in capsys.readouterr().out
 
-    # The weights rebuilt from ZeRO-3's partitions are the ZeRO-1 run's weights (same training).
     w3, w1 = load_file(str(out3 / "model.safetensors")), load_file(str(out1 / "model.safetensors"))
     assert set(w3) == set(w1)
     worst = max((w3[k] - w1[k]).abs().max().item() for k in w1)
     with capsys.disabled():
         print(f"\nZeRO-3 vs ZeRO-1 export (TP 2 x DP 2, 2 iterations): max |dw| = {worst:.2e}")
     assert worst <= 1e-5
+    return out3
 
-    # The exported tokenizer loads offline, encodes like ours, and config.json carries its ids.
-    hf_tok = AutoTokenizer.from_pretrained(str(out3), local_files_only=True)
-    assert hf_tok.encode(TEXTS[3], add_special_tokens=False) == ours.tokenize(TEXTS[3])
-    config = json.loads((out3 / "config.json").read_text())
-    assert config["eos_token_id"] == ours.eod == 0
 
-    # Errors: a tokenizer that does not fit leaves no output; a tokenizer file moved since training; ZeRO-3
-    # files of another save mixed in; a missing partition file.
+def _check_refused_tokenizers(tmp_path: Path, z3: Path, vocab: str, merges: str, capsys) -> None:
+    """A tokenizer that does not fit leaves no output; so does one moved since training (until named)."""
     other = tmp_path / "bpe400"
     other.mkdir()
     small = train_bpe(TEXTS, vocab_size=400, output_dir=str(other))
@@ -163,6 +175,10 @@ def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, caps
     override = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(moved)]
     override += ["--merge-file", merges, "--no-verify", "--no-progress"]
     assert trident_to_hf.main(["--load", str(z3), "--out", str(tmp_path / "y"), *override]) == 0
+
+
+def _check_refused_zero3_files(tmp_path: Path, z3: Path, capsys) -> None:
+    """ZeRO-3 files of another save mixed in; a missing partition file."""
     tag = z3 / "global_step2"
     for kind in ("model", "optim"):
         stale = tag / f"zero_pp_rank_2_mp_rank_01_{kind}_states.pt"

@@ -115,28 +115,32 @@ def _run_checkpoint(root: Path, tag: str, model: ModelConfig, **meta: object) ->
     (root / "latest").write_text(tag)
 
 
-def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
-    """check_checkpoint_dirs: another run's --save, --finetune over a run, layout changes, --load mistakes,
-    tokenizer changes (all before any process group)."""
+# check_checkpoint_dirs (all before any process group): another run's --save, --finetune over a run, layout
+# changes, ZeRO stage and precision changes, --load mistakes, tokenizer changes.
+_TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "2",
+    "--mock-data", "--vocab-size", "99", "--zero-stage", "1",
+]  # fmt: skip
+_TINY_MODEL = ModelConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+    max_position_embeddings=16, vocab_size=99,
+)  # fmt: skip
+
+
+def check(*flags: str, world: int = 1, tokenizer_fingerprint: str | None = None) -> None:
+    """``check_checkpoint_dirs`` of the tiny run with ``flags`` on ``world`` ranks."""
     from megatron.checkpointing.rules import check_checkpoint_dirs
     from megatron.config import RunPlan, parse_args
 
-    tiny = [
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "2",
-        "--mock-data", "--vocab-size", "99", "--zero-stage", "1",
-    ]  # fmt: skip
-    model = ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-        max_position_embeddings=16, vocab_size=99,
-    )  # fmt: skip
+    cfg = parse_args([*_TINY, *flags])
+    plan = RunPlan.build(cfg, world_size=world, true_vocab=99)
+    check_checkpoint_dirs(cfg, plan, tokenizer_fingerprint=tokenizer_fingerprint)
+
+
+def test_preflight_save_and_finetune_rules(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _run_checkpoint(run, "global_step4", model)
-
-    def check(*flags: str, world: int = 1) -> None:
-        cfg = parse_args([*tiny, *flags])
-        check_checkpoint_dirs(cfg, RunPlan.build(cfg, world_size=world, true_vocab=99))
-
+    _run_checkpoint(run, "global_step4", _TINY_MODEL)
     check("--load", str(run), "--save", str(run))  # auto-resume: fine
     with pytest.raises(
         ValueError, match=r"already holds checkpoints of a run \(newest global_step4\)"
@@ -147,8 +151,18 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     with pytest.raises(ValueError, match="relaunch without --finetune"):
         check("--load", str(run), "--save", str(run), "--finetune")
     imported = tmp_path / "imported"
-    _run_checkpoint(imported, "global_step0", model, weights_only=True)
+    _run_checkpoint(imported, "global_step0", _TINY_MODEL, weights_only=True)
     check("--load", str(imported), "--save", str(imported), "--finetune")  # first fine-tune step
+    with pytest.raises(ValueError, match="pass --load .* and drop --finetune"):
+        check("--load", str(imported), "--save", str(run), "--finetune")
+    (run / "global_step4" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks mp_rank_00_model_states.pt"):
+        check("--load", str(run), "--save", str(run))
+
+
+def test_preflight_layout_and_zero3_rules(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _run_checkpoint(run, "global_step4", _TINY_MODEL)
     # Layout: TP/PP always; DP when ZeRO partitions what is loaded.
     with pytest.raises(ValueError, match=r"saved with --tensor-model-parallel-size 1 .* uses 2"):
         check("--load", str(run), "--tensor-model-parallel-size", "2", world=2)
@@ -156,7 +170,7 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         check("--load", str(run), world=2)
     check("--load", str(run), "--no-load-optim", world=2)
     z3 = tmp_path / "z3"
-    _run_checkpoint(z3, "global_step2", model, zero_stage=3)
+    _run_checkpoint(z3, "global_step2", _TINY_MODEL, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3, whose weights and optimizer state"):
         check("--load", str(z3), "--zero-stage", "3", world=2)
     # Without the optimizer state Trident reads ZeRO-3 weights itself: any DP size.
@@ -164,11 +178,11 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     check("--load", str(z3), "--finetune", world=2)  # weights only: any stage, any DP size
     # A checkpoint from before the stage was recorded: ZeRO-3 recognized by its files.
     old_z3 = tmp_path / "old_z3"
-    _run_checkpoint(old_z3, "global_step2", model, zero_stage=None)
+    _run_checkpoint(old_z3, "global_step2", _TINY_MODEL, zero_stage=None)
     (old_z3 / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="saved with ZeRO-3; this run uses ZeRO-1"):
         check("--load", str(old_z3))
-    # ZeRO stage changes: 3 <-> 0/1/2 only for weights; 0 <-> 1/2 without the optimizer state; 1 <-> 2 freely.
+    # 3 <-> 0/1/2 only for weights.
     with pytest.raises(
         ValueError,
         match=r"saved with ZeRO-3; this run uses ZeRO-1, .* other files .* --zero-stage 3 to resume, or "
@@ -177,6 +191,13 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         check("--load", str(z3))
     with pytest.raises(ValueError, match="saved with ZeRO-1; this run uses ZeRO-3"):
         check("--load", str(run), "--zero-stage", "3", "--no-load-optim")
+    check("--load", str(run), "--zero-stage", "3", "--finetune")
+
+
+def test_preflight_zero_stage_and_precision_rules(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _run_checkpoint(run, "global_step4", _TINY_MODEL)
+    # ZeRO stage changes: 0 <-> 1/2 without the optimizer state; 1 <-> 2 freely.
     with pytest.raises(
         ValueError,
         match=r"saved with ZeRO-1; this run uses ZeRO-0, whose optimizer state DeepSpeed stores "
@@ -188,12 +209,19 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     # Pipelines: no ZeRO-2 to suggest; ZeRO-0 raised to 1 by --clip-grad is explained.
     pp = ["--pipeline-model-parallel-size", "2"]
     pipe1 = tmp_path / "pipe1"
-    _run_checkpoint(pipe1, "global_step2", model, pipeline_model_parallel_size=2, world_size=2)
+    _run_checkpoint(
+        pipe1, "global_step2", _TINY_MODEL, pipeline_model_parallel_size=2, world_size=2
+    )
     with pytest.raises(ValueError, match=r"Pass --zero-stage 1, or --no-load-optim"):
         check("--load", str(pipe1), *pp, "--zero-stage", "0", "--clip-grad", "0", world=2)
     pipe0 = tmp_path / "pipe0"
     _run_checkpoint(
-        pipe0, "global_step2", model, pipeline_model_parallel_size=2, world_size=2, zero_stage=0
+        pipe0,
+        "global_step2",
+        _TINY_MODEL,
+        pipeline_model_parallel_size=2,
+        world_size=2,
+        zero_stage=0,
     )
     with pytest.raises(
         ValueError,
@@ -202,10 +230,9 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     ):
         clipped = ["--zero-stage", "0", "--clip-grad", "1"]
         check("--load", str(pipe0), *pp, *clipped, world=2)
-    check("--load", str(run), "--zero-stage", "3", "--finetune")
     # Precision: the optimizer state of bf16 and fp32 runs lives in other files.
     bf16 = tmp_path / "bf16"
-    _run_checkpoint(bf16, "global_step2", model, precision="bf16")
+    _run_checkpoint(bf16, "global_step2", _TINY_MODEL, precision="bf16")
     with pytest.raises(
         ValueError,
         match=r"was trained in bf16; this run uses fp32, .* Pass --bf16 as before, or --no-load-optim",
@@ -214,7 +241,11 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
     check("--load", str(bf16), "--bf16")
     check("--load", str(bf16), "--no-load-optim")
     check("--load", str(bf16), "--finetune")
-    # --load mistakes.
+
+
+def test_preflight_load_mistakes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _run_checkpoint(run, "global_step4", _TINY_MODEL)
     with pytest.raises(ValueError, match="is a file"):
         check("--load", str(run / "latest"))
     with pytest.raises(FileNotFoundError, match="--load .*typo does not exist"):
@@ -227,9 +258,12 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         check("--load", str(tmp_path / "empty"), "--skip-train")
     with pytest.raises(ValueError, match="--finetune was given without --load"):
         check("--finetune")
+
+
+def test_preflight_tokenizer_rules(tmp_path: Path, caplog) -> None:
     # A different tokenizer type than the checkpoint's: a warning (two types can give the same ids).
     tok = tmp_path / "tok"
-    _run_checkpoint(tok, "global_step1", model, tokenizer={"tokenizer_type": "NullTokenizer"})
+    _run_checkpoint(tok, "global_step1", _TINY_MODEL, tokenizer={"tokenizer_type": "NullTokenizer"})
     check("--load", str(tok), "--tokenizer-type", "GPT2BPETokenizer")
     assert "trained with --tokenizer-type NullTokenizer" in caplog.text
     # Recorded encoding fingerprints that differ: an error (same type, other files), a warning with --finetune.
@@ -239,30 +273,18 @@ def test_preflight_checkpoint_rules(tmp_path: Path, caplog) -> None:
         "tokenizer_model": "/data/tok",
         "fingerprint": "aa11",
     }
-    _run_checkpoint(printed, "global_step1", model, tokenizer=recorded)
-
-    def check_print(fingerprint: str | None, *flags: str) -> None:
-        argv = [*tiny, "--load", str(printed), *flags]
-        cfg = parse_args(argv)
-        plan = RunPlan.build(cfg, world_size=1, true_vocab=99)
-        check_checkpoint_dirs(cfg, plan, tokenizer_fingerprint=fingerprint)
-
-    check_print("aa11")
-    check_print(None)  # a NullTokenizer run cannot tell: no check
+    _run_checkpoint(printed, "global_step1", _TINY_MODEL, tokenizer=recorded)
+    check("--load", str(printed), tokenizer_fingerprint="aa11")
+    check("--load", str(printed))  # a NullTokenizer run cannot tell: no check
     with pytest.raises(
         ValueError,
         match=r"encodes text into other ids than this run's .*Pass the tokenizer it was trained with "
         r"\(--tokenizer-type HFTokenizer, tokenizer_model /data/tok; .*or start a new run .* --finetune",
     ):
-        check_print("bb22")
+        check("--load", str(printed), tokenizer_fingerprint="bb22")
     caplog.clear()
-    check_print("bb22", "--finetune")
+    check("--load", str(printed), "--finetune", tokenizer_fingerprint="bb22")
     assert "encodes text into other ids" in caplog.text and "--finetune" in caplog.text
-    with pytest.raises(ValueError, match="pass --load .* and drop --finetune"):
-        check("--load", str(imported), "--save", str(run), "--finetune")
-    (run / "global_step4" / "mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="lacks mp_rank_00_model_states.pt"):
-        check("--load", str(run), "--save", str(run))
 
 
 def test_relaunched_universal_flag_resumes_newer_regular_checkpoint(tmp_path: Path) -> None:

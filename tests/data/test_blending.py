@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.data.blendable_dataset import BlendableDataset, compute_blending_indices
-from megatron.data.gpt_dataset import GPTDataset
+from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec
 from megatron.data.indexed_builder import make_builder
 from megatron.data.indexed_dataset import MMapIndexedDataset
 
@@ -45,7 +45,7 @@ def three_datasets(tmp_path: Path):
         write_corpus(prefix, n_docs, seed=k)
         indexed = MMapIndexedDataset(prefix)
         docs = np.arange(len(indexed.sizes), dtype=np.int32)
-        out.append(GPTDataset("train", prefix, docs, indexed, "1", 1000, 16, 1234))
+        out.append(GPTDataset(GPTIndexSpec("train", prefix, "1", 1000, 16, 1234), docs, indexed))
     return out
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from megatron.config import parse_args
 from megatron.data.builders import build_train_valid_test_datasets, get_train_valid_test_num_samples
-from megatron.data.gpt_dataset import GPTDataset, get_train_valid_test_split_
+from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec, get_train_valid_test_split_
 from megatron.data.indexed_builder import make_builder
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.testing import run_distributed
@@ -146,17 +146,8 @@ def corpus(tmp_path: Path):
 def make_ds(
     prefix, documents, num_samples, seq_length, seed, name="train", cache=None, split="969, 30, 1"
 ):
-    return GPTDataset(
-        name,
-        prefix,
-        documents,
-        MMapIndexedDataset(prefix),
-        split,
-        num_samples,
-        seq_length,
-        seed,
-        cache,
-    )
+    spec = GPTIndexSpec(name, prefix, split, num_samples, seq_length, seed)
+    return GPTDataset(spec, documents, MMapIndexedDataset(prefix), data_cache_path=cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------

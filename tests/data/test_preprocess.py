@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import preprocess
+from megatron.data.preprocess import Execution, preprocess
 from megatron.tokenizer import build_tokenizer
 from tools import merge_datasets, preprocess_data, train_tokenizer
 
@@ -109,8 +109,7 @@ def test_every_key_worker_invariance_and_contents(
             "merge_file": bpe[5],
         },
         append_eod=True,
-        workers=2,
-        chunk_lines=3,
+        execution=Execution(workers=2, chunk_lines=3),
     )
     for key in ("text", "title"):
         prefix = tmp_path / f"small_{key}_document"

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.gpt_dataset import GPTDataset, compute_gpt_indices
+from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec, compute_gpt_indices
 from megatron.data.indexed_builder import make_builder
 from megatron.data.indexed_dataset import HEADER_SIZE, MMapIndexedDataset
-from megatron.data.preprocess import PreprocessError, merge_datasets, preprocess
+from megatron.data.preprocess import Execution, PreprocessError, merge_datasets, preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 NULL_TOKENIZER = {"tokenizer_type": "NullTokenizer", "vocab_size": 1000}
@@ -37,7 +37,7 @@ def _preprocess(tmp: Path, docs: list[list[int]], prefix: Path) -> str:
         json_keys=["text"],
         output_prefix=str(prefix),
         tokenizer_kwargs=NULL_TOKENIZER,
-        log_interval=10**9,
+        execution=Execution(log_interval=10**9),
     )
     return str(prefix) + "_text_document"
 
@@ -45,7 +45,8 @@ def _preprocess(tmp: Path, docs: list[list[int]], prefix: Path) -> str:
 def _dataset(prefix: str, cache: str | None = None, num_samples: int = 150) -> GPTDataset:
     indexed = MMapIndexedDataset(prefix)
     documents = np.arange(len(indexed), dtype=np.int32)
-    return GPTDataset("train", prefix, documents, indexed, "100,0,0", num_samples, 8, 1234, cache)
+    spec = GPTIndexSpec("train", prefix, "100,0,0", num_samples, 8, 1234)
+    return GPTDataset(spec, documents, indexed, data_cache_path=cache)
 
 
 def _rows(ds: GPTDataset) -> np.ndarray:

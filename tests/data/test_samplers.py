@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.data.samplers import (
+    BatchLayout,
+    EpochOrder,
     MegatronPretrainingRandomSampler,
     MegatronPretrainingSampler,
     build_pretraining_data_loader,
@@ -104,7 +107,7 @@ def test_global_batch_is_independent_of_dp_size(kind) -> None:
                 return MegatronPretrainingSampler(total, 0, mbs, rank, dp)
             return _Cycle(
                 lambda c: MegatronPretrainingRandomSampler(
-                    None, total, c, mbs, rank, dp, global_batch_size=gbs, seed=3
+                    None, total, c, mbs, rank, dp, order=EpochOrder(global_batch_size=gbs, seed=3)
                 )
             )
 
@@ -143,7 +146,7 @@ class _Cycle:
 def test_cyclic_epochs_are_permutations_and_reshuffle() -> None:
     total, gbs = 100, 8
     sampler = MegatronPretrainingRandomSampler(
-        None, total, 0, 4, 0, 1, global_batch_size=gbs, seed=0
+        None, total, 0, 4, 0, 1, order=EpochOrder(global_batch_size=gbs, seed=0)
     )
     first = [i for b in sampler for i in b]
     assert sampler.epoch_length == 96 and len(first) == 96 and len(set(first)) == 96
@@ -154,7 +157,9 @@ def test_cyclic_epochs_are_permutations_and_reshuffle() -> None:
     g = torch.Generator()
     g.manual_seed(1)
     assert second == torch.randperm(total, generator=g)[:96].tolist()
-    other = MegatronPretrainingRandomSampler(None, total, 0, 4, 0, 1, global_batch_size=gbs, seed=1)
+    other = MegatronPretrainingRandomSampler(
+        None, total, 0, 4, 0, 1, order=EpochOrder(global_batch_size=gbs, seed=1)
+    )
     assert [i for b in other for i in b] != first
 
 
@@ -174,8 +179,7 @@ def test_resume_from_consumed_samples_continues_identically(kind) -> None:
                 rank,
                 dp,
                 kind == "cyclic_sharded",
-                global_batch_size=gbs,
-                seed=7,
+                order=EpochOrder(global_batch_size=gbs, seed=7),
             )
         )
 
@@ -207,10 +211,7 @@ def test_data_loader_yields_this_ranks_micro_batches() -> None:
         loader = build_pretraining_data_loader(
             ds,
             8,
-            micro_batch_size=2,
-            global_batch_size=8,
-            data_parallel_rank=1,
-            data_parallel_size=2,
+            layout=BatchLayout(2, 8, data_parallel_rank=1, data_parallel_size=2),
             num_workers=workers,
         )
         batches = list(loader)
@@ -222,14 +223,7 @@ def test_data_loader_yields_this_ranks_micro_batches() -> None:
         )  # block [8, 12), rank 1 -> 10, 11
         assert np.array_equal(first.numpy(), expected)
     cyclic = build_pretraining_data_loader(
-        ds,
-        0,
-        micro_batch_size=2,
-        global_batch_size=8,
-        data_parallel_rank=0,
-        data_parallel_size=2,
-        dataloader_type="cyclic",
-        seed=2,
+        ds, 0, layout=BatchLayout(2, 8, 0, 2), dataloader_type="cyclic", seed=2
     )
     # The cyclic loader runs across epoch ends: an epoch is 64 samples, i.e. 16 micro-batches of 2 on rank 0;
     # each epoch gives rank 0 32 distinct samples, in a different order each time.
@@ -238,46 +232,28 @@ def test_data_loader_yields_this_ranks_micro_batches() -> None:
     assert all(len(set(e)) == 32 for e in epochs) and epochs[0] != epochs[1] != epochs[2]
     # (The sampler is stateful, as Megatron's: its consumed count advanced, so read batches from a fresh loader.)
     fresh = build_pretraining_data_loader(
-        ds,
-        0,
-        micro_batch_size=2,
-        global_batch_size=8,
-        data_parallel_rank=0,
-        data_parallel_size=2,
-        dataloader_type="cyclic",
-        seed=2,
+        ds, 0, layout=BatchLayout(2, 8, 0, 2), dataloader_type="cyclic", seed=2
     )
     drawn = list(itertools.islice(iter(fresh), 48))
     for k in (0, 17, 47):
         expected = np.stack([ds[i]["text"] for i in indices[k]])
         assert np.array_equal(drawn[k]["text"].numpy(), expected)
-    assert (
-        build_pretraining_data_loader(
-            None,
-            0,
-            micro_batch_size=1,
-            global_batch_size=1,
-            data_parallel_rank=0,
-            data_parallel_size=1,
-        )
-        is None
-    )
+    assert build_pretraining_data_loader(None, 0, layout=BatchLayout(1, 1, 0, 1)) is None
 
 
 def test_bad_sampler_arguments() -> None:
     ds = MockGPTDataset(10, 4, 20, seed=0)
-    kw = {
-        "micro_batch_size": 2,
-        "global_batch_size": 8,
-        "data_parallel_rank": 0,
-        "data_parallel_size": 2,
-    }
+    layout = BatchLayout(
+        micro_batch_size=2, global_batch_size=8, data_parallel_rank=0, data_parallel_size=2
+    )
     with pytest.raises(ValueError, match=r"--global-batch-size \(6\) must be a multiple"):
-        build_pretraining_data_loader(ds, 0, **{**kw, "global_batch_size": 6})
+        build_pretraining_data_loader(
+            ds, 0, layout=dataclasses.replace(layout, global_batch_size=6)
+        )
     with pytest.raises(ValueError, match=r"consumed_samples \(10\) must be in \[0, 10\)"):
-        build_pretraining_data_loader(ds, 10, **kw)
+        build_pretraining_data_loader(ds, 10, layout=layout)
     with pytest.raises(ValueError, match="--dataloader-type 'random' is not supported"):
-        build_pretraining_data_loader(ds, 0, dataloader_type="random", **kw)
+        build_pretraining_data_loader(ds, 0, layout=layout, dataloader_type="random")
     with pytest.raises(
         ValueError, match=r"data_parallel_rank \(2\) must be in \[0, data_parallel_size=2\)"
     ):
@@ -285,8 +261,10 @@ def test_bad_sampler_arguments() -> None:
     with pytest.raises(ValueError, match="no samples to consume"):
         MegatronPretrainingSampler(0, 0, 1, 0, 1)
     with pytest.raises(ValueError, match="smaller than one global batch"):
-        MegatronPretrainingRandomSampler(ds, 10, 0, 2, 0, 2, global_batch_size=16)
-    sampler = MegatronPretrainingRandomSampler(ds, 10, 2, 2, 0, 2, global_batch_size=8)
+        MegatronPretrainingRandomSampler(ds, 10, 0, 2, 0, 2, order=EpochOrder(global_batch_size=16))
+    sampler = MegatronPretrainingRandomSampler(
+        ds, 10, 2, 2, 0, 2, order=EpochOrder(global_batch_size=8)
+    )
     with pytest.raises(
         ValueError, match=r"consumed_samples \(2\) is not a whole number of micro-steps"
     ):

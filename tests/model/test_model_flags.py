@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig, parse_args, validate
 from megatron.model import GPTModel
-from megatron.model.norms import LayerNorm, RMSNorm, build_norm
+from megatron.model.norms import LayerNorm, RMSNorm, norm_class
 from megatron.model.rotary import apply_rotary_pos_emb, rotary_cos_sin, rotary_dim
 from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
@@ -102,16 +102,7 @@ def test_layernorm_1p_is_one_plus_weight() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 2, 16, generator=g)
     for kind in ("layernorm", "rmsnorm"):
-        norm = build_norm(
-            kind,
-            16,
-            eps=1e-5,
-            apply_layernorm_1p=True,
-            sequence_parallel=False,
-            group=None,
-            params_dtype=torch.float32,
-            device=None,
-        )
+        norm = norm_class(kind)(16, eps=1e-5, apply_layernorm_1p=True)
         assert torch.equal(norm.weight, torch.zeros(16))  # init: gamma = 1 + 0
         with torch.no_grad():
             norm.weight.normal_(0.0, 0.1, generator=g)
@@ -211,14 +202,18 @@ def test_validate_model_flags(flags: list[str], message: str) -> None:
 
 def _async_linear_worker() -> dict:
     from megatron.mpu import parallel_state
-    from megatron.mpu.layers import ColumnParallelLinear
+    from megatron.mpu.context import TPSettings
+    from megatron.mpu.layers import ColumnParallelLinear, WeightInit
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     group = parallel_state.get_tensor_model_parallel_group()
     out = {}
     for mode in (True, False):
         layer = ColumnParallelLinear(
-            24, 16, init_seed=7, group=group, async_tensor_model_parallel_allreduce=mode
+            24,
+            16,
+            init=WeightInit(seed=7),
+            tp=TPSettings(group=group, async_tensor_model_parallel_allreduce=mode),
         )
         x = torch.randn(6, 3, 24, generator=torch.Generator().manual_seed(3), requires_grad=True)
         y, _ = layer(x)

@@ -14,7 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron import mpu
-from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.mpu.context import TPSettings
+from megatron.mpu.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightInit,
+)
 from megatron.testing import mpu_oracle, run_distributed
 from tools import mpu_selfcheck
 
@@ -54,23 +60,31 @@ def _check_shards_are_slices_of_the_tp1_weight(
 ) -> None:
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     # Column, stride 2: the 24 rows form 2p chunks of 24/(2p); rank r keeps chunks r and r + p.
-    full = ColumnParallelLinear(16, 24, stride=2, init_seed=77, group=solo).weight.detach()
-    part = ColumnParallelLinear(16, 24, stride=2, init_seed=77, group=group).weight.detach()
+    full = ColumnParallelLinear(
+        16, 24, stride=2, init=WeightInit(seed=77), tp=TPSettings(group=solo)
+    ).weight.detach()
+    part = ColumnParallelLinear(
+        16, 24, stride=2, init=WeightInit(seed=77), tp=TPSettings(group=group)
+    ).weight.detach()
     c = 24 // (2 * p)
     assert torch.equal(
         part,
         torch.cat([full[rank * c : (rank + 1) * c], full[(rank + p) * c : (rank + p + 1) * c]]),
     )
     # Row: columns [r*h/p, (r+1)*h/p)
-    full = RowParallelLinear(24, 16, init_seed=78, group=solo).weight.detach()
-    part = RowParallelLinear(24, 16, init_seed=78, group=group).weight.detach()
+    full = RowParallelLinear(
+        24, 16, init=WeightInit(seed=78), tp=TPSettings(group=solo)
+    ).weight.detach()
+    part = RowParallelLinear(
+        24, 16, init=WeightInit(seed=78), tp=TPSettings(group=group)
+    ).weight.detach()
     assert torch.equal(part, full[:, rank * 24 // p : (rank + 1) * 24 // p])
     # Embedding with padding rows: rows [r*v/p, (r+1)*v/p); rows >= 29 are zero
     full = VocabParallelEmbedding(
-        32, 8, true_vocab_size=29, init_seed=79, group=solo
+        32, 8, true_vocab_size=29, init=WeightInit(seed=79), tp=TPSettings(group=solo)
     ).weight.detach()
     part = VocabParallelEmbedding(
-        32, 8, true_vocab_size=29, init_seed=79, group=group
+        32, 8, true_vocab_size=29, init=WeightInit(seed=79), tp=TPSettings(group=group)
     ).weight.detach()
     assert torch.equal(part, full[rank * 32 // p : (rank + 1) * 32 // p])
     assert torch.equal(full[29:], torch.zeros(3, 8)) and bool((full[:29] != 0).any(dim=1).all())
@@ -82,13 +96,15 @@ def _check_validation_in_groups(group: dist.ProcessGroup) -> None:
         ValueError,
         match=rf"output_size \(6\) must be a positive multiple of the tensor-model-parallel size \({p}\) x stride \(2\)",
     ):
-        ColumnParallelLinear(16, 6, stride=2, init_seed=1, group=group)
+        ColumnParallelLinear(16, 6, stride=2, init=WeightInit(seed=1), tp=TPSettings(group=group))
     with pytest.raises(
         ValueError,
         match=rf"input_size \({p + 1}\) must be a positive multiple of the tensor-model-parallel size \({p}\);",
     ):
-        RowParallelLinear(p + 1, 8, init_seed=1, group=group)
-    emb = VocabParallelEmbedding(32, 8, true_vocab_size=29, init_seed=1, group=group)
+        RowParallelLinear(p + 1, 8, init=WeightInit(seed=1), tp=TPSettings(group=group))
+    emb = VocabParallelEmbedding(
+        32, 8, true_vocab_size=29, init=WeightInit(seed=1), tp=TPSettings(group=group)
+    )
     with pytest.raises(
         ValueError, match=r"token id 29 at index \[0, 1\] is outside the vocabulary \[0, 29\)"
     ):
@@ -116,7 +132,9 @@ def _check_validation_in_groups(group: dist.ProcessGroup) -> None:
 
 def _check_sequence_parallel_column_keeps_only_the_local_input(group: dist.ProcessGroup) -> None:
     p = dist.get_world_size(group)
-    layer = ColumnParallelLinear(16, 24, sequence_parallel=True, init_seed=3, group=group)
+    layer = ColumnParallelLinear(
+        16, 24, init=WeightInit(seed=3), tp=TPSettings(sequence_parallel=True, group=group)
+    )
     x = torch.randn(8 // p, 2, 16, requires_grad=True)
     saved: list[tuple[int, ...]] = []
 
@@ -152,8 +170,10 @@ def _check_rng_and_checkpoint(group: dist.ProcessGroup) -> None:
     assert all(torch.equal(r, replicated) for _, r in everyone)
     assert not torch.equal(everyone[0][0], everyone[1][0])
 
-    col = ColumnParallelLinear(8, 16, init_seed=1, group=group)
-    row = RowParallelLinear(16, 8, input_is_parallel=True, init_seed=2, group=group)
+    col = ColumnParallelLinear(8, 16, init=WeightInit(seed=1), tp=TPSettings(group=group))
+    row = RowParallelLinear(
+        16, 8, input_is_parallel=True, init=WeightInit(seed=2), tp=TPSettings(group=group)
+    )
     x0 = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(3))
     runs = []
     for mode in ("plain", "checkpoint", "distributed checkpoint"):
@@ -243,7 +263,7 @@ def _tp2_worker() -> int:
     _check_broadcast_data(group)
     _check_observe_collectives(group, solo)
     # a replicated parameter is counted on TP rank 0 only; a TP one everywhere
-    plain, sharded = torch.zeros(1), ColumnParallelLinear(4, 4, init_seed=1).weight
+    plain, sharded = torch.zeros(1), ColumnParallelLinear(4, 4, init=WeightInit(seed=1)).weight
     assert mpu.param_is_not_tensor_parallel_duplicate(plain) == (rank == 0)
     assert mpu.param_is_not_tensor_parallel_duplicate(sharded)
     mpu.destroy_model_parallel()
@@ -322,7 +342,7 @@ def _check_deepspeed_uses_our_groups() -> None:
     rank = dist.get_rank()
     mpu.initialize_model_parallel(2, 1)  # TP [0,1] [2,3]; DP [0,2] [1,3]
     dp_rank = mpu.get_data_parallel_rank()
-    layer = ColumnParallelLinear(8, 8, gather_output=True, bias=False, init_seed=5)
+    layer = ColumnParallelLinear(8, 8, gather_output=True, bias=False, init=WeightInit(seed=5))
     w0 = mpu.gather_full_parameter(layer.weight)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
            "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}  # fmt: skip

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron import mpu
+from megatron.mpu.context import TPSettings
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightInit,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -49,38 +51,43 @@ def test_comparison_detects_a_difference() -> None:
 
 
 def test_layout_invariant_init_is_the_seeded_master_and_independent_of_dtype_and_padding() -> None:
-    col = ColumnParallelLinear(8, 12, init_seed=5, init_method=init_method_normal(0.5))
+    col = ColumnParallelLinear(8, 12, init=WeightInit(method=init_method_normal(0.5), seed=5))
     expected = torch.empty(12, 8).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
     assert torch.equal(col.weight.detach(), expected)
     assert torch.equal(col.bias.detach(), torch.zeros(12))
-    row = RowParallelLinear(12, 8, init_seed=5, init_method=init_method_normal(0.5), bias=False)
+    row = RowParallelLinear(
+        12, 8, bias=False, init=WeightInit(method=init_method_normal(0.5), seed=5)
+    )
     assert torch.equal(
         row.weight.detach(), expected.view(8, 12)
     )  # same numbers, drawn for the full shape
     assert row.bias is None
     bf16 = ColumnParallelLinear(
-        8, 12, init_seed=5, init_method=init_method_normal(0.5), params_dtype=torch.bfloat16
+        8,
+        12,
+        init=WeightInit(method=init_method_normal(0.5), seed=5),
+        tp=TPSettings(params_dtype=torch.bfloat16),
     )
     assert bf16.weight.dtype == torch.bfloat16
     assert torch.equal(bf16.weight.detach(), expected.to(torch.bfloat16))
     # the true rows of an embedding do not depend on how much padding follows them
-    small = VocabParallelEmbedding(10, 4, init_seed=9, true_vocab_size=10)
-    padded = VocabParallelEmbedding(16, 4, init_seed=9, true_vocab_size=10)
+    small = VocabParallelEmbedding(10, 4, true_vocab_size=10, init=WeightInit(seed=9))
+    padded = VocabParallelEmbedding(16, 4, true_vocab_size=10, init=WeightInit(seed=9))
     assert torch.equal(padded.weight[:10], small.weight)
     assert torch.equal(padded.weight[10:], torch.zeros(6, 4))
     # a different seed gives a different weight
     assert not torch.equal(
-        ColumnParallelLinear(8, 12, init_seed=6).weight,
-        ColumnParallelLinear(8, 12, init_seed=5).weight,
+        ColumnParallelLinear(8, 12, init=WeightInit(seed=6)).weight,
+        ColumnParallelLinear(8, 12, init=WeightInit(seed=5)).weight,
     )
 
 
 def test_tp_attributes_and_duplicate_rule() -> None:
     col, row = (
-        ColumnParallelLinear(8, 12, init_seed=1, stride=2),
-        RowParallelLinear(8, 12, init_seed=1),
+        ColumnParallelLinear(8, 12, stride=2, init=WeightInit(seed=1)),
+        RowParallelLinear(8, 12, init=WeightInit(seed=1)),
     )
-    emb = VocabParallelEmbedding(16, 4, init_seed=1)
+    emb = VocabParallelEmbedding(16, 4, init=WeightInit(seed=1))
     assert (
         col.weight.tensor_model_parallel,
         col.weight.partition_dim,
@@ -142,25 +149,27 @@ def test_layer_validation_messages() -> None:
         ValueError,
         match=r"output_size \(5\) must be a positive multiple of the tensor-model-parallel size \(1\) x stride \(2\)",
     ):
-        ColumnParallelLinear(4, 5, stride=2, init_seed=1)
+        ColumnParallelLinear(4, 5, stride=2, init=WeightInit(seed=1))
     with pytest.raises(
         ValueError, match="gather_output=True cannot be combined with sequence_parallel=True"
     ):
-        ColumnParallelLinear(4, 4, gather_output=True, sequence_parallel=True, init_seed=1)
+        ColumnParallelLinear(
+            4, 4, gather_output=True, init=WeightInit(seed=1), tp=TPSettings(sequence_parallel=True)
+        )
     with pytest.raises(ValueError, match=r"input_size \(0\) must be >= 1"):
-        ColumnParallelLinear(0, 4, init_seed=1)
+        ColumnParallelLinear(0, 4, init=WeightInit(seed=1))
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
-        RowParallelLinear(4, 4, sequence_parallel=True, init_seed=1)
+        RowParallelLinear(4, 4, init=WeightInit(seed=1), tp=TPSettings(sequence_parallel=True))
     with pytest.raises(
         ValueError, match=r"true_vocab_size \(20\) must be in \[1, num_embeddings \(16\)\]"
     ):
-        VocabParallelEmbedding(16, 4, true_vocab_size=20, init_seed=1)
+        VocabParallelEmbedding(16, 4, true_vocab_size=20, init=WeightInit(seed=1))
     with pytest.raises(ValueError, match=r"embedding_dim \(0\) must be >= 1"):
-        VocabParallelEmbedding(16, 0, init_seed=1)
+        VocabParallelEmbedding(16, 0, init=WeightInit(seed=1))
 
 
 def test_embedding_rejects_ids_outside_the_true_vocabulary() -> None:
-    emb = VocabParallelEmbedding(16, 4, true_vocab_size=13, init_seed=1)
+    emb = VocabParallelEmbedding(16, 4, true_vocab_size=13, init=WeightInit(seed=1))
     ok = emb(torch.tensor([[0, 12], [5, 7]]))
     assert ok.shape == (2, 2, 4)
     with pytest.raises(
@@ -175,7 +184,7 @@ def test_embedding_rejects_ids_outside_the_true_vocabulary() -> None:
 
 def test_per_shard_init_needs_the_tracker_and_uses_it() -> None:
     with pytest.raises(RuntimeError, match="model_parallel_cuda_manual_seed"):
-        ColumnParallelLinear(4, 4)  # init_seed=None: per-shard init under the model-parallel stream
+        ColumnParallelLinear(4, 4)  # init.seed=None: per-shard init under the model-parallel stream
     mpu.model_parallel_cuda_manual_seed(7)
     a = ColumnParallelLinear(4, 4).weight.detach()
     expected = torch.empty(4, 4).normal_(
@@ -218,8 +227,8 @@ def _block(x: torch.Tensor, col: ColumnParallelLinear, row: RowParallelLinear) -
 
 
 def test_checkpoint_replays_dropout_exactly() -> None:
-    col = ColumnParallelLinear(8, 16, init_seed=1)
-    row = RowParallelLinear(16, 8, input_is_parallel=True, init_seed=2)
+    col = ColumnParallelLinear(8, 16, init=WeightInit(seed=1))
+    row = RowParallelLinear(16, 8, input_is_parallel=True, init=WeightInit(seed=2))
     x0 = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(3))
     results = []
     for use_checkpoint in (False, True):
@@ -326,8 +335,10 @@ def test_cuda_tp1_parity_and_checkpoint_replays_cuda_dropout() -> None:
     for c in mpu_oracle.all_comparisons(None, device="cuda"):
         if not c.check.startswith("vocab_parallel_cross_entropy"):
             assert torch.equal(c.actual, c.expected), (c.check, c.quantity, c.error())
-    col = ColumnParallelLinear(8, 16, init_seed=1, device="cuda")
-    row = RowParallelLinear(16, 8, input_is_parallel=True, init_seed=2, device="cuda")
+    col = ColumnParallelLinear(8, 16, init=WeightInit(seed=1), tp=TPSettings(device="cuda"))
+    row = RowParallelLinear(
+        16, 8, input_is_parallel=True, init=WeightInit(seed=2), tp=TPSettings(device="cuda")
+    )
     x0 = torch.randn(4, 2, 8, device="cuda")
     results = []
     for use_checkpoint in (False, True):

@@ -110,7 +110,7 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     )
     assert uncached.tokens == ours.tokens  # the KV cache changes nothing
     # Oracle: the same checkpoint exported to HF, greedy decoding in transformers.
-    export_to_hf(ck, tmp_path / "hf", verify=False)
+    export_to_hf(ck, tmp_path / "hf", verification=None)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
     hf.generation_config.eos_token_id = None
     ids = torch.tensor([gen.tokenizer.tokenize(prompt)])
@@ -119,7 +119,12 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     assert ours.tokens == ref[0, ids.shape[1] :].tolist()
     assert prompt + ours.text == gen.tokenizer.detokenize(ref[0].tolist())
 
-    # CLI: prompts from a file, JSON lines out, seeded sampling reproducible.
+    _check_cli(ck, tmp_path, capsys)
+    _check_cli_errors(ck, paths, tmp_path, capsys)
+
+
+def _check_cli(ck: str, tmp_path: Path, capsys) -> None:
+    """CLI: prompts from a file, JSON lines out, seeded sampling reproducible."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nThe import system\n", encoding="utf-8")
     out_a, out_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -134,7 +139,9 @@ def test_generation_from_tp2_checkpoint_matches_transformers(tmp_path: Path, cap
     assert generate_text.main(["--load", ck, "--greedy", "--out-seq-length", "4"]) == 0
     assert "-" * 40 in capsys.readouterr().out  # unconditional sample printed
 
-    # Errors: one line, exit 2.
+
+def _check_cli_errors(ck: str, paths: dict[str, str], tmp_path: Path, capsys) -> None:
+    """Errors: one line, exit 2."""
     long_prompt = " ".join(["word"] * 40)
     assert generate_text.main(["--load", ck, "--prompt", long_prompt]) == 2
     assert "the model's context is 32" in capsys.readouterr().err

@@ -125,6 +125,20 @@ def _hf_reference(hf: Any, ids: list[int]) -> tuple[list[int], list[float], list
     return seq[len(ids) :], lp[len(ids) - 1 :], lp[: len(ids) - 1]
 
 
+def _extensions(
+    hf: Any, ids: list[int], beams: list[tuple[list[int], float]]
+) -> list[tuple[float, int, int]]:
+    """``(score, beam, token)`` of every one-token extension of every beam, best first (ties: beam, token)."""
+    cands = []
+    for b, (toks, total) in enumerate(beams):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + toks])).logits[0, -1].double()
+        for t, lp in enumerate(torch.log_softmax(logits, dim=-1).tolist()):
+            cands.append((total + lp, b, t))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return cands
+
+
 def _reference_beam(hf: Any, ids: list[int], stop: int) -> list[tuple[list[int], float]]:
     """Megatron's beam search on full forwards of transformers (written from its semantics, no cache)."""
     beams: list[tuple[list[int], float]] = [([], 0.0)]
@@ -138,13 +152,7 @@ def _reference_beam(hf: Any, ids: list[int], stop: int) -> list[tuple[list[int],
                 done.pop(min(range(len(done)), key=lambda i: done[i][0]))
 
     for step in range(NEW):
-        cands = []
-        for b, (toks, total) in enumerate(beams if step else beams[:1]):
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids + toks])).logits[0, -1].double()
-            for t, lp in enumerate(torch.log_softmax(logits, dim=-1).tolist()):
-                cands.append((total + lp, b, t))
-        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        cands = _extensions(hf, ids, beams if step else beams[:1])
         nxt = []
         for rank, (score, b, t) in enumerate(cands[: 2 * BEAM_WIDTH]):
             if t == stop:
@@ -174,7 +182,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
         root = tmp_path_factory.mktemp(model)
         ck = str(root / "ckpt")
         run_distributed(_train, world, [*flags, *layout], ck, init_process_group=False, timeout=300)
-        export_to_hf(ck, root / "hf", verify=False)
+        export_to_hf(ck, root / "hf", verification=None)
         out[model] = (ck, str(root / "hf"))
     return out
 

@@ -302,82 +302,98 @@ def test_server_process_answers_then_sigterm_stops_every_rank(
     server = _Server(ck, nproc, *flags)
     try:
         base, pid = server.wait_ready()
-        # Concurrent greedy requests, each answered as its prompts generated alone in one process.
-        prompts = ["1 2 3", "40 41", "7", "12 5 9 9"]
-        results: dict[int, tuple[int, dict[str, Any]]] = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: results.__setitem__(
-                    i, _put(f"{base}/api", _greedy(prompts[i:], 6, logprobs=True))
-                ),
-                daemon=True,
-            )
-            for i in range(len(prompts))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        expected = ck_ref.generate_requests(
-            [PromptRequest(p, 6, SamplingParams(greedy=True), 0, False, True) for p in prompts]
-        )
-        for i, (status, answer) in sorted(results.items()):
-            assert status == 200, answer
-            assert answer["tokens"] == [e.tokens for e in expected[i:]]
-            want = [e.prompt_log_probs + e.log_probs for e in expected[i:]]
-            for got, ref in zip(answer["logprobs"], want, strict=True):
-                assert got == pytest.approx(ref, abs=1e-4)  # TP sums in another order
-        # Seeded sampling: prompt i samples with prompt_seed(S, i), as the one-process generator does.
-        body = {"prompts": ["3 4", "3 4"], "tokens_to_generate": 6, "top_k": 5, "random_seed": 9}
-        status, answer = _put(f"{base}/api", json.dumps(body).encode())
-        sampled = ck_ref.generate_requests(
-            [PromptRequest("3 4", 6, SamplingParams(top_k=5), prompt_seed(9, i)) for i in (0, 1)]
-        )
-        assert status == 200 and answer["tokens"] == [s.tokens for s in sampled], answer
-        # Beam search is a work item of its own.
-        body = {"prompts": ["5 6"], "tokens_to_generate": 4, "beam_width": 2}
-        status, answer = _put(f"{base}/api", json.dumps(body).encode())
-        beams = ck_ref.beam_search("5 6", beam_width=2, max_new_tokens=4, num_return_gen=2)
-        assert status == 200 and answer["tokens"] == [b.tokens for b in beams], answer
+        expected = _check_concurrent_greedy(base, ck_ref)
+        _check_sampling_and_beam_search(base, ck_ref)
         # A bad request is a 400; idle for several heartbeats; still serving.
         status, answer = _put(f"{base}/api", b'{"prompts": ["x y"], "tokens_to_generate": 2}')
         assert status == 400 and "not token ids" in answer["error"], answer
         if nproc > 1 and "--max-batch-size" in flags:
-            # A second TP = 2 server on the same port: rank 0 cannot bind, and every rank exits (none waits).
-            port = base.rsplit(":", 1)[1]
-            second = _Server(ck, nproc, *flags, "--port", port)
-            try:
-                rc = second.proc.wait(timeout=90)
-            finally:
-                second.kill()
-            assert rc != 0 and f"cannot listen on 127.0.0.1:{port}" in second.output(), (
-                second.output()
-            )
+            _check_second_server_cannot_bind(ck, nproc, flags, base)
         else:
             time.sleep(1.0)
         health = _get(f"{base}/health")
         assert health["status"] == "ok" and health["world_size"] == nproc, health
         status, answer = _put(f"{base}/api", _greedy(["40 41"], 6))
         assert status == 200 and answer["tokens"] == [expected[1].tokens]
-        # SIGTERM while a request is queued: it is answered (200, or 503 for prompts not started).
-        late: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
-        big = _greedy(["1"] * 8, 20)
-        threading.Thread(target=lambda: late.put(_put(f"{base}/api", big)), daemon=True).start()
-        deadline = time.monotonic() + 10
-        while late.empty() and time.monotonic() < deadline:
-            h = _get(f"{base}/health")
-            if h["queue"] or h["in_flight"]:
-                break
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGTERM)
-        status, answer = late.get(timeout=60)
-        assert status in (200, 503), answer
-        assert server.proc.wait(timeout=60) == 0, server.output()
+        _check_sigterm_answers_queued_request(base, pid, server)
     finally:
         server.kill()
     out = server.output()
     assert "Traceback" not in out, out
     assert "stopped" in out, out
+
+
+def _check_concurrent_greedy(base: str, ck_ref: TextGenerator) -> list[Any]:
+    """Concurrent greedy requests, each answered as its prompts generated alone in one process; the expected
+    generations of the prompts are returned."""
+    prompts = ["1 2 3", "40 41", "7", "12 5 9 9"]
+    results: dict[int, tuple[int, dict[str, Any]]] = {}
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(
+                i, _put(f"{base}/api", _greedy(prompts[i:], 6, logprobs=True))
+            ),
+            daemon=True,
+        )
+        for i in range(len(prompts))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    expected = ck_ref.generate_requests(
+        [PromptRequest(p, 6, SamplingParams(greedy=True), 0, False, True) for p in prompts]
+    )
+    for i, (status, answer) in sorted(results.items()):
+        assert status == 200, answer
+        assert answer["tokens"] == [e.tokens for e in expected[i:]]
+        want = [e.prompt_log_probs + e.log_probs for e in expected[i:]]
+        for got, ref in zip(answer["logprobs"], want, strict=True):
+            assert got == pytest.approx(ref, abs=1e-4)  # TP sums in another order
+    return expected
+
+
+def _check_sampling_and_beam_search(base: str, ck_ref: TextGenerator) -> None:
+    # Seeded sampling: prompt i samples with prompt_seed(S, i), as the one-process generator does.
+    body = {"prompts": ["3 4", "3 4"], "tokens_to_generate": 6, "top_k": 5, "random_seed": 9}
+    status, answer = _put(f"{base}/api", json.dumps(body).encode())
+    sampled = ck_ref.generate_requests(
+        [PromptRequest("3 4", 6, SamplingParams(top_k=5), prompt_seed(9, i)) for i in (0, 1)]
+    )
+    assert status == 200 and answer["tokens"] == [s.tokens for s in sampled], answer
+    # Beam search is a work item of its own.
+    body = {"prompts": ["5 6"], "tokens_to_generate": 4, "beam_width": 2}
+    status, answer = _put(f"{base}/api", json.dumps(body).encode())
+    beams = ck_ref.beam_search("5 6", beam_width=2, max_new_tokens=4, num_return_gen=2)
+    assert status == 200 and answer["tokens"] == [b.tokens for b in beams], answer
+
+
+def _check_second_server_cannot_bind(ck: str, nproc: int, flags: list[str], base: str) -> None:
+    """A second TP = 2 server on the same port: rank 0 cannot bind, and every rank exits (none waits)."""
+    port = base.rsplit(":", 1)[1]
+    second = _Server(ck, nproc, *flags, "--port", port)
+    try:
+        rc = second.proc.wait(timeout=90)
+    finally:
+        second.kill()
+    assert rc != 0 and f"cannot listen on 127.0.0.1:{port}" in second.output(), second.output()
+
+
+def _check_sigterm_answers_queued_request(base: str, pid: int, server: _Server) -> None:
+    """SIGTERM while a request is queued: it is answered (200, or 503 for prompts not started)."""
+    late: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+    big = _greedy(["1"] * 8, 20)
+    threading.Thread(target=lambda: late.put(_put(f"{base}/api", big)), daemon=True).start()
+    deadline = time.monotonic() + 10
+    while late.empty() and time.monotonic() < deadline:
+        h = _get(f"{base}/health")
+        if h["queue"] or h["in_flight"]:
+            break
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGTERM)
+    status, answer = late.get(timeout=60)
+    assert status in (200, 503), answer
+    assert server.proc.wait(timeout=60) == 0, server.output()
 
 
 def test_port_in_use_is_one_line(ck: str, capsys: pytest.CaptureFixture[str]) -> None:

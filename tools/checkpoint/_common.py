@@ -7,7 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron.conversion.verify import LogitComparison
+from megatron.conversion.rewrite import TargetLayout
+from megatron.conversion.verify import LogitComparison, Verification
 
 EXIT_OK = 0
 EXIT_INPUT_ERROR = 2
@@ -26,6 +27,11 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verify-steps", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def verification_from_args(a: argparse.Namespace) -> Verification | None:
+    """The :class:`Verification` of the flags of :func:`add_verify_args` (None with ``--no-verify``)."""
+    return None if a.no_verify else Verification(steps=a.verify_steps, tolerance=a.tolerance)
 
 
 class Bar:
@@ -62,18 +68,20 @@ def report(result: LogitComparison | None, tolerance: float) -> int:
 
 
 def run_checkpoint_writer(
-    convert: Callable[..., LogitComparison | None], a: argparse.Namespace, *args: Any, **kwargs: Any
+    convert: Callable[..., LogitComparison | None],
+    a: argparse.Namespace,
+    *args: Any,
+    ep: int = 1,
+    **kwargs: Any,
 ) -> int:
-    """The body of a tool that writes a Trident checkpoint at ``--tp`` x ``--pp`` and verifies it: call
-    ``convert(*args, tp=, pp=, verify=, steps=, progress=, **kwargs)``, print one ``error:`` line for bad input
+    """The body of a tool that writes a Trident checkpoint at ``--tp`` x ``--pp`` (x ``ep``) and verifies it: call
+    ``convert(*args, layout=, verification=, progress=, **kwargs)``, print one ``error:`` line for bad input
     (exit 2), else what was written and the verification report (exit 0 or 3)."""
     try:
         result = convert(
             *args,
-            tp=a.tp,
-            pp=a.pp,
-            verify=not a.no_verify,
-            steps=a.verify_steps,
+            layout=TargetLayout(tp=a.tp, pp=a.pp, ep=ep),
+            verification=verification_from_args(a),
             progress=Bar(not a.no_progress),
             **kwargs,
         )
@@ -87,6 +95,6 @@ def run_checkpoint_writer(
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    ep = f", EP={kwargs['ep']}" if kwargs.get("ep", 1) != 1 else ""
-    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp}{ep})")
+    shown_ep = f", EP={ep}" if ep != 1 else ""
+    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp}{shown_ep})")
     return report(result, a.tolerance)

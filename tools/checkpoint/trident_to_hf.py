@@ -14,9 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.conversion.hf_export import export_to_hf
+from megatron.conversion.hf_export import TokenizerExport, export_to_hf
 from megatron.tokenizer.info import tokenizer_info
-from tools.checkpoint._common import EXIT_INPUT_ERROR, Bar, add_verify_args, report
+from tools.checkpoint._common import (
+    EXIT_INPUT_ERROR,
+    Bar,
+    add_verify_args,
+    report,
+    verification_from_args,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,15 +68,15 @@ def main(argv: list[str] | None = None) -> int:
             a.load,
             a.out,
             tag=a.tag,
-            verify=not a.no_verify,
-            steps=a.verify_steps,
+            tokenizer=TokenizerExport(
+                info=tokenizer,
+                write=not a.no_tokenizer,
+                bos_token_id=a.bos_token_id,
+                eos_token_id=a.eos_token_id,
+            ),
+            verification=verification_from_args(a),
             progress=Bar(not a.no_progress),
-            bos_token_id=a.bos_token_id,
-            eos_token_id=a.eos_token_id,
-            tokenizer=tokenizer,
-            write_tokenizer=not a.no_tokenizer,
             overwrite=a.overwrite,
-            tolerance=a.tolerance,
             say=print,
         )
     except (ValueError, FileNotFoundError) as e:
