@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -170,6 +171,10 @@ def _write_rows(rows: list[dict[str, Any]], path: str | None) -> None:
             sink.close()
 
 
+ERROR_GRACE_SECONDS = 2.0
+"""How long ranks other than 0 wait before exiting on a user-input error (rank 0 prints it)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     from megatron.text_generation import SamplingParams
@@ -189,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         if _is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
+        else:
+            # Every rank finds the same error; a launcher (torchrun) stops the whole job at the first rank that
+            # exits, so the others give rank 0 a moment to write the one error line first.
+            time.sleep(ERROR_GRACE_SECONDS)
         return EXIT_INPUT_ERROR
     finally:
         from megatron.text_generation.distributed import destroy_inference_distributed

@@ -572,7 +572,9 @@ def test_real_gpt2_bpe_workers_1_2_4_same_bytes_and_no_process_left(tmp_path: Pa
     assert rc == 1 and f"{bad}:{len(rows) + 1}: invalid JSON" in err
     assert _session_processes(pid) == [] and not list(tmp_path.glob("bad_*"))
     # SIGINT while the workers run: exit 130, nothing written, every worker gone.
-    big = _write_jsonl(tmp_path / "big.jsonl", rows * 40)
+    big = _write_jsonl(
+        tmp_path / "big.jsonl", rows * 400
+    )  # long enough that a loaded machine cannot finish before the signal
     proc = subprocess.Popen(
         [*tool, "--input", str(big), *gpt2, "--output-prefix", str(tmp_path / "big"), "--workers", "2",
          "--log-interval", "50"],  # fmt: skip
