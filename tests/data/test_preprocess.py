@@ -572,9 +572,8 @@ def test_real_gpt2_bpe_workers_1_2_4_same_bytes_and_no_process_left(tmp_path: Pa
     assert rc == 1 and f"{bad}:{len(rows) + 1}: invalid JSON" in err
     assert _session_processes(pid) == [] and not list(tmp_path.glob("bad_*"))
     # SIGINT while the workers run: exit 130, nothing written, every worker gone.
-    big = _write_jsonl(
-        tmp_path / "big.jsonl", rows * 400
-    )  # long enough that a loaded machine cannot finish before the signal
+    # long enough that a loaded machine cannot finish between the first progress line and the signal
+    big = _write_jsonl(tmp_path / "big.jsonl", rows * 400)
     proc = subprocess.Popen(
         [*tool, "--input", str(big), *gpt2, "--output-prefix", str(tmp_path / "big"), "--workers", "2",
          "--log-interval", "50"],  # fmt: skip
@@ -584,9 +583,10 @@ def test_real_gpt2_bpe_workers_1_2_4_same_bytes_and_no_process_left(tmp_path: Pa
     while "processed" not in proc.stderr.readline():
         assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
-    assert "interrupted: no output written" in proc.stderr.read()
-    proc.stderr.close()
+    # communicate() keeps draining stderr: a run blocked on a full pipe could never write its last line
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted: no output written" in err
     deadline = time.time() + 5
     while _session_processes(proc.pid) and time.time() < deadline:
         time.sleep(0.1)
