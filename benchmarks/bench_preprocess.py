@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import read_chunks
+from megatron.data.jsonl_input import read_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,13 +27,8 @@ import os
 import signal
 import sys
 
-from megatron.data.preprocess import (
-    Execution,
-    PreprocessError,
-    preprocess,
-    rates,
-    resolve_inputs,
-)
+from megatron.data.jsonl_input import resolve_inputs
+from megatron.data.preprocess import Execution, PreprocessError, preprocess, rates
 from megatron.log import setup_logging
 from megatron.tokenizer import TOKENIZER_TYPES
 

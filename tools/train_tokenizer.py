@@ -20,7 +20,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 
-from megatron.data.preprocess import PreprocessError, iter_texts, resolve_inputs
+from megatron.data.jsonl_input import PreprocessError, iter_texts, resolve_inputs
 from megatron.tokenizer.train import train_to_dir
 
 
