@@ -15,9 +15,21 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 _trident_fingerprint() {
   {
     echo "torch=$TORCH_SPEC"
-    cat "$TRIDENT_ROOT/requirements.txt" "$TRIDENT_ROOT/setup.py"
+    cat "$TRIDENT_ROOT/requirements.txt" "$TRIDENT_ROOT/requirements-cuda12.txt" "$TRIDENT_ROOT/setup.py"
     find "$TRIDENT_ROOT/csrc" -type f -print0 2>/dev/null | sort -z | xargs -0 -r cat
   } | sha256sum | cut -d' ' -f1
+}
+
+# CUDA 12's NVRTC and runtime headers (requirements-cuda12.txt) in $TRIDENT_VENV/cuda12, for the sm_70 (V100)
+# compile check. Optional: where they cannot be installed, a warning, and that test skips saying so.
+_trident_install_cuda12() {
+  local target="$TRIDENT_VENV/cuda12"
+  rm -rf "$target"
+  if ! "$TRIDENT_VENV/bin/python" -m pip install -q --no-deps --target "$target" \
+    -r "$TRIDENT_ROOT/requirements-cuda12.txt" >"$TRIDENT_VENV/cuda12-install.log" 2>&1; then
+    rm -rf "$target"
+    echo "[setup] WARNING: CUDA 12 NVRTC not installed (see $TRIDENT_VENV/cuda12-install.log): the sm_70 compile test skips" >&2
+  fi
 }
 
 _trident_install() {
@@ -30,6 +42,7 @@ _trident_install() {
   if [ -n "$TORCH_SPEC" ]; then "${pip[@]}" "$TORCH_SPEC" 2>&1 | { grep -v 'is ignored' || true; }; fi
   "${pip[@]}" -r "$TRIDENT_ROOT/requirements.txt" 2>&1 | { grep -v 'is ignored' || true; }
   "${pip[@]}" --no-build-isolation --no-deps -e "$TRIDENT_ROOT" 2>&1 | { grep -v 'is ignored' || true; }
+  _trident_install_cuda12
   DS_ACCELERATOR=cpu "$TRIDENT_VENV/bin/python" -c "import torch, deepspeed, megatron" \
     || { echo "[setup] ERROR: the venv at $TRIDENT_VENV cannot import torch/deepspeed/megatron" >&2; return 1; }
   _trident_fingerprint >"$TRIDENT_VENV/.trident-stamp"

@@ -28,8 +28,13 @@ void dispatch(at::ScalarType dtype, const char* op, Fn&& fn) {
       return fn(Tag<float>{});
     case at::kHalf:
       return fn(Tag<__half>{});
-    case at::kBFloat16:
+    case at::kBFloat16: {
+      // Volta builds (sm_70) carry no bf16 kernels (kernels.h): refuse before launching a trap.
+      const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+      TORCH_CHECK(prop->major >= 8, op, ": bf16 needs a GPU of compute capability >= 8.0; ",
+                  prop->name, " is ", prop->major, ".", prop->minor, ": use float16 or float32");
       return fn(Tag<__nv_bfloat16>{});
+    }
     default:
       TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
                   " (expected float32, bfloat16 or float16)");

@@ -106,7 +106,17 @@ constexpr int kElementwiseThreads = 256;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// No bf16 kernels before sm_80 (Volta: fp32/fp16 only; the binding refuses bf16 there). The bf16 templates
+// are still instantiated, as CUDA requires the same __global__ instantiations in every pass, but their
+// bodies reduce to a trap: no bf16 code is generated for these targets.
+__device__ __forceinline__ float to_float(__nv_bfloat16) {
+  __trap();
+  return 0.f;
+}
+#else
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+#endif
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -120,6 +130,9 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // see to_float(__nv_bfloat16)
+#endif
   return __float2bfloat16_rn(v);
 }
 // v rounded to T's precision and back (the identity for float).

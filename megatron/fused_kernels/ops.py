@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron.fused_kernels import reference
+from megatron.fused_kernels.arch import check_bf16_device
 from megatron.fused_kernels.loader import extension
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +31,8 @@ def kernels_for(*tensors: torch.Tensor | None) -> ModuleType | None:
         return None
     if any(t.device != first.device for t in present):
         return None
+    if first.dtype == torch.bfloat16:
+        check_bf16_device(first.device)  # Volta: no bf16 kernels, refused in one line
     return extension(first.device.type)
 
 

@@ -27,7 +27,6 @@ from megatron.config import ModelConfig
 from megatron.model.attention import ParallelAttention
 from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
-from megatron.model.moe import MoEMLP
 from megatron.model.norms import norm_class
 from megatron.model.switch_mlp import SwitchMLP
 from megatron.mpu.context import ParallelContext
@@ -132,6 +131,9 @@ class ParallelTransformerLayer(nn.Module):
         # MLP with --num-experts-switch (megatron/model/switch_mlp.py), as Megatron-DeepSpeed; else the dense MLP
         self.mlp: nn.Module
         if num_experts > 1:
+            # MoEMLP subclasses DeepSpeed's MoE: DeepSpeed is imported only where MoE is built
+            from megatron.model.moe import MoEMLP
+
             self.mlp = MoEMLP(config, parallel, layer_number=layer_number, num_experts=num_experts)
         elif config.moe.num_experts_switch is not None:
             self.mlp = SwitchMLP(config, parallel, layer_number=layer_number)

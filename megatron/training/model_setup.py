@@ -21,7 +21,8 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import ModelConfig, ParallelConfig, RunPlan, TrainingConfig
 from megatron.deepspeed_internals import keep_fp32_clip_norm, skip_single_rank_allreduce
-from megatron.model import GPTModel, GPTModelPipe
+from megatron.model import GPTModel
+from megatron.model.gpt_model_pipe import GPTModelPipe
 from megatron.mpu.context import ParallelContext
 from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
 from megatron.training.initialize import Distributed, check_pipe_grid

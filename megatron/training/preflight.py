@@ -20,6 +20,7 @@ from megatron.checkpointing.pointers import resolve_universal_flag
 from megatron.checkpointing.rules import check_checkpoint_dirs
 from megatron.config import LoggingConfig, RunPlan, TridentConfig, validate
 from megatron.deepspeed_internals import check_deepspeed_version
+from megatron.fused_kernels.arch import bf16_refusal
 from megatron.launch.cpu_allocator import allocator_choice
 from megatron.launch.rendezvous import ensure_rendezvous_env, world_size_from_env
 from megatron.planning.memory_plan import MemoryPlan, plan_memory
@@ -59,6 +60,15 @@ def check_output_paths(log: LoggingConfig) -> None:
         )
 
 
+def check_bf16_gpu() -> None:
+    """``--bf16`` on a GPU before Ampere (a V100: fp16 only) is one ``ValueError`` line."""
+    import torch
+
+    message = bf16_refusal(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    if message is not None:
+        raise ValueError(f"--bf16: {message}")
+
+
 def preflight(cfg: TridentConfig) -> Preflight:
     """Every user-input check, before any process group exists (identical on every rank).
 
@@ -74,6 +84,8 @@ def preflight(cfg: TridentConfig) -> Preflight:
     if device_type == "cpu":
         allocator_choice(os.environ)
     validate(cfg, world_size=world_size, device_type=device_type)
+    if cfg.training.bf16 and device_type == "cuda":
+        check_bf16_gpu()
     check_data_flags(cfg)
     check_output_paths(cfg.logging)
     cfg = dataclasses.replace(

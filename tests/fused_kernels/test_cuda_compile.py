@@ -2,17 +2,20 @@
 
 Nothing here runs a kernel: the numerical tests against ``megatron/fused_kernels/reference.py`` need a
 GPU and live elsewhere. These tests catch what a CPU-only CI can: every ``.cu`` file compiles with
-nvcc for sm_80 (A100) and sm_90 (H100/H200) without a warning, no ``.cu`` file pulls in a torch
-header (the contract keeps them plain CUDA), and ``binding.cpp`` passes a C++ syntax check against
-torch's headers.
+nvcc for sm_80 (A100) and sm_90 (H100/H200) without a warning, and with CUDA 12 for sm_70 (V100,
+which CUDA 13 no longer targets; fp32/fp16 only, the bf16 kernels reduced to a trap); no ``.cu`` file
+pulls in a torch header (the contract keeps them plain CUDA), and ``binding.cpp`` passes a C++
+syntax check against torch's headers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +43,91 @@ STUB_HEADERS = {
     "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;\n",
     "cusolver_common.h": "typedef int cusolverStatus_t;\n",
 }
+
+
+# The sm_70 compile. PyPI's CUDA 12 compiler wheels carry no nvcc driver (nvidia-cuda-nvcc-cu12 12.0-12.9 ship
+# ptxas and libnvvm only), so the check uses CUDA 12's NVRTC (nvidia-cuda-nvrtc-cu12): the same front end,
+# NVVM and ptxas as nvcc 12, compiling each .cu for sm_70 to a cubin. NVRTC compiles device code only, so
+# -default-device (with -rdc for the launches) turns the host launchers into device code: every kernel
+# template each launcher instantiates is compiled, as nvcc's device pass would. scripts/setup_env.sh installs
+# the wheels (requirements-cuda12.txt) into .venv/cuda12; TRIDENT_CUDA12 names another such --target dir.
+CUDA12_DIR = Path(os.environ.get("TRIDENT_CUDA12") or Path(sys.prefix) / "cuda12")
+# NVRTC has no host C library: the two host headers the kernels include, reduced to what they use.
+NVRTC_STUBS = {
+    "cstdint": "typedef signed char int8_t; typedef short int16_t; typedef int int32_t;\n"
+    "typedef long long int64_t; typedef unsigned char uint8_t; typedef unsigned short uint16_t;\n"
+    "typedef unsigned int uint32_t; typedef unsigned long long uint64_t;\n"
+    "typedef unsigned long long uintptr_t;\n"
+    "namespace std { using ::int32_t; using ::int64_t; using ::uint32_t; using ::uint64_t;\n"
+    "using ::uintptr_t; }\n",
+    "math.h": "#define INFINITY __int_as_float(0x7f800000)\n#define NAN __int_as_float(0x7fffffff)\n",
+}
+# The one warning sm_70 always draws (NVRTC has no -Wno-deprecated-gpu-targets); any other fails the test.
+NVRTC_SM70_DEPRECATED = "Architectures prior to '<compute/sm>_75' are deprecated"
+PTX_ENTRY = re.compile(r"^(?:\.visible\s+)?\.entry\s+(\S+?)\(", re.MULTILINE)
+
+
+def _nvrtc12() -> ctypes.CDLL | None:
+    """CUDA 12's NVRTC from CUDA12_DIR, or None where it is not installed."""
+    libs = sorted((CUDA12_DIR / "nvidia" / "cuda_nvrtc" / "lib").glob("libnvrtc.so.12*"))
+    runtime_h = CUDA12_DIR / "nvidia" / "cuda_runtime" / "include" / "cuda_runtime.h"
+    if not libs or not runtime_h.exists():
+        return None
+    try:
+        return ctypes.CDLL(str(libs[0]))
+    except OSError:
+        return None
+
+
+def _nvrtc_compile(lib: ctypes.CDLL, src: Path, options: list[str]) -> tuple[int, str, str, int]:
+    """Compile ``src`` with NVRTC: (result code, log, PTX, cubin bytes)."""
+    prog = ctypes.c_void_p()
+    code = lib.nvrtcCreateProgram(
+        ctypes.byref(prog), src.read_bytes(), src.name.encode(), 0, None, None
+    )
+    assert code == 0, f"nvrtcCreateProgram: {code}"
+
+    def read(size_fn: str, get_fn: str) -> str:
+        size = ctypes.c_size_t()
+        if getattr(lib, size_fn)(prog, ctypes.byref(size)) != 0:
+            return ""
+        buf = ctypes.create_string_buffer(size.value)
+        getattr(lib, get_fn)(prog, buf)
+        return buf.raw.rstrip(b"\0").decode(errors="replace")
+
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        code = lib.nvrtcCompileProgram(prog, len(options), opts)
+        log = read("nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
+        if code != 0:
+            return code, log, "", 0
+        cubin = len(read("nvrtcGetCUBINSize", "nvrtcGetCUBIN"))
+        return code, log, read("nvrtcGetPTXSize", "nvrtcGetPTX"), cubin
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _sm70_problems(name: str, result: tuple[int, str, str, int]) -> list[str]:
+    """What is wrong with one file's sm_70 compile: errors, warnings, no cubin, bf16 code."""
+    code, log, ptx, cubin = result
+    warnings = [
+        line for line in log.splitlines() if "warning" in line and NVRTC_SM70_DEPRECATED not in line
+    ]
+    if code != 0 or warnings or cubin == 0:
+        return [f"{name}: nvrtc result {code}, cubin {cubin} bytes\n{log}"]
+    entries = dict(zip(PTX_ENTRY.findall(ptx), PTX_ENTRY.split(ptx)[2::2], strict=True))
+    bf16 = [k for k in entries if "nv_bfloat16" in k]
+    problems = [
+        f"{name}: bf16 kernel {k} has code for sm_70" for k in bf16 if "trap;" not in entries[k]
+    ]
+    problems += [
+        f"{name}: {k} traps on sm_70" for k in entries if k not in bf16 and "trap;" in entries[k]
+    ]
+    if not bf16 or len(bf16) == len(entries):
+        problems.append(
+            f"{name}: {len(bf16)} bf16 of {len(entries)} kernels (expected some of each)"
+        )
+    return problems
 
 
 def _cuda_include_dir() -> Path | None:
@@ -87,6 +175,33 @@ def test_every_cu_file_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
         if proc.returncode != 0 or "warning" in (proc.stdout + proc.stderr).lower()
     ]
     assert not failures, "\n\n".join(failures)
+
+
+def test_every_cu_file_compiles_for_sm70_with_cuda12(tmp_path: Path) -> None:
+    """Volta: each .cu compiles for sm_70 with CUDA 12 without a warning; its bf16 kernels are only a trap."""
+    lib = _nvrtc12()
+    if lib is None:
+        pytest.skip(
+            f"CUDA 12 NVRTC not installed at {CUDA12_DIR} (scripts/setup_env.sh installs "
+            "requirements-cuda12.txt there; TRIDENT_CUDA12 names another --target dir): "
+            "the sm_70 (V100) compile is not checked"
+        )
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, text in NVRTC_STUBS.items():
+        (stubs / name).write_text("#pragma once\n" + text, encoding="utf-8")
+    options = [
+        "-arch=sm_70", "-std=c++17", "-default-device", "-rdc=true", f"-I{CUDA_DIR}",
+        f"-I{CUDA12_DIR / 'nvidia' / 'cuda_runtime' / 'include'}", f"-I{stubs}",
+    ]  # fmt: skip
+    with ThreadPoolExecutor(
+        max_workers=2
+    ) as pool:  # CI has 2 cores; NVRTC is thread-safe per program
+        results = list(pool.map(lambda src: _nvrtc_compile(lib, src, options), CU_FILES))
+    problems = [
+        p for src, r in zip(CU_FILES, results, strict=True) for p in _sm70_problems(src.name, r)
+    ]
+    assert not problems, "\n\n".join(problems)
 
 
 def test_binding_passes_a_syntax_check(tmp_path: Path) -> None:

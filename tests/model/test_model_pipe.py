@@ -67,7 +67,7 @@ def _one_case(cfg: ModelConfig, tp: int, pp: int, sp: bool, interval: int) -> di
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     from megatron.layout.names import pipe_to_megatron_name
-    from megatron.model import GPTModelPipe
+    from megatron.model.gpt_model_pipe import GPTModelPipe
     from megatron.mpu import parallel_state
     from megatron.mpu.layers import gather_full_parameter
     from megatron.mpu.random import model_parallel_cuda_manual_seed
