@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -37,6 +38,20 @@ def _steps() -> list[tuple[str, int, str, int]]:
     block = CHECK.read_text().split("STEPS=(", 1)[1].split(")", 1)[0]
     rows = re.findall(r'"(\w+) (\d+) ([\d.]+) ([01]) ([01])"', block)
     return [(n, int(t), e, int(o)) for n, t, e, o, _ in rows]
+
+
+def _run_group(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a session of its own; on a timeout kill that whole group (a broken script's children, e.g.
+    a build, must not outlive the test)."""
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_scripts_parse() -> None:
@@ -72,9 +87,7 @@ def test_dry_run_reports_every_step_times_out_a_hung_one_and_exits_0(tmp_path: P
         "GPU_CHECK_FAIL": "build,llama",
         "GPU_CHECK_BUDGET": "60",  # the optional steps' timeouts (90, 120 s) no longer fit: SKIP
     }
-    run = subprocess.run(
-        ["bash", str(CHECK)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
+    run = _run_group(["bash", str(CHECK)], env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("gpu-check: ")]
     summary = (out / "summary.txt").read_text()
@@ -193,14 +206,12 @@ def test_wheels_keep_the_images_packages_and_list_what_the_check_carries(tmp_pat
     (wheels / "pytest-9.2.0-py3-none-any.whl").write_bytes(b"")
     ok, text = h.install_wheels(wheels, tmp_path / "site")
     assert ok and text == "nothing to install (1 on the image)"
-    listed = subprocess.run(
+    run = _run_group(
         ["bash", str(ROOT / "scripts" / "gpu_wheels.sh"), "--list"],
         env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout.split()
+    )
+    assert run.returncode == 0, run.stderr
+    listed = run.stdout.split()
     names = {pin.split("==")[0] for pin in listed}
     assert {"deepspeed", "hjson", "pydantic", "pydantic-core", "pytest", "pytest-timeout"} <= names
     assert "torch" not in names and all("==" in pin for pin in listed)
