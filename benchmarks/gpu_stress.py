@@ -429,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = _choices(parser, args.dtypes or ("bf16,fp32" if cuda else "fp32"), DTYPES, "--dtypes")
     ops = _choices(parser, args.ops, OPS, "--ops")
     checks = _choices(parser, args.checks, CHECKS, "--checks")
+    if args.json and not args.json.parent.is_dir():
+        parser.error(
+            f"--json {args.json}: no folder {args.json.parent}; create it or choose another path"
+        )
     if fk.extension(args.device) is None:
         parser.error(f"no fused kernels for {args.device}: {fk.status()[args.device]}")
     size = args.size or ("large" if cuda else "small")

@@ -26,7 +26,7 @@
 #   OUT=/tmp/o bash scripts/gpu_check.sh      # $OUT: summary.txt, logs.tar (every step's log and data), and the
 #                                             # running step's NAME.log (each log is appended to logs.tar and
 #                                             # removed once its step ends: a killed command still leaves
-#                                             # evidence, and few files); default OUT=./gpu-check-out
+#                                             # evidence, and few files); default: gpu-check-out/ in the repository
 # Settings: PYTHON (python), WHEELS (.whl), GPU_CHECK_WORK (scratch: wheels target, kernel cache; default
 # $TMPDIR/trident-gpu-check), GPU_CHECK_BUDGET (480 s), GPU_CHECK_TIMEOUT_<NAME> (one step's timeout, seconds).
 # Test hooks: GPU_CHECK_DRY_RUN=1 (every step prints its command instead of running it), GPU_CHECK_HANG=a,b (those
@@ -72,6 +72,7 @@ STEPS=(
 )
 
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+CALLER_DIR="$PWD"  # a relative OUT or GPU_CHECK_WORK is taken from where the script was started
 cd "$(dirname "$SELF")/.." || exit 1
 PY="${PYTHON:-python}"
 HELPER=scripts/gpu_check_steps.py
@@ -175,10 +176,10 @@ fi
 OUT="${OUT:-$PWD/gpu-check-out}"
 WORK="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/trident-gpu-check}"
 BUDGET="${GPU_CHECK_BUDGET:-480}"
-mkdir -p "$OUT" "$WORK" || exit 1
-OUT="$(cd "$OUT" && pwd)"
-WORK="$(cd "$WORK" && pwd)"
+OUT="$(cd "$CALLER_DIR" && mkdir -p "$OUT" && cd "$OUT" && pwd)" || exit 1
+WORK="$(cd "$CALLER_DIR" && mkdir -p "$WORK" && cd "$WORK" && pwd)" || exit 1
 SUMMARY="$OUT/summary.txt"
+rm -f "$OUT/logs.tar"  # this run's logs only
 export OUT WORK PYTHON="$PY"
 export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$WORK/site/bin:$PATH"  # bin: ninja
 export TRIDENT_KERNEL_CACHE="$WORK/kernels" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
