@@ -16,8 +16,9 @@
 answers ``200 {"text": [prompt + continuation, ...], "tokens": [[generated ids], ...]}``, plus
 ``"logprobs": [[log p of prompt tokens 1..n-1, then of every generated token], ...]`` when asked; beam search
 answers one entry per beam (best first) and ``"scores": [...]``. A malformed request answers ``400 {"error":
-"..."}`` naming the field; a full queue or a server shutting down ``503`` (with ``Retry-After``); another method
-or path ``405``/``404``. ``GET /health`` answers ``200 {"status": "ok", "queue": prompts waiting, ...}``
+"..."}`` naming the field, as does a body that is not UTF-8, not JSON, or nested deeper than
+:data:`MAX_JSON_DEPTH`; a full queue or a server shutting down ``503`` (with ``Retry-After``); another method or
+path ``405``/``404``. ``GET /health`` answers ``200 {"status": "ok", "queue": prompts waiting, ...}``
 (``503`` while shutting down).
 
 Batching, seeds, the queue bound and what the other ranks do: ``megatron.text_generation.scheduler``. The
