@@ -59,7 +59,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="beam search with this many beams (Megatron's semantics; --num-samples best hypotheses per prompt)",
     )
     out.add_argument(
-        "--length-penalty", type=float, default=1.0, help="beam search: score / len**this"
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="beam search: score = sum log p / len**this, a finite number in [-10, 10]",
     )
     out.add_argument(
         "--return-log-probs",
@@ -73,12 +76,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _prompts(a: argparse.Namespace) -> list[str]:
+    """--prompt values, then one prompt per line of --sample-input-file; none: one unconditional sample.
+
+    Raises:
+        FileNotFoundError / ValueError: the input file is missing, not UTF-8 text, or empty (an empty file is a
+            mistake, not a request for nothing: refusing it keeps a previous --sample-output-file intact).
+    """
     prompts = list(a.prompt)
     if a.sample_input_file:
         path = Path(a.sample_input_file)
         if not path.is_file():
             raise FileNotFoundError(f"--sample-input-file {path} does not exist.")
-        prompts += [ln.rstrip("\n") for ln in path.read_text(encoding="utf-8").splitlines()]
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"--sample-input-file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                f"{err.start}); give a text file with one prompt per line."
+            ) from None
+        if not lines:
+            raise ValueError(
+                f"--sample-input-file {path} is empty: it holds no prompts. Put one prompt per line (an empty "
+                "line is an unconditional sample), or leave the flag out for one unconditional sample."
+            )
+        prompts += lines
     return prompts or [""]
 
 
@@ -125,9 +146,12 @@ def _too_long(prompt: str, err: TooManyTokensError) -> ValueError:
 
 
 def _check_counts(a: argparse.Namespace) -> None:
-    """--batch-size, --num-samples and --beam-width, before anything is loaded."""
+    """--batch-size, --length-penalty, --num-samples and --beam-width, before anything is loaded."""
+    from megatron.text_generation.engine import check_length_penalty
+
     if a.batch_size < 1:
         raise ValueError(f"--batch-size ({a.batch_size}) must be >= 1.")
+    check_length_penalty(a.length_penalty)
     if a.beam_width is not None and not 1 <= a.num_samples <= a.beam_width:
         raise ValueError(
             f"--num-samples ({a.num_samples}) must be in [1, --beam-width ({a.beam_width})] with beam "

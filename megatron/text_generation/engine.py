@@ -29,6 +29,12 @@ best ``2w`` are walked in order: a stop token among the first ``w`` ends a hypot
 other token extends a beam until ``w`` beams are chosen. The search ends when ``w`` hypotheses are kept and the
 best new score, length-penalised at the current length, is no better than the worst kept; after
 ``max_new_tokens`` steps the open beams join the hypotheses. The best ``num_return`` hypotheses are returned.
+
+A width close to or above the vocabulary (or above ``V ** step``) leaves fewer real continuations than beams: the
+first step has only ``V`` candidates, one of them perhaps the stop token. The beams left over are *empty*: score
+``-inf``, so none of their continuations is ever chosen over a real one, they never become hypotheses, and the
+search returns fewer than ``num_return`` hypotheses when fewer distinct ones exist (never a duplicate, never an
+invented score). Megatron's own code fails on such widths (its next-beam tensors come out short).
 """
 
 from __future__ import annotations
@@ -52,6 +58,24 @@ from megatron.mpu.mappings import (
 )
 from megatron.mpu.parallel_state import ProcessGroup, group_rank, group_world_size
 from megatron.text_generation.sampling import SamplingParams, sample_next
+
+MAX_LENGTH_PENALTY = 10.0
+"""Largest ``|length_penalty|``: ``length ** 10`` stays finite for any context (``1e6 ** 10 = 1e60``), and
+useful values are small (Megatron's default 1; transformers' examples 0.6..2; 0 ranks by total log p)."""
+
+
+def check_length_penalty(value: float, name: str = "--length-penalty") -> None:
+    """Refuse a length penalty the score ``sum log p / length ** value`` cannot use.
+
+    Raises:
+        ValueError: ``value`` is nan, infinite or beyond ``±MAX_LENGTH_PENALTY`` (naming ``name``).
+    """
+    if not (math.isfinite(value) and abs(value) <= MAX_LENGTH_PENALTY):
+        bound = f"{MAX_LENGTH_PENALTY:g}"
+        raise ValueError(
+            f"{name} ({value}) must be a finite number in [-{bound}, {bound}]: the beam score is "
+            f"sum log p / length ** {name} (1.0, the default, is Megatron's; 0 ranks by total log p)."
+        )
 
 
 @dataclass
@@ -316,8 +340,10 @@ class InferenceEngine:
             ``stopped``), on every rank.
 
         Raises:
-            ValueError: ``beam_width`` or ``num_return`` < 1, or ``num_return > beam_width``.
+            ValueError: ``beam_width`` or ``num_return`` < 1, ``num_return > beam_width``, or a length penalty
+                :func:`check_length_penalty` refuses.
         """
+        check_length_penalty(length_penalty)
         if beam_width < 1:
             raise ValueError(f"--beam-width ({beam_width}) must be >= 1.")
         if not 1 <= num_return <= beam_width:
@@ -391,6 +417,8 @@ class _BeamState:
         return min(h[0] for h in self.hypotheses)
 
     def _keep(self, total: float, tokens: list[int], stopped: bool) -> None:
+        if not math.isfinite(total):  # an empty beam (never a hypothesis)
+            return
         score = self._penalised(total, len(tokens))
         if len(self.hypotheses) < self.width or score > self._worst():
             self.hypotheses.append((score, tokens, stopped))
@@ -400,17 +428,35 @@ class _BeamState:
 
     def step(self, logp: torch.Tensor, step: int) -> torch.Tensor:
         """Choose the next beams from ``logp [w, V]``; returns the broadcast message ``[done, beams, tokens,
-        scores]`` (fp64)."""
-        vocab = logp.shape[1]
+        scores]`` (fp64). Slots left without a real continuation are empty beams (score ``-inf``)."""
         cand = logp.double() + self.scores.view(-1, 1)  # [w, V]
-        flat = cand[0] if step == 0 else cand.reshape(-1)
+        flat = cand[0] if step == 0 else cand.reshape(-1)  # [V] or [w * V]
         order = torch.sort(flat, descending=True, stable=True)
-        top_scores, top_idx = order.values[: 2 * self.width], order.indices[: 2 * self.width]
-        chosen: list[tuple[int, int, float]] = []  # (beam, token, score)
-        for rank, (score, idx) in enumerate(
-            zip(top_scores.tolist(), top_idx.tolist(), strict=True)
-        ):
-            beam, token = divmod(int(idx), vocab)
+        top_scores = order.values[: 2 * self.width]  # [min(2w, V or w * V)]
+        chosen = self._walk(
+            top_scores.tolist(), order.indices[: 2 * self.width].tolist(), logp.shape[1]
+        )
+        msg = torch.zeros(1 + 3 * self.width, dtype=torch.float64)
+        best = float(top_scores[0])
+        if len(self.hypotheses) >= self.width and self._worst() >= self._penalised(best, step + 1):
+            msg[0] = 1.0
+            return msg
+        msg[1 + 2 * self.width :] = -math.inf  # empty beams: beam 0, token 0, never chosen again
+        for k, (beam, token, score) in enumerate(chosen):
+            msg[1 + k], msg[1 + self.width + k], msg[1 + 2 * self.width + k] = beam, token, score
+        return msg
+
+    def _walk(
+        self, scores: list[float], indices: list[int], vocab: int
+    ) -> list[tuple[int, int, float]]:
+        """The next beams ``(beam, token, score)`` (at most ``w``) from the best candidates, best first; keeps
+        the stop tokens ranked among the first ``w`` as hypotheses. Stops at the first ``-inf`` candidate (an
+        empty beam's continuation)."""
+        chosen: list[tuple[int, int, float]] = []
+        for rank, (score, idx) in enumerate(zip(scores, indices, strict=True)):
+            if score == -math.inf:
+                break
+            beam, token = divmod(idx, vocab)
             if token == self.stop_token:
                 if rank < self.width:
                     self._keep(score, self.history[beam] + [token], True)
@@ -418,15 +464,7 @@ class _BeamState:
             chosen.append((beam, token, score))
             if len(chosen) == self.width:
                 break
-        msg = torch.zeros(1 + 3 * self.width, dtype=torch.float64)
-        length = step + 1
-        best = float(top_scores.max())
-        if len(self.hypotheses) >= self.width and self._worst() >= self._penalised(best, length):
-            msg[0] = 1.0
-            return msg
-        for k, (beam, token, score) in enumerate(chosen):
-            msg[1 + k], msg[1 + self.width + k], msg[1 + 2 * self.width + k] = beam, token, score
-        return msg
+        return chosen
 
     def close(self, steps: int) -> None:
         """No early stop: the open beams join the hypotheses."""

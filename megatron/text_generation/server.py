@@ -16,8 +16,9 @@
 answers ``200 {"text": [prompt + continuation, ...], "tokens": [[generated ids], ...]}``, plus
 ``"logprobs": [[log p of prompt tokens 1..n-1, then of every generated token], ...]`` when asked; beam search
 answers one entry per beam (best first) and ``"scores": [...]``. A malformed request answers ``400 {"error":
-"..."}`` naming the field; a full queue or a server shutting down ``503`` (with ``Retry-After``); another method
-or path ``405``/``404``. ``GET /health`` answers ``200 {"status": "ok", "queue": prompts waiting, ...}``
+"..."}`` naming the field, as does a body that is not UTF-8, not JSON, or nested deeper than
+:data:`MAX_JSON_DEPTH`; a full queue or a server shutting down ``503`` (with ``Retry-After``); another method or
+path ``405``/``404``. ``GET /health`` answers ``200 {"status": "ok", "queue": prompts waiting, ...}``
 (``503`` while shutting down).
 
 Batching, seeds, the queue bound and what the other ranks do: ``megatron.text_generation.scheduler``. The
@@ -40,11 +41,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from megatron.text_generation.engine import check_length_penalty
 from megatron.text_generation.generation import TextGenerator
 from megatron.text_generation.sampling import SamplingParams
 from megatron.text_generation.scheduler import (
@@ -77,6 +80,10 @@ MAX_BODY_BYTES = 1 << 20
 DEFAULT_READ_TIMEOUT = 60.0
 """Seconds the server waits on a silent client (nginx's client_header/body_timeout default): long enough for a
 1 MiB body on a slow link, short enough that stuck connections do not pile up."""
+MAX_JSON_DEPTH = 32
+"""Deepest array/object nesting a body may have (a request needs 2; ``json`` recurses once per level)."""
+_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+"""A JSON string (skipped whole, escapes included) or one bracket."""
 _CHUNK = 1 << 16
 _SEED_BOUND = 1 << 63
 _FIELDS = frozenset((
@@ -118,8 +125,10 @@ def _beam_fields(body: dict[str, Any], n_prompts: int) -> tuple[int | None, int 
     if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < 0):
         raise RequestError(f"'stop_token' must be a token id >= 0; got {stop!r}.")
     penalty = _field(body, "length_penalty", float, 1.0)
-    if not math.isfinite(penalty):
-        raise RequestError(f"'length_penalty' must be a finite number; got {penalty}.")
+    try:
+        check_length_penalty(penalty, "'length_penalty'")
+    except ValueError as err:
+        raise RequestError(str(err)) from None
     return width, stop, penalty
 
 
@@ -175,6 +184,50 @@ def parse_request(body: Any, *, max_prompts: int = MAX_PROMPTS) -> ApiRequest:
     )
 
 
+def _decode_json(data: bytes) -> Any:
+    """The JSON value of a request body (an empty body is ``null``).
+
+    Raises:
+        RequestError: the body is not UTF-8 (RFC 8259 requires it between systems), not JSON, nests deeper than
+            :data:`MAX_JSON_DEPTH`, or holds a number Python refuses (an integer of over 4300 digits).
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(
+            f"the body is not UTF-8 (byte {data[err.start]:#04x} at offset {err.start}); send the JSON "
+            "encoded as UTF-8."
+        ) from None
+    depth = _nesting(text)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(
+            f"the body nests JSON arrays/objects {depth} deep; a request needs 2 (at most {MAX_JSON_DEPTH})."
+        )
+    try:
+        return json.loads(text or "null")
+    except json.JSONDecodeError as err:
+        raise RequestError(f"the body is not JSON ({err.msg} at char {err.pos}).") from None
+    except ValueError as err:  # e.g. an integer literal beyond Python's int-string limit
+        raise RequestError(f"the body is not usable JSON ({err}).") from None
+
+
+def _nesting(text: str) -> int:
+    """The deepest ``[``/``{`` nesting of JSON ``text`` outside strings (an upper bound for malformed text).
+
+    Checked before parsing: ``json`` recurses once per level, so a body of 100,000 ``[`` would raise
+    ``RecursionError`` in the request thread.
+    """
+    depth = deepest = 0
+    for m in _STRUCTURE.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
 class _Handler(BaseHTTPRequestHandler):
     scheduler: Scheduler
     max_prompts: int
@@ -226,10 +279,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             data += chunk
         self.connection.settimeout(self.timeout)
-        try:
-            return json.loads(bytes(data) or b"null")
-        except json.JSONDecodeError as err:
-            raise RequestError(f"the body is not JSON ({err.msg} at char {err.pos}).") from None
+        return _decode_json(bytes(data))
 
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload, ensure_ascii=False).encode("utf-8")

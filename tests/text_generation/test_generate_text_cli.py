@@ -88,6 +88,29 @@ def test_sample_output_file_checked_before_loading(tmp_path: Path, capsys) -> No
     assert f"--sample-output-file {nested}: the directory {nested.parent} does not exist" in err
 
 
+def test_length_penalty_and_prompt_file_checked_before_loading(tmp_path: Path, capsys) -> None:
+    # Once: -inf a ZeroDivisionError, 1e308 an OverflowError, nan accepted (nan scores); an empty prompt file one
+    # unconditional sample. Now one line each, before the (here missing) checkpoint is looked at.
+    missing = ["--load", str(tmp_path / "no-ckpt"), "--prompt", "1", "--beam-width", "2"]
+    for value, shown in (("-inf", "-inf"), ("1e308", "1e+308"), ("nan", "nan"), ("-10.5", "-10.5")):
+        rc, _, err = _run(capsys, [*missing, f"--length-penalty={value}"])
+        assert rc == 2 and "Traceback" not in err and err.count("error:") == 1, err
+        assert f"--length-penalty ({shown}) must be a finite number in [-10, 10]" in err
+    out_file = tmp_path / "samples.jsonl"
+    out_file.write_text("an earlier run's samples\n")
+    empty, latin1 = tmp_path / "empty.txt", tmp_path / "latin1.txt"
+    empty.write_bytes(b"")
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    missing = ["--load", str(tmp_path / "no-ckpt"), "--sample-output-file", str(out_file)]
+    rc, _, err = _run(capsys, [*missing, "--sample-input-file", str(empty)])
+    assert rc == 2 and err.count("error:") == 1, err
+    assert f"--sample-input-file {empty} is empty: it holds no prompts" in err
+    rc, _, err = _run(capsys, [*missing, "--sample-input-file", str(latin1)])
+    assert rc == 2 and err.count("error:") == 1, err
+    assert f"--sample-input-file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)" in err
+    assert out_file.read_text() == "an earlier run's samples\n"
+
+
 def test_text_prompt_on_checkpoint_without_tokenizer(ck: str, capsys) -> None:
     rc, _, err = _run(capsys, ["--load", ck, "--prompt", "the cat", "--out-seq-length", "2"])
     assert rc == 2 and "Traceback" not in err and err.count("error:") == 1, err

@@ -101,6 +101,19 @@ def test_generation_requests(served) -> None:
         (b'{"prompts": ["1"], "temperature": "hot"}', "'temperature' must be a float"),
         (b'{"prompts": ["1"], "beam_size": 2}', "unknown field(s) ['beam_size']"),
         (b'{"prompts": ["1"], "random_seed": -1}', "'random_seed' must be a non-negative"),
+        # once a dead request thread and no answer (UnicodeDecodeError, RecursionError), or a 500 (OverflowError)
+        (b'{"prompts": ["\xff 1"]}', "the body is not UTF-8 (byte 0xff at offset 14)"),
+        ('{"prompts": ["1"]}'.encode("utf-16"), "the body is not UTF-8"),
+        (b"[" * 100_000, "the body nests JSON arrays/objects 100000 deep"),
+        (b'{"prompts": ' + b"[" * 32 + b'"1"' + b"]" * 32 + b"}", "33 deep; a request needs 2"),
+        (
+            b'{"prompts": ["1"], "beam_width": 2, "length_penalty": 1e308}',
+            "'length_penalty' (1e+308) must be a finite number in [-10, 10]",
+        ),
+        (
+            b'{"prompts": ["1"], "beam_width": 2, "length_penalty": -Infinity}',
+            "'length_penalty' (-inf) must be a finite number",
+        ),
         (  # Megatron's "Too many tokens": refused, not cut short (context 32 here)
             b'{"prompts": ["1 2 3"], "tokens_to_generate": 40}',
             "more than the model's context of 32 positions; request at most 29 new tokens",
@@ -209,6 +222,15 @@ def test_logprobs_seeds_and_beams(served) -> None:
     assert beams["text"] == ["1 2" + r.text for r in ref]
     assert beams["scores"] == pytest.approx([r.score for r in ref])
     assert beams["scores"] == sorted(beams["scores"], reverse=True)
+    # A width above the vocabulary (60): one new token has 60 hypotheses, each scored log p (once an
+    # invented [0] scored 0.0, repeated to fill 64 answers).
+    wide = text_generation_cli.request(
+        url, {"prompts": ["1 2"], "tokens_to_generate": 1, "beam_width": 64}
+    )
+    assert sorted(t[0] for t in wide["tokens"]) == list(range(CFG.vocab_size))
+    ids = gen.prompt_ids("1 2")
+    truth = [_log_softmax_oracle(gen, [*ids, t[0]])[-1] for t in wide["tokens"]]
+    assert wide["scores"] == pytest.approx(truth, abs=1e-5)
     status, health = _raw(f"{base}/health", "GET", None)
     assert status == 200 and health["status"] == "ok" and health["queue"] == 0, health
 
