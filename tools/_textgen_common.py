@@ -11,6 +11,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     """--load/--load-tag and the "model and tokenizer" group."""
     p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
     p.add_argument("--load-tag", "--tag", dest="tag", default=None, help="tag (default: 'latest')")
+    p.add_argument(
+        "--no-verify-checkpoint-checksums",
+        dest="verify_checkpoint_checksums",
+        action="store_false",
+        help="compare the checkpoint files' sizes with those recorded at save, but skip their SHA-256 (huge "
+        "checkpoints on trusted storage)",
+    )
     run = p.add_argument_group("model and tokenizer")
     run.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)"
@@ -73,4 +80,5 @@ def build_generator(a: argparse.Namespace) -> Any:
         dtype=torch.bfloat16 if a.bf16 else torch.float32,
         micro_batch_size=a.micro_batch_size,
         layout=layout,
+        verify_checksums=a.verify_checkpoint_checksums,
     )

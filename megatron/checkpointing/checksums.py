@@ -256,20 +256,29 @@ def verify_checkpoint_files(
                 f"checkpoint file {path} has {size} bytes but had {saved} when it was saved (truncated or "
                 f"replaced); {fix}."
             )
-    if not hashes:
+    hashed = [n for n in wanted if ALGORITHM in record[n]] if hashes else []
+    if not hashed:
         return len(wanted)
-    workers = max(1, min(4, len(wanted), os.cpu_count() or 1))
+    workers = max(1, min(4, len(hashed), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         digests = dict(
-            zip(wanted, pool.map(lambda n: _file_digest(tag_dir / n), wanted), strict=True)
+            zip(hashed, pool.map(lambda n: _file_digest(tag_dir / n), hashed), strict=True)
         )
-    for name in wanted:
+    for name in hashed:
         if digests[name] != record[name][ALGORITHM]:
             raise ValueError(
                 f"checkpoint file {tag_dir / name} does not match its {ALGORITHM} checksum recorded at save "
                 f"(damaged or modified since; --no-verify-checkpoint-checksums skips this check); {fix}."
             )
     return len(wanted)
+
+
+def sizes_only(meta: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``meta`` whose checksum record keeps each file's size but no digest: readers given it compare
+    sizes only (``--no-verify-checkpoint-checksums`` of the tools that read through a meta they are handed)."""
+    record = meta.get(CHECKSUMS_KEY) or {}
+    files = {n: {"bytes": r["bytes"]} for n, r in (record.get("files") or {}).items()}
+    return {**meta, CHECKSUMS_KEY: {**record, "files": files}} if files else meta
 
 
 class PendingVerification:

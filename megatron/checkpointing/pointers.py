@@ -75,6 +75,24 @@ def check_tag(tag: str, source: str) -> str:
     return tag
 
 
+def check_tag_inside(root: Path, tag: str, source: str) -> None:
+    """``root/tag`` stays inside ``root`` once symlinks are resolved: a tag that is a symlink to a directory
+    elsewhere would make the run (and DeepSpeed's unpickler) read a checkpoint outside the directory the user named.
+    A symlink to another tag of ``root`` is fine.
+
+    Raises:
+        ValueError: one line naming ``source``, the tag, where it leads and the fix.
+    """
+    path = root / tag
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if real_root not in real.parents:
+        raise ValueError(
+            f"{source}: tag {tag!r}: {path} is a symlink to {real}, outside the checkpoint directory {root}; a "
+            "tag must be a checkpoint inside it. Point --load at the directory that holds that checkpoint, or "
+            f"copy it into {root} in place of the link."
+        )
+
+
 def _read_pointer(pointer: Path) -> str:
     """The tag ``pointer`` (``latest``, ``latest_universal``) holds, checked by :func:`check_tag`."""
     return check_tag(pointer.read_text(encoding="utf-8").strip(), str(pointer))
@@ -97,6 +115,7 @@ def find_checkpoint(
     root = Path(load_dir)
     if load_tag is not None:
         check_tag(load_tag, "--load-tag")
+        check_tag_inside(root, load_tag, "--load-tag")
         if not is_complete(root, load_tag):
             raise FileNotFoundError(
                 f"--load-tag {load_tag}: {root / load_tag} is not a complete checkpoint "
@@ -112,6 +131,7 @@ def find_checkpoint(
             )
         return None
     tag = _read_pointer(latest)
+    check_tag_inside(root, tag, str(latest))
     if not is_complete(root, tag):
         raise ValueError(
             f"--load {load_dir}: '{latest.name}' points to {tag!r}, which is not a complete checkpoint "
@@ -159,6 +179,7 @@ def find_tag(
         except ValueError as err:
             raise ValueError(str(err).replace("--load-tag", tag_flag)) from None
     check_tag(tag, tag_flag)
+    check_tag_inside(root, tag, tag_flag)
     if is_complete(root, tag):
         return tag
     complete = (

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,17 @@ Progress = Callable[[str, int, int], None]
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
+@dataclass(frozen=True)
+class CheckpointRead:
+    """Which tag of a checkpoint directory a tool reads, and how its files are checked."""
+
+    tag: str | None = None
+    """The tag (``--tag``); None: the one ``latest`` names."""
+    verify_checksums: bool = True
+    """Compare every file read with its SHA-256 recorded at save; False: its size only
+    (``--no-verify-checkpoint-checksums``)."""
+
+
 def no_progress(what: str, done: int, total: int) -> None:
     """A :data:`Progress` that reports nothing."""
     return None
@@ -68,11 +80,17 @@ def read_checkpoint_config(
 
 
 def read_checkpoint_weights(
-    ckpt_dir: str | Path, tag: str | None = None, progress: Progress = no_progress
+    ckpt_dir: str | Path,
+    tag: str | None = None,
+    progress: Progress = no_progress,
+    *,
+    verify_checksums: bool = True,
 ) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Full (TP = 1, PP = 1) Megatron state dict of a Trident checkpoint, its ``ModelConfig`` and meta.
 
     The vocabulary rows stay padded (to the saving run's padding); ``ModelConfig.vocab_size`` is the true size.
+    Every file read is compared with the size and SHA-256 recorded at save; ``verify_checksums=False`` compares
+    the sizes only (``--no-verify-checkpoint-checksums``).
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or a model-state file is missing.
@@ -90,6 +108,7 @@ def read_checkpoint_weights(
         tag_dir,
         meta,
         [n for n in recorded if n.endswith("_model_states.pt") or (zero3 and "optim_states" in n)],
+        hashes=verify_checksums,
     )
     moe = cfg.moe.is_moe(cfg.num_layers)
     shards: list[dict[str, torch.Tensor]] = []

@@ -78,9 +78,12 @@ def _load_pickle_weights_only(path: Path) -> Any:
         raise ValueError(
             f"{path} is not a readable PyTorch weights file (corrupt, truncated or another format): {err}"
         ) from None
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 - text, truncated or foreign bytes fail anywhere in the unpickler
+        text = _ANSI.sub("", str(err)).strip()
+        detail = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
         raise ValueError(
-            f"{path} is not a readable PyTorch weights file (corrupt, truncated or another format): {err}"
+            f"{path} is not a readable PyTorch weights file (corrupt, truncated or another format; torch.load "
+            f"said {detail}); re-save the weights with save_pretrained() or use model.safetensors."
         ) from None
 
 
@@ -153,6 +156,22 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     return _check_state_dict(_load_pickle_weights_only(p), p)
 
 
+def _check_shard_name(index_path: Path, tensor: str, shard_name: Any) -> None:
+    """A shard of an HF index names a file of the model directory: a relative path without ``..`` (the name is
+    checked, not where a symlink leads: the Hub's cache links every file of a snapshot to its blob store).
+
+    Raises:
+        ValueError: naming the index file, the entry and the rule.
+    """
+    parts = Path(shard_name).parts if isinstance(shard_name, str) else ()
+    if not parts or Path(shard_name).is_absolute() or ".." in parts or "\0" in shard_name:
+        raise ValueError(
+            f"{index_path}: weight_map entry {tensor!r}: {shard_name!r} is not a file name inside "
+            f"{index_path.parent}; a shard index may only name files of its own directory (e.g. "
+            "'model-00001-of-00002.safetensors'), never an absolute path or one with '..'."
+        )
+
+
 def _load_index(directory: Path, index_name: str) -> dict[str, torch.Tensor]:
     index_path = directory / index_name
     try:
@@ -161,6 +180,13 @@ def _load_index(directory: Path, index_name: str) -> dict[str, torch.Tensor]:
         raise ValueError(
             f"{index_path} is not a valid HF shard index (needs 'weight_map'): {err}"
         ) from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{index_path}: 'weight_map' is a {type(weight_map).__name__}, not an object of tensor name -> "
+            "shard file name."
+        )
+    for tensor, shard_name in weight_map.items():
+        _check_shard_name(index_path, tensor, shard_name)
     state: dict[str, torch.Tensor] = {}
     for shard_name in sorted(set(weight_map.values())):
         state.update(load_state_dict_file(directory / shard_name))

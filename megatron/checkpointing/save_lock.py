@@ -98,20 +98,39 @@ def _read(path: Path) -> dict[str, Any] | None:
     Raises:
         ValueError: the file stays unreadable (not a lock this code wrote).
     """
+    what = "is empty"
     for _ in range(_READ_RETRIES):
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
         try:
-            data = json.loads(text)
-            if isinstance(data, dict):
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:  # binary never becomes a lock's JSON: no retry
+            raise ValueError(_not_a_lock(path, f"byte {err.start} is not UTF-8 text")) from None
+        except json.JSONDecodeError as err:
+            what = f"not JSON: {err.msg} at line {err.lineno} column {err.colno}" if raw else what
+        else:
+            if _is_holder(data):
                 return data
-        except json.JSONDecodeError:
-            pass
+            what = "JSON, but not the object with 'host' and 'pid' a Trident run writes"
         time.sleep(0.05)
-    raise ValueError(
-        f"{path} is not a Trident lock file (unreadable); if no run uses this --save directory, delete it."
+    raise ValueError(_not_a_lock(path, what))
+
+
+def _is_holder(data: Any) -> bool:
+    """A lock's JSON as :func:`_identity` writes it (enough of it for :func:`_alive_here` and the messages)."""
+    if not isinstance(data, dict) or not isinstance(data.get("host"), str):
+        return False
+    ticks = data.get("start_ticks")
+    pid_ok = isinstance(data.get("pid"), int) and not isinstance(data.get("pid"), bool)
+    return pid_ok and (ticks is None or (isinstance(ticks, int) and not isinstance(ticks, bool)))
+
+
+def _not_a_lock(path: Path, what: str) -> str:
+    return (
+        f"{path} is not a Trident save lock ({what}): that file marks its --save directory as being written by a "
+        f"running save. If no run is saving to {path.parent} now, remove it (rm '{path}') and relaunch."
     )
 
 

@@ -28,6 +28,21 @@ def require(cfg: Mapping[str, Any], key: str, model: str) -> Any:
     return cfg[key]
 
 
+def require_size(cfg: Mapping[str, Any], key: str, model: str, default: int | None = None) -> int:
+    """``cfg[key]`` (``default`` when absent) as a size: an integer >= 1, or a ValueError naming the config.json
+    field and its value (``n_positions: 0`` would otherwise build a model with no positions and fail later, deep in
+    a spawned rank)."""
+    value = cfg.get(key) if default is not None else require(cfg, key, model)
+    value = default if value is None else value
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
+        raise ValueError(
+            f"the {model} config.json has {key}: {value!r}; it must be a whole number >= 1 (a size of the "
+            "model); fix config.json."
+        )
+    return int(value)
+
+
 def fold_layernorm_1p(
     full_state_dict: Mapping[str, torch.Tensor], model_config: Any
 ) -> tuple[Mapping[str, torch.Tensor], Any]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing.readers import (
+    CheckpointRead,
     Progress,
     build_megatron_model,
     no_progress,
@@ -121,14 +122,16 @@ def export_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
     *,
-    tag: str | None = None,
+    read: CheckpointRead = CheckpointRead(),
     tokenizer: TokenizerExport = TokenizerExport(),
     verification: Verification | None = Verification(),
     progress: Progress = no_progress,
     overwrite: bool = False,
     say: Callable[[str], None] = logger.info,
 ) -> LogitComparison | None:
-    """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint.
+    """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint (the
+    tag ``read.tag``, default ``latest``; its files checked against their recorded checksums unless
+    ``read.verify_checksums`` is False).
 
     The tokenizer is the one recorded in the checkpoint's meta, or ``tokenizer.info`` when given;
     ``tokenizer.write=False`` skips it. With ``verification``, loads the written directory with transformers
@@ -153,7 +156,9 @@ def export_to_hf(
     from safetensors.torch import save_file
 
     check_export_dir(out_dir, overwrite=overwrite, load=ckpt_dir)
-    full, cfg, meta = read_checkpoint_weights(ckpt_dir, tag, progress)
+    full, cfg, meta = read_checkpoint_weights(
+        ckpt_dir, read.tag, progress, verify_checksums=read.verify_checksums
+    )
     if cfg.moe.num_experts_switch is not None:
         raise ValueError(
             f"{ckpt_dir}: a model with a Switch MLP (--num-experts-switch {cfg.moe.num_experts_switch}) has no "

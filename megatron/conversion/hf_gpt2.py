@@ -26,7 +26,7 @@ from megatron.conversion.hf_common import (
     StrictKeys,
     config_to_dict,
     fold_layernorm_1p,
-    require,
+    require_size,
 )
 from megatron.layout.names import (
     FINAL_NORM,
@@ -100,10 +100,10 @@ def gpt2_hf_to_megatron(
     """
     cfg = config_to_dict(hf_config)
     _check_gpt2_config(cfg)
-    h = int(require(cfg, "n_embd", "GPT-2"))
-    n = int(require(cfg, "n_head", "GPT-2"))
-    layers = int(require(cfg, "n_layer", "GPT-2"))
-    vocab = int(require(cfg, "vocab_size", "GPT-2"))
+    h = require_size(cfg, "n_embd", "GPT-2")
+    n = require_size(cfg, "n_head", "GPT-2")
+    layers = require_size(cfg, "n_layer", "GPT-2")
+    vocab = require_size(cfg, "vocab_size", "GPT-2")
     if h % n:
         raise ValueError(f"GPT-2 n_embd ({h}) is not divisible by n_head ({n}).")
     hn = h // n
@@ -154,13 +154,13 @@ def gpt2_hf_to_megatron(
         )
     keys.check_all_used()
 
-    n_inner = cfg.get("n_inner")
-    n_pos = int(require(cfg, "n_positions", "GPT-2"))
+    n_inner = require_size(cfg, "n_inner", "GPT-2", default=4 * h)
+    n_pos = require_size(cfg, "n_positions", "GPT-2")
     model_config = ModelConfig(
         num_layers=layers,
         hidden_size=h,
         num_attention_heads=n,
-        ffn_hidden_size=int(n_inner) if n_inner else 4 * h,
+        ffn_hidden_size=n_inner,
         seq_length=n_pos,
         max_position_embeddings=n_pos,
         normalization="layernorm",

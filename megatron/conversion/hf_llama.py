@@ -22,7 +22,7 @@ from megatron.conversion.hf_common import (
     StrictKeys,
     config_to_dict,
     fold_layernorm_1p,
-    require,
+    require_size,
 )
 from megatron.layout.names import FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, layer_prefix
 from megatron.layout.qkv import fuse_qkv, split_qkv
@@ -182,13 +182,13 @@ def import_llama_family(
     head (tied or not), and the ``ModelConfig`` (rmsnorm, swiglu, RoPE, no biases, GQA; ``family.moe`` for
     Mixtral). ``family.mlp`` converts each layer's MLP; every HF tensor must be used (``check_all_used``)."""
     model = family.model
-    h = int(require(cfg, "hidden_size", model))
-    n = int(require(cfg, "num_attention_heads", model))
+    h = require_size(cfg, "hidden_size", model)
+    n = require_size(cfg, "num_attention_heads", model)
     g = int(cfg.get("num_key_value_heads") or n)
     hn = int(cfg.get("head_dim") or h // n)
-    layers = int(require(cfg, "num_hidden_layers", model))
-    ffn = int(require(cfg, "intermediate_size", model))
-    vocab = int(require(cfg, "vocab_size", model))
+    layers = require_size(cfg, "num_hidden_layers", model)
+    ffn = require_size(cfg, "intermediate_size", model)
+    vocab = require_size(cfg, "vocab_size", model)
     tied = bool(cfg.get("tie_word_embeddings", False))
     pad = padded_vocab or padded_vocab_size(vocab, make_vocab_size_divisible_by)
 
@@ -216,7 +216,9 @@ def import_llama_family(
         )
     keys.check_all_used()
 
-    max_pos = int(cfg.get("max_position_embeddings", family.default_max_positions))
+    max_pos = require_size(
+        cfg, "max_position_embeddings", model, default=family.default_max_positions
+    )
     model_config = ModelConfig(
         num_layers=layers,
         hidden_size=h,

@@ -52,7 +52,7 @@ from megatron.conversion.hf_common import (
     MegatronKeys,
     StrictKeys,
     config_to_dict,
-    require,
+    require_size,
 )
 from megatron.conversion.hf_llama import (
     LlamaFamily,
@@ -154,8 +154,8 @@ def mixtral_hf_to_megatron(
     """
     cfg = config_to_dict(hf_config)
     _check_mixtral_config(cfg)
-    ffn = int(require(cfg, "intermediate_size", "Mixtral"))
-    num_experts = int(require(cfg, "num_local_experts", "Mixtral"))
+    ffn = require_size(cfg, "intermediate_size", "Mixtral")
+    num_experts = require_size(cfg, "num_local_experts", "Mixtral")
     family = LlamaFamily(
         model="Mixtral",
         mlp=lambda keys, i: _experts_from_hf(keys, i, num_experts, ffn),

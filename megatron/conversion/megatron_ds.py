@@ -40,12 +40,13 @@ import argparse
 import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.checkpointing.pointers import check_tag
+from megatron.checkpointing.pointers import check_tag, check_tag_inside
 from megatron.checkpointing.readers import (
     Progress,
     build_megatron_model,
@@ -57,9 +58,10 @@ from megatron.checkpointing.zero3 import is_zero3_checkpoint, read_zero3_tp_shar
 from megatron.config import ModelConfig
 from megatron.conversion.output_dirs import check_new_save_dir
 from megatron.conversion.rewrite import (
+    StagedWrite,
     TargetLayout,
     check_target_layout,
-    write_trident_checkpoint,
+    write_verified_checkpoint,
 )
 from megatron.conversion.verify import (
     LogitComparison,
@@ -145,6 +147,7 @@ def find_mds_tag(root: Path, tag: str | None) -> Path:
     Raises:
         FileNotFoundError: no such directory / no ``latest``.
     """
+    given = tag is not None
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
@@ -155,6 +158,7 @@ def find_mds_tag(root: Path, tag: str | None) -> Path:
         tag = check_tag(latest.read_text(encoding="utf-8").strip(), str(latest))
     else:
         check_tag(tag, "--tag")
+    check_tag_inside(root, tag, "--tag" if given else str(root / "latest"))
     tag_dir = root / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")
@@ -396,6 +400,7 @@ def find_native_iteration_dir(root: Path, tag: str | None) -> Path:
         text = (root / NATIVE_TRACKER).read_text(encoding="utf-8").strip()
         tag = "release" if text == "release" else f"iter_{int(text):07d}"
     check_tag(tag, "--tag")
+    check_tag_inside(root, tag, "--tag")
     it_dir = root / tag
     if not it_dir.is_dir():
         raise FileNotFoundError(f"--load {root}: no checkpoint directory {tag!r} in it.")
@@ -486,9 +491,11 @@ def import_megatron_deepspeed(
     qkv_layout: str = "grouped",
     verification: Verification | None = Verification(),
     progress: Progress = no_progress,
+    say: Callable[[str], None] = logger.warning,
 ) -> LogitComparison | None:
     """Convert a Megatron-DeepSpeed checkpoint into a Trident checkpoint for ``layout.tp`` x ``layout.pp`` ranks
-    (weights only, iteration 0: training loads it like --finetune).
+    (weights only, iteration 0: training loads it like --finetune). Written and verified in a staging directory,
+    moved into ``save`` only when verification passes (``rewrite.write_verified_checkpoint``).
 
     Returns:
         The imported weights vs the written checkpoint, both run in a TP = 1 ``GPTModel`` (None without
@@ -501,15 +508,25 @@ def import_megatron_deepspeed(
     check_new_save_dir(save, load=load)
     full, cfg, tok = read_mds_checkpoint(load, tag=tag, qkv_layout=qkv_layout, progress=progress)
     check_target_layout(cfg, layout)
-    write_trident_checkpoint(full, cfg, save, layout=layout, source=str(load), tokenizer=tok)
+
+    def verify(written: Path) -> LogitComparison:
+        back, back_cfg, _ = read_checkpoint_weights(written)
+        a, b = build_megatron_model(full, cfg), build_megatron_model(back, back_cfg)
+        max_pos = cfg.max_position_embeddings or cfg.seq_length
+        prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+        with torch.no_grad():
+            return compare_logits(
+                megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size
+            )
+
+    steps = 0 if verification is None else verification.steps
+    result = write_verified_checkpoint(
+        StagedWrite(full, cfg, source=str(load), tokenizer=tok),
+        save,
+        layout=layout,
+        verify=None if verification is None else verify,
+        tolerance=None if verification is None else verification.tolerance,
+        say=say,
+    )
     progress("writing", 1, 1)
-    if verification is None:
-        return None
-    back, back_cfg, _ = read_checkpoint_weights(save)
-    a, b = build_megatron_model(full, cfg), build_megatron_model(back, back_cfg)
-    max_pos = cfg.max_position_embeddings or cfg.seq_length
-    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
-    with torch.no_grad():
-        return compare_logits(
-            megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size
-        )
+    return result

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
+import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron.checkpointing.pointers import ITERATION_FILE, LATEST_FILE
 from megatron.checkpointing.readers import (
     Progress,
     build_megatron_model,
@@ -47,6 +51,11 @@ from megatron.layout.experts import (
     moe_partition,
 )
 from megatron.layout.vocab import pad_vocab_for_tp
+
+logger = logging.getLogger(__name__)
+
+Verify = Callable[[Path], LogitComparison]
+"""``verify(written_dir)``: the comparison of the checkpoint written in ``written_dir`` with its source."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,12 +229,15 @@ def write_trident_checkpoint(
     source: str,
     tokenizer: dict[str, str] | None = None,
     timeout: float = 900.0,
+    scratch_beside: Path | None = None,
 ) -> None:
     """Save ``full`` (Megatron names, any vocab padding; global expert ids) as a Trident checkpoint for
     ``layout.tp`` x ``layout.pp`` ranks, the experts of MoE layers split over ``layout.ep`` ranks
     (``tp * pp * ep`` ranks are spawned, data-parallel size ``ep``; the experts are held whole on every TP rank).
 
     ``source`` and ``tokenizer`` (``megatron.tokenizer.info.tokenizer_info``) are recorded in ``trident_meta.json``.
+    The temporary full-weights file goes in ``.<name>.full-weights-*`` beside ``scratch_beside`` (default:
+    ``out_dir``; the staged writer names --save, whose staging directory this is).
 
     Raises:
         ValueError: (before any process is spawned) ``out_dir`` is not a new or empty directory
@@ -238,7 +250,7 @@ def write_trident_checkpoint(
     check_new_save_dir(out_dir)
     check_target_layout(cfg, layout)
     padded = pad_vocab_for_tp(full, cfg, layout.tp)
-    out = Path(out_dir).absolute()
+    out = Path(scratch_beside or out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     # Beside --save (same file system, sized for the output; not a small system /tmp), removed on any exit:
     # SIGINT and SIGTERM raise here so the context manager's cleanup runs.
@@ -263,6 +275,113 @@ def write_trident_checkpoint(
         )
 
 
+def unverified_dir(save: str | Path) -> Path:
+    """Where a conversion whose verification failed is kept for inspection: ``<save>.unverified`` beside --save
+    (never --save itself, so no run can load it by accident)."""
+    out = Path(save).absolute()
+    return out.with_name(f"{out.name}.unverified")
+
+
+def _publish(staging: Path, save: Path) -> None:
+    """Move a verified checkpoint from ``staging`` into ``save``: the tag directories first, the pointers
+    (``latest_checkpointed_iteration.txt``, then ``latest``) last, each by ``os.replace`` on one file system, so
+    ``latest`` appears only once everything it names is in place."""
+    save.mkdir(parents=True, exist_ok=True)
+    pointers = (ITERATION_FILE, LATEST_FILE)
+    for entry in sorted(p for p in staging.iterdir() if p.name not in pointers):
+        os.replace(entry, save / entry.name)
+    for name in pointers:
+        if (staging / name).exists():
+            os.replace(staging / name, save / name)
+
+
+def _keep_unverified(staging: Path, save: Path) -> Path:
+    """Move the staged checkpoint to :func:`unverified_dir` (replacing an earlier one); returns its path."""
+    failed = unverified_dir(save)
+    shutil.rmtree(failed, ignore_errors=True)
+    os.replace(staging, failed)
+    return failed
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedWrite:
+    """What :func:`write_verified_checkpoint` writes: the weights, their model and where they came from."""
+
+    full: dict[str, torch.Tensor]
+    """Full (TP = 1) Megatron state dict (any vocab padding; global expert ids)."""
+    cfg: ModelConfig
+    """The model of ``full``."""
+    source: str
+    """Recorded in ``trident_meta.json`` as ``converted_from``."""
+    tokenizer: dict[str, str] | None = None
+    """Recorded in ``trident_meta.json`` (``megatron.tokenizer.info.tokenizer_info``)."""
+
+
+def write_verified_checkpoint(
+    what: StagedWrite,
+    save: str | Path,
+    *,
+    layout: TargetLayout,
+    verify: Verify | None,
+    tolerance: float | None = None,
+    say: Callable[[str], None] = logger.warning,
+) -> LogitComparison | None:
+    """:func:`write_trident_checkpoint` into a staging directory beside ``save``, ``verify`` it there, and move it
+    into ``save`` (pointers last) only when it passes ``tolerance`` (or when ``verify`` is None).
+
+    A comparison over ``tolerance`` moves the checkpoint to ``<save>.unverified`` instead (:func:`unverified_dir`;
+    ``say`` tells where) and returns the comparison; ``verify`` raising ``ValueError`` does the same and re-raises
+    with that place named. Either way ``save`` is left as it was: no tag, no ``latest``. An error, Ctrl-C or
+    SIGTERM while writing removes the staging directory.
+    """
+    out = Path(save).absolute()
+    check_new_save_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with interrupts_raise():
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.staging-"))
+        try:
+            return _write_and_verify(what, staging, out, layout, verify, tolerance, say)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_and_verify(
+    what: StagedWrite,
+    staging: Path,
+    out: Path,
+    layout: TargetLayout,
+    verify: Verify | None,
+    tolerance: float | None,
+    say: Callable[[str], None],
+) -> LogitComparison | None:
+    write_trident_checkpoint(
+        what.full,
+        what.cfg,
+        staging,
+        layout=layout,
+        source=what.source,
+        tokenizer=what.tokenizer,
+        scratch_beside=out,
+    )
+    try:
+        result = None if verify is None else verify(staging)
+    except ValueError as err:
+        failed = _keep_unverified(staging, out)
+        raise ValueError(
+            f"{err} The converted checkpoint was NOT written to {out}; it is kept unverified in {failed} "
+            "(do not train from it)."
+        ) from None
+    if result is not None and tolerance is not None and not result.passes(tolerance):
+        failed = _keep_unverified(staging, out)
+        say(
+            f"verification FAILED: the checkpoint was NOT written to {out} (left for inspection in {failed}; "
+            "do not train from it)"
+        )
+        return result
+    _publish(staging, out)
+    return result
+
+
 def reshard_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -271,10 +390,14 @@ def reshard_checkpoint(
     tag: str | None = None,
     verification: Verification | None = Verification(),
     progress: Progress = no_progress,
+    verify_checksums: bool = True,
+    say: Callable[[str], None] = logger.warning,
 ) -> LogitComparison | None:
     """Offline (TP, PP) -> (``layout.tp``, ``layout.pp``) for the weights of a Trident checkpoint (iteration 0,
     weights only); an MoE model's experts (read from any EP layout) are written over ``layout.ep`` expert-parallel
-    ranks.
+    ranks. Written and verified in a staging directory, moved into ``dst`` only when verification passes
+    (:func:`write_verified_checkpoint`). ``verify_checksums=False`` compares the source files' sizes only
+    (``--no-verify-checkpoint-checksums``).
 
     For resuming WITH optimizer state at another layout use the universal checkpoint (``universal.py``).
 
@@ -288,20 +411,35 @@ def reshard_checkpoint(
     found, src_cfg, _ = read_checkpoint_config(src, tag)
     check_target_layout(src_cfg, layout)
     check_new_save_dir(dst, load=src)
-    full, cfg, meta = read_checkpoint_weights(src, found, progress)
-    write_trident_checkpoint(
-        full, cfg, dst, layout=layout, source=str(src), tokenizer=meta.get("tokenizer")
+    full, cfg, meta = read_checkpoint_weights(
+        src, found, progress, verify_checksums=verify_checksums
+    )
+
+    result = write_verified_checkpoint(
+        StagedWrite(full, cfg, source=str(src), tokenizer=meta.get("tokenizer")),
+        dst,
+        layout=layout,
+        verify=None if verification is None else _same_logits_as(full, cfg, verification.steps),
+        tolerance=None if verification is None else verification.tolerance,
+        say=say,
     )
     progress("writing", 1, 1)
-    if verification is None:
-        return None
-    back, back_cfg, _ = read_checkpoint_weights(dst)
-    # the reference kernels (and for MoE HF Mixtral's routing: verification_config), the same for both sides
-    a = build_megatron_model(full, verification_config(cfg))
-    b = build_megatron_model(back, verification_config(back_cfg))
-    max_pos = cfg.max_position_embeddings or cfg.seq_length
-    prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)
-    with torch.no_grad():
-        return compare_logits(
-            megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size
-        )
+    return result
+
+
+def _same_logits_as(full: dict[str, torch.Tensor], cfg: ModelConfig, steps: int) -> Verify:
+    """A :data:`Verify` comparing a written checkpoint with the weights ``full`` it was written from, both run in
+    a TP = 1 ``GPTModel`` with the reference kernels (for MoE HF Mixtral's routing: ``verification_config``)."""
+
+    def verify(written: Path) -> LogitComparison:
+        back, back_cfg, _ = read_checkpoint_weights(written)
+        a = build_megatron_model(full, verification_config(cfg))
+        b = build_megatron_model(back, verification_config(back_cfg))
+        max_pos = cfg.max_position_embeddings or cfg.seq_length
+        prompts, n = fixed_prompts(cfg.vocab_size, max_pos, steps)
+        with torch.no_grad():
+            return compare_logits(
+                megatron_logits_fn(a), megatron_logits_fn(b), prompts, n, vocab_size=cfg.vocab_size
+            )
+
+    return verify

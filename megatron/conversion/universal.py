@@ -82,15 +82,16 @@ _NOT_UNPICKLED = (".json", ".safetensors", ".txt")
 """Files in a tag that ``ds_to_universal`` never unpickles (meta, RNG states, checksum records)."""
 
 
-def check_converter_inputs(tag_dir: Path, meta: dict[str, Any]) -> None:
+def check_converter_inputs(tag_dir: Path, meta: dict[str, Any], *, hashes: bool = True) -> None:
     """Before ``ds_to_universal`` (which unpickles with ``weights_only=False``, so a crafted file runs code): every
     file it may read has its recorded size and SHA-256, and unpickles with ``torch.load(weights_only=True)``
-    allowing only tensors, plain containers and DeepSpeed's own checkpoint classes.
+    allowing only tensors, plain containers and DeepSpeed's own checkpoint classes (``hashes=False``: sizes
+    only, ``--no-verify-checkpoint-checksums``; the restricted unpickling still runs).
 
     Raises:
         ValueError / FileNotFoundError: one line naming the first file that fails.
     """
-    verify_checkpoint_files(tag_dir, meta)
+    verify_checkpoint_files(tag_dir, meta, hashes=hashes)
     allowed = zero_checkpoint_classes()
     for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()):
         if path.suffix in _NOT_UNPICKLED:
@@ -126,8 +127,11 @@ def refuse_moe_universal(model: dict, where: str) -> None:
         )
 
 
-def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1) -> str:
+def convert_to_universal(
+    ckpt_dir: str | Path, tag: str | None = None, *, workers: int = 1, verify_checksums: bool = True
+) -> str:
     """Write ``{tag}_universal`` (default tag: ``latest``) and point ``latest_universal`` at it; returns its tag.
+    ``verify_checksums=False`` compares the source files' sizes only (``--no-verify-checkpoint-checksums``).
 
     Raises:
         FileNotFoundError: no complete checkpoint (or ``tag`` is not one).
@@ -143,7 +147,7 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str | None = None, *, worker
         raise ValueError(f"{root / found} is already a universal checkpoint.")
     refuse_moe_universal(meta.get("model", {}), str(root / found))
     _check_has_optimizer_partitions(root / found, meta)
-    check_converter_inputs(root / found, meta)
+    check_converter_inputs(root / found, meta, hashes=verify_checksums)
     out_tag = f"{found}_universal"
     out = root / out_tag
     if out.exists():

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.checksums import sizes_only
 from megatron.checkpointing.readers import read_checkpoint_config
 from megatron.checkpointing.stage_reader import read_stage_weights
 from megatron.config import ModelConfig
@@ -158,9 +159,11 @@ def load_stage(
     device: torch.device | str = "cpu",
     tp_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
+    verify_checksums: bool = True,
 ) -> tuple[GPTStage, ModelConfig, dict[str, Any]]:
     """This rank's stage of the checkpoint (eval mode) at the layout of ``tp_group`` x ``pp_group`` (an
-    :class:`InferenceLayout`'s; None, None: the whole model): ``(stage, config, meta)``.
+    :class:`InferenceLayout`'s; None, None: the whole model): ``(stage, config, meta)``. The files read are
+    checked against their recorded SHA-256 (``verify_checksums=False``: sizes only).
 
     Raises:
         FileNotFoundError / ValueError: no checkpoint, a missing or damaged file of this stage.
@@ -173,7 +176,7 @@ def load_stage(
     stage = GPTStage(config, parallel, layers=layers, pre_process=first, post_process=last)
     weights = read_stage_weights(
         Path(ckpt_dir) / found,
-        meta,
+        meta if verify_checksums else sizes_only(meta),
         config,
         tp=parallel.tp_size,
         tp_rank=parallel.tp_rank,

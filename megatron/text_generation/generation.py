@@ -212,10 +212,12 @@ class TextGenerator:
         dtype: torch.dtype = torch.float32,
         micro_batch_size: int | None = None,
         layout: InferenceLayout | None = None,
+        verify_checksums: bool = True,
     ) -> TextGenerator:
         """Load a Trident checkpoint (any saved TP/PP/ZeRO) at ``layout`` (what ``init_inference_distributed``
         returned; collective: every rank calls it) or, without one, whole in this process, and its tokenizer
-        (recorded at training, or ``tokenizer``).
+        (recorded at training, or ``tokenizer``). ``verify_checksums=False`` compares the files' sizes only, not
+        their SHA-256 (``--no-verify-checkpoint-checksums``).
 
         Without a recorded tokenizer (a ``--vocab-size`` run) the ``NullTokenizer`` is used: prompts and output are
         space-separated token ids.
@@ -234,6 +236,7 @@ class TextGenerator:
             device=dev,
             tp_group=layout.tp_group,
             pp_group=layout.pp_group,
+            verify_checksums=verify_checksums,
         )
         tok, fallback = _checkpoint_tokenizer(cfg, meta, tokenizer)
         return cls(

@@ -228,3 +228,55 @@ def test_to_universal_refuses_zero0(
         "has no ZeRO optimizer partitions (*_optim_states.pt)" in err and "--zero-stage >= 1" in err
     )
     assert not list(z0.glob("*universal*"))
+
+
+def _damaged_copy(ck: Path, dst: Path, *, truncate: bool) -> Path:
+    """A copy of ``ck`` whose model-state file is cut to 1000 bytes (``truncate``) or has 2000 flipped bytes."""
+    shutil.copytree(ck, dst)
+    model = dst / "global_step2" / "mp_rank_00_model_states.pt"
+    data = bytearray(model.read_bytes())
+    if truncate:
+        model.write_bytes(bytes(data[:1000]))
+    else:
+        for i in range(len(data) // 2, len(data) // 2 + 2000):
+            data[i] ^= 0xA5
+        model.write_bytes(bytes(data))
+    return dst
+
+
+def test_checkpoint_tools_accept_no_verify_checkpoint_checksums(
+    ck: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35 (22): the refusal of a damaged checkpoint recommends --no-verify-checkpoint-checksums; every tool
+    that reads a checkpoint accepts it, with training's meaning (sizes still compared, SHA-256 skipped)."""
+    from megatron.conversion.universal import check_converter_inputs
+    from tools import generate_text
+
+    flipped = _damaged_copy(ck, tmp_path / "flipped", truncate=False)
+    cut = _damaged_copy(ck, tmp_path / "cut", truncate=True)
+    flag = "--no-verify-checkpoint-checksums"
+
+    def run(tool: str, load: Path, *extra: str) -> int:
+        argv = {
+            "trident_to_hf": (trident_to_hf.main, ["--out", str(tmp_path / f"hf-{load.name}")]),
+            "reshard": (reshard.main, ["--save", str(tmp_path / "rs"), "--tp", "1", "--pp", "1"]),
+            "generate_text": (generate_text.main, ["--device", "cpu", "--greedy"]),
+        }[tool]
+        quiet = ["--no-verify", "--no-progress"] if tool != "generate_text" else []
+        return argv[0](["--load", str(load), *argv[1], *quiet, *extra])
+
+    for tool in ("trident_to_hf", "reshard", "generate_text"):
+        assert run(tool, flipped) == 2, tool
+        err = _error(capsys)
+        assert "does not match its sha256 checksum" in err and flag in err, (tool, err)
+        assert run(tool, cut, flag) == 2, tool  # accepted; the size is still compared
+        assert "has 1000 bytes but had" in _error(capsys), tool
+    assert run("trident_to_hf", flipped, flag) == 0  # the hashing skipped: the export goes ahead
+    capsys.readouterr()
+    # to_universal: the flag parses (this ZeRO-0 checkpoint is refused for its stage), and reaches the pre-read
+    assert to_universal.main(["--load", str(cut), flag]) == 2
+    assert "ZeRO stage 0" in _error(capsys)
+    meta = json.loads((flipped / "global_step2" / "trident_meta.json").read_text())
+    with pytest.raises(ValueError, match="does not match its sha256 checksum"):
+        check_converter_inputs(flipped / "global_step2", meta)
+    check_converter_inputs(flipped / "global_step2", meta, hashes=False)

@@ -29,6 +29,17 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def add_checksum_args(p: argparse.ArgumentParser) -> None:
+    """``--no-verify-checkpoint-checksums``: training's flag, with the same meaning for a tool reading a checkpoint."""
+    p.add_argument(
+        "--no-verify-checkpoint-checksums",
+        dest="verify_checkpoint_checksums",
+        action="store_false",
+        help="compare the checkpoint files' sizes with those recorded at save, but skip their SHA-256 (huge "
+        "checkpoints on trusted storage)",
+    )
+
+
 def verification_from_args(a: argparse.Namespace) -> Verification | None:
     """The :class:`Verification` of the flags of :func:`add_verify_args` (None with ``--no-verify``)."""
     return None if a.no_verify else Verification(steps=a.verify_steps, tolerance=a.tolerance)
@@ -75,14 +86,16 @@ def run_checkpoint_writer(
     **kwargs: Any,
 ) -> int:
     """The body of a tool that writes a Trident checkpoint at ``--tp`` x ``--pp`` (x ``ep``) and verifies it: call
-    ``convert(*args, layout=, verification=, progress=, **kwargs)``, print one ``error:`` line for bad input
-    (exit 2), else what was written and the verification report (exit 0 or 3)."""
+    ``convert(*args, layout=, verification=, progress=, say=, **kwargs)``, print one ``error:`` line for bad
+    input (exit 2), else what was written and the verification report (exit 0, or 3 when it failed: then nothing
+    was written to --save; ``convert`` said where the unverified checkpoint is)."""
     try:
         result = convert(
             *args,
             layout=TargetLayout(tp=a.tp, pp=a.pp, ep=ep),
             verification=verification_from_args(a),
             progress=Bar(not a.no_progress),
+            say=print,
             **kwargs,
         )
     except (ValueError, FileNotFoundError) as e:
@@ -90,11 +103,12 @@ def run_checkpoint_writer(
         return EXIT_INPUT_ERROR
     except KeyboardInterrupt as e:
         print(
-            f"interrupted ({e or 'SIGINT'}): the temporary full-model file was removed; {a.save} may hold an "
-            "incomplete checkpoint (no 'latest'): delete it and run the conversion again.",
+            f"interrupted ({e or 'SIGINT'}): nothing was written to {a.save} (the staging directory and the "
+            "temporary full-model file beside it were removed); run the conversion again.",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    shown_ep = f", EP={ep}" if ep != 1 else ""
-    print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp}{shown_ep})")
+    if result is None or result.passes(a.tolerance):
+        shown_ep = f", EP={ep}" if ep != 1 else ""
+        print(f"wrote Trident checkpoint {a.save} (TP={a.tp}, PP={a.pp}{shown_ep})")
     return report(result, a.tolerance)

@@ -5,7 +5,8 @@
 
 Spawns TP x PP (x EP) local processes that build the model at the target layout inside a DeepSpeed engine and save it,
 so training reads it with ``--load ckpt/`` (it loads like --finetune: weights only, iteration 0).
-Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
+Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance (then
+nothing is written to --save: the unverified checkpoint is left in ``<save>.unverified/`` for inspection).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
     python -m tools.checkpoint.reshard --load moe_ep2/ --save moe_ep1/ --tp 1 --pp 1 --ep 1   (MoE experts)
 
 For resuming training WITH optimizer state at another layout use tools/checkpoint/to_universal.py instead.
-Exit codes: 0 done (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance.
+Exit codes: 0 done (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance (then
+nothing is written to --save: the unverified checkpoint is left in ``<save>.unverified/`` for inspection).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 
 from megatron.conversion.rewrite import reshard_checkpoint
-from tools.checkpoint._common import add_verify_args, run_checkpoint_writer
+from tools.checkpoint._common import add_checksum_args, add_verify_args, run_checkpoint_writer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +33,17 @@ def main(argv: list[str] | None = None) -> int:
         help="target expert-parallel size of an MoE model's experts (TP x PP x EP ranks write it)",
     )
     add_verify_args(p)
+    add_checksum_args(p)
     a = p.parse_args(argv)
-    return run_checkpoint_writer(reshard_checkpoint, a, a.load, a.save, tag=a.tag, ep=a.ep)
+    return run_checkpoint_writer(
+        reshard_checkpoint,
+        a,
+        a.load,
+        a.save,
+        tag=a.tag,
+        ep=a.ep,
+        verify_checksums=a.verify_checkpoint_checksums,
+    )
 
 
 if __name__ == "__main__":

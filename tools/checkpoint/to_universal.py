@@ -13,7 +13,7 @@ import sys
 import time
 
 from megatron.conversion.universal import convert_to_universal
-from tools.checkpoint._common import EXIT_INPUT_ERROR, EXIT_OK
+from tools.checkpoint._common import EXIT_INPUT_ERROR, EXIT_OK, add_checksum_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,10 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="Trident checkpoint directory (a --save dir)")
     p.add_argument("--tag", default=None, help="tag to convert (default: 'latest')")
     p.add_argument("--workers", type=int, default=1, help="ds_to_universal extract/merge workers")
+    add_checksum_args(p)
     a = p.parse_args(argv)
     start = time.perf_counter()
     try:
-        tag = convert_to_universal(a.load, a.tag, workers=a.workers)
+        tag = convert_to_universal(
+            a.load, a.tag, workers=a.workers, verify_checksums=a.verify_checkpoint_checksums
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT_ERROR

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.checkpointing.readers import CheckpointRead
 from megatron.conversion.hf_export import TokenizerExport, export_to_hf
 from megatron.tokenizer.info import tokenizer_info
 from tools.checkpoint._common import (
     EXIT_INPUT_ERROR,
     Bar,
+    add_checksum_args,
     add_verify_args,
     report,
     verification_from_args,
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     add_verify_args(p)
+    add_checksum_args(p)
     a = p.parse_args(argv)
     tokenizer = tokenizer_info(
         tokenizer_type=a.tokenizer_type,
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         result = export_to_hf(
             a.load,
             a.out,
-            tag=a.tag,
+            read=CheckpointRead(tag=a.tag, verify_checksums=a.verify_checkpoint_checksums),
             tokenizer=TokenizerExport(
                 info=tokenizer,
                 write=not a.no_tokenizer,
