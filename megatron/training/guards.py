@@ -12,7 +12,9 @@ precision    a skipped step is
 fp32, bf16   a failure at once: there is no loss scale to lower, nothing will change for the next step
 fp16         the dynamic loss scaler's business while the scale can still go down; a failure after
              :data:`MAX_SKIPS_AT_MIN_LOSS_SCALE` consecutive skips at --min-loss-scale (or at a static
-             --loss-scale, which never goes down)
+             --loss-scale, which never goes down). DeepSpeed's dynamic scaler itself raises
+             ``Exception("Current loss scale already at minimum ...")`` on every rank at the first overflow it
+             cannot absorb there (:func:`loss_scale_exhausted` recognizes it): the same failure.
 ============ ==================================================================================================
 
 The loop stops such a run like a NaN loss (exit 6, nothing saved, ``latest`` stays at the last good checkpoint).
@@ -38,6 +40,22 @@ logger = logging.getLogger(__name__)
 MAX_SKIPS_AT_MIN_LOSS_SCALE = 3
 """fp16: consecutive skipped steps at the lowest loss scale before the run stops. At that scale the gradients
 overflow unscaled; DeepSpeed's hysteresis (default 2) already waited out a transient overflow."""
+
+
+DEEPSPEED_MIN_SCALE_ERROR = "Current loss scale already at minimum"
+"""The start of the message of the plain ``Exception`` DeepSpeed's ``DynamicLossScaler.update_scale`` raises (0.19.8)
+when the gradients overflow at --min-loss-scale with no hysteresis left."""
+
+
+def loss_scale_exhausted(err: BaseException) -> str | None:
+    """Why the run must stop when ``err`` is DeepSpeed's fp16 loss scaler giving up (raised on every rank alike:
+    DeepSpeed all-reduces the overflow), else None."""
+    if DEEPSPEED_MIN_SCALE_ERROR not in str(err):
+        return None
+    return (
+        "DeepSpeed's fp16 loss scaler skipped the update and cannot lower the loss scale below --min-loss-scale: "
+        "the gradients overflow unscaled"
+    )
 
 
 @dataclass

@@ -50,7 +50,7 @@ from megatron.mpu.mappings import all_reduce_max_
 from megatron.planning.flops import Throughput
 from megatron.training.curriculum import SeqlenCurriculum
 from megatron.training.ds_config import curriculum_of
-from megatron.training.guards import LossTokenWatch, SkipGuard
+from megatron.training.guards import LossTokenWatch, SkipGuard, loss_scale_exhausted
 from megatron.training.metrics import (
     EvalRecord,
     MetricsWriter,
@@ -205,7 +205,7 @@ def _non_finite(result: StepResult) -> str | None:
     return f"non-finite lm loss ({result.loss}) or grad norm ({result.grad_norm})"
 
 
-def _report_non_finite(state: TrainState, reason: str | None, last_saved: int | None) -> None:
+def _report_non_finite(iteration: int, reason: str | None, last_saved: int | None) -> None:
     if global_rank() != 0:
         return
     kept = (
@@ -216,7 +216,7 @@ def _report_non_finite(state: TrainState, reason: str | None, last_saved: int | 
     logger.error(
         "iteration %d: %s; stopping without saving (%s). Lower --lr or raise --lr-warmup-iters and resume "
         "from a good checkpoint (--no-check-for-nan-in-loss-and-grad turns this check off).",
-        state.iteration,
+        iteration,
         reason or "non-finite lm loss or grad norm on another rank",
         kept,
     )
@@ -403,7 +403,7 @@ class _Loop:
         has_tokens = tokens is None or tokens > 0
         bad, any_tokens = _any_rank([reason is not None, has_tokens], self.trainer.device)
         if bad:
-            _report_non_finite(state, reason, self.last_saved)
+            _report_non_finite(state.iteration, reason, self.last_saved)
             return True
         self.loss_tokens.record(state.iteration, any_tokens)
         decide = (
@@ -469,7 +469,14 @@ def train(
     loop = _Loop(trainer, spec, rates, state, writer, step_log, watchdog)
     try:
         while not spec.finished(state):
-            it = loop.step()
+            try:
+                it = loop.step()
+            except Exception as err:  # noqa: BLE001 - only DeepSpeed's fp16 give-up is handled, the rest re-raised
+                reason = loss_scale_exhausted(err) if spec.check_for_nan else None
+                if reason is None:
+                    raise
+                _report_non_finite(state.iteration + 1, reason, loop.last_saved)
+                return EXIT_NON_FINITE
             loop.log(it)
             if loop.failed(it):
                 return EXIT_NON_FINITE

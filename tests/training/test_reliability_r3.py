@@ -94,6 +94,27 @@ def test_skip_guard_by_precision() -> None:
     )
 
 
+def test_deepspeed_fp16_scaler_giving_up_is_recognized() -> None:
+    """DeepSpeed's own dynamic loss scaler at --min-loss-scale with no hysteresis left raises a plain Exception
+    (fp16 needs CUDA, so the scaler object is driven directly): the loop turns it into exit 6, not a traceback."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from megatron.training.guards import loss_scale_exhausted
+
+    scaler = DynamicLossScaler(
+        init_scale=1.0,
+        scale_window=1000,
+        min_scale=1.0,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+    )
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - DeepSpeed raises a bare Exception
+        scaler.update_scale(True)
+    reason = loss_scale_exhausted(caught.value)
+    assert reason is not None and "cannot lower the loss scale below --min-loss-scale" in reason
+    assert loss_scale_exhausted(RuntimeError("CUDA out of memory")) is None
+
+
 def test_loss_token_watch(caplog) -> None:
     """An empty global batch now and then is a warning at the log interval; none with a token ever is an error at
     the first decision point (end of the first log interval, a save, the run's end)."""
