@@ -6,8 +6,9 @@ Launch with ``torchrun``, ``deepspeed``, a plain RANK/WORLD_SIZE/MASTER_* enviro
 
 Exit codes (``megatron/launch/exit_codes.py``): 0 finished; 1 unexpected error (traceback); 2 bad flags or
 missing files, a --save another run holds, LR flags that differ from the checkpoint's schedule (one ``error: ...``
-line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm; 7 the hang
-watchdog (--hang-timeout-minutes); 130 Ctrl-C.
+line); 3 --exit-interval; 4 --exit-duration-in-mins; 5 SIGTERM; 6 a NaN/Inf loss or grad norm (or a step
+DeepSpeed skipped in fp32/bf16); 7 the hang watchdog (--hang-timeout-minutes); 8 another rank died (one line naming
+it); 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(cfg: TridentConfig) -> int:
     from megatron.checkpointing.engine import CheckpointSaveError
-    from megatron.launch.exit_codes import EXIT_CONFIG_ERROR, ConfigError
+    from megatron.launch.exit_codes import EXIT_CONFIG_ERROR, EXIT_PEER_LOST, ConfigError
+    from megatron.launch.peers import PeerLostError
     from megatron.log import setup_logging
     from megatron.training import preflight, pretrain
     from megatron.training.initialize import destroy_distributed
@@ -62,6 +64,9 @@ def _main(cfg: TridentConfig) -> int:
     ) as e:  # + a save that failed (disk full)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except PeerLostError as e:  # the groups are broken: no teardown
+        print(str(e), file=sys.stderr)
+        return EXIT_PEER_LOST
     destroy_distributed()  # every rank returns here together (after an exception, others may be mid-collective)
     return result.exit_code
 

@@ -79,6 +79,8 @@ class DeepSpeedCheckpointer:
         tokenizer: the meta's ``"tokenizer"`` record of the run (``meta.tokenizer_record``: the tokenizer flags
             and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
         tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
+        expert_parallel_size: --moe-expert-parallel-size, recorded in the meta of an MoE model (``rules.py``
+            refuses to load its optimizer state at another size).
         record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
             an engine that cannot be routed does; a load then checks their archives only). For measuring what
             the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
@@ -92,6 +94,7 @@ class DeepSpeedCheckpointer:
         model: ModelConfig,
         tokenizer: dict[str, str] | None,
         tensor_model_parallel_rank: int,
+        expert_parallel_size: int = 1,
         record_checksums: bool = True,
     ) -> None:
         self.checkpoint = checkpoint
@@ -99,6 +102,7 @@ class DeepSpeedCheckpointer:
         self.plan = plan
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
+        self.expert_parallel_size = expert_parallel_size
         self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
         self.last_load_seconds: float | None = None
@@ -187,6 +191,11 @@ class DeepSpeedCheckpointer:
                 "world_size": plan.world_size,
                 "zero_stage": int(engine.zero_optimization_stage()),
                 "precision": plan.precision,
+                **(
+                    {"moe_expert_parallel_size": self.expert_parallel_size}
+                    if getattr(engine, "has_moe_layers", False)
+                    else {}
+                ),
                 **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
                 **self.extra_meta,
                 **({CHECKSUMS_KEY: merge_sidecars(tag_dir)} if hashed else {}),

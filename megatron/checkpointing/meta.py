@@ -6,6 +6,7 @@ Written last by rank 0 (its presence marks the tag complete, see :mod:`megatron.
      "model": {ModelConfig fields, vocab_size = the true vocabulary}, "padded_vocab_size": ...,
      "tensor_model_parallel_size": TP, "pipeline_model_parallel_size": PP, "world_size": W,
      "zero_stage": the stage DeepSpeed used, "precision": "fp32" | "bf16" | "fp16",
+     "moe_expert_parallel_size": EP                                    (MoE models, since issue #35)
      "tokenizer": {megatron.tokenizer.info.tokenizer_info}}          (when the run had a tokenizer type)
     plus, from the converters: "weights_only": true, "converted_from": ..., "universal": true (to_universal).
 

@@ -120,6 +120,10 @@ class ResumeCase:
     """Only weights are loaded: ``--finetune``, or a weights-only (converted) checkpoint."""
     optimizer_state: bool
     """The optimizer state is loaded too (neither weights only nor ``--no-load-optim``)."""
+    saved_ep: int | None = None
+    """--moe-expert-parallel-size of the checkpoint; None where it was not recorded."""
+    run_ep: int = 1
+    """--moe-expert-parallel-size of the run."""
 
     def uses(self) -> str:
         """How the run's ZeRO stage is described in a message."""
@@ -204,6 +208,17 @@ def _dp_message(c: ResumeCase) -> str:
     )
 
 
+def _ep_message(c: ResumeCase) -> str:
+    # No on-load conversion of the expert optimizer state exists (yet): the fixes are the saved size, or no state.
+    return (
+        f"--load {c.load_dir} (tag {c.tag}) was saved with --moe-expert-parallel-size {c.saved_ep}; this run "
+        f"uses {c.run_ep}, and DeepSpeed splits the MoE optimizer state by the expert-parallel groups (it cannot "
+        f"load it at another size). Resume with --moe-expert-parallel-size {c.saved_ep} (on a data-parallel "
+        "size divisible by it), or pass --no-load-optim (same iteration and expert weights, fresh optimizer "
+        "state)."
+    )
+
+
 RESUME_RULES: tuple[ResumeRule, ...] = (
     ResumeRule(
         "tensor- and pipeline-parallel sizes",
@@ -233,6 +248,11 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         "data-parallel size, when ZeRO partitioned the loaded state over it",
         lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
         _dp_message,
+    ),
+    ResumeRule(
+        "MoE expert-parallel size, when the optimizer state is loaded",
+        lambda c: c.optimizer_state and c.saved_ep is not None and c.saved_ep != c.run_ep,
+        _ep_message,
     ),
 )
 """Checked in order; the first broken row is the error. A row that loads weights only never breaks a row past the
@@ -265,10 +285,11 @@ def resume_case(
     tag: str,
     *,
     ds_sequence_parallel_size: int,
+    expert_parallel_size: int = 1,
 ) -> ResumeCase | None:
     """The :class:`ResumeCase` of loading ``tag`` (with ``meta``) into the run of ``ck`` and ``plan`` (its
-    --ds-sequence-parallel-size: :func:`zero_partitions`); None for a universal load or a checkpoint that records
-    no layout (nothing to compare)."""
+    --ds-sequence-parallel-size: :func:`zero_partitions`; its --moe-expert-parallel-size); None for a universal
+    load or a checkpoint that records no layout (nothing to compare)."""
     if ck.universal_checkpoint or "tensor_model_parallel_size" not in meta:
         return None
     tp, pp = int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"])
@@ -289,6 +310,10 @@ def resume_case(
         run_precision=plan.precision,
         weights_only=weights_only,
         optimizer_state=not (weights_only or ck.no_load_optim),
+        saved_ep=int(meta["moe_expert_parallel_size"])
+        if "moe_expert_parallel_size" in meta
+        else None,
+        run_ep=expert_parallel_size,
     )
 
 
@@ -357,8 +382,9 @@ def check_checkpoint_dirs(
     --universal-checkpoint, --no-load-lr-state, --reset-iteration need --load, and --finetune / --skip-train
     need a checkpoint there. With the run's ``plan``, a checkpoint found in --load must match the model flags (at
     the plan's true vocabulary), the tokenizer (``tokenizer_fingerprint``, else its type), the
-    --universal-checkpoint kind and the rows of :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size). No
-    checkpoint in an existing --load is fine otherwise (the run starts from scratch, with one log line).
+    --universal-checkpoint kind and the rows of :data:`RESUME_RULES` (layout, ZeRO stage, precision, DP size,
+    MoE EP size). No checkpoint in an existing --load is fine otherwise (the run starts from scratch, with one
+    log line).
 
     The files this rank will load are checked against the checksums recorded at save: sizes here, digests here
     too, or, with ``background_hashes``, on a thread whose :class:`PendingVerification` is returned (the caller
@@ -414,7 +440,11 @@ def check_checkpoint_dirs(
         check_universal_kind(meta, ck.universal_checkpoint, ck.load, tag)
         _check_tokenizer_matches(meta, ck, cfg.data, tag, tokenizer_fingerprint)
         sp = cfg.parallel.ds_sequence_parallel_size
-        check_resume_compatibility(resume_case(meta, ck, plan, tag, ds_sequence_parallel_size=sp))
+        ep = cfg.parallel.moe_expert_parallel_size
+        case = resume_case(
+            meta, ck, plan, tag, ds_sequence_parallel_size=sp, expert_parallel_size=ep
+        )
+        check_resume_compatibility(case)
         _check_model_state_files(root / tag, meta)
         _check_universal_stage(ck, plan)
         return _verify_checkpoint_files(

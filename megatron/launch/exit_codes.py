@@ -15,6 +15,8 @@ code name                            meaning
 7    ``EXIT_HANG``                   a training step (or checkpoint save) ran past --hang-timeout-minutes /
                                      --hang-timeout-factor: this rank's stacks are in its log (``watchdog.py``);
                                      nothing saved
+8    ``EXIT_PEER_LOST``              another rank died (SIGKILL, OOM killer, crash) and a collective failed: one line
+                                     naming the rank where it is knowable (``peers.py``); nothing saved
 130  ``EXIT_INTERRUPTED``            Ctrl-C (SIGINT): during training, the same clean stop as SIGTERM (saved if
                                      --save); before it, one line and no traceback
 ==== =============================== ===============================================================================
@@ -22,7 +24,8 @@ code name                            meaning
 A job scheduler that re-submits on 3, 4 or 5 resumes from ``--load`` where the run stopped; 6 needs a person (lower
 --lr, resume from an earlier checkpoint, ...): resubmitting would stop at the same iteration again. On 7 read the
 stacks first (a rank not in the same collective as the others, a dead node, a network fault); resubmitting resumes
-from the last checkpoint.
+from the last checkpoint. On 8 look at the rank that died (its log, the launcher's report, the kernel log for the
+OOM killer); resubmitting resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ EXIT_DURATION = 4
 EXIT_SIGNAL = 5
 EXIT_NON_FINITE = 6
 EXIT_HANG = 7
+EXIT_PEER_LOST = 8
 EXIT_INTERRUPTED = 130
 
 
@@ -51,5 +55,6 @@ EXIT_REASONS: dict[int, str] = {
     EXIT_SIGNAL: "SIGTERM received",
     EXIT_NON_FINITE: "non-finite loss or grad norm",
     EXIT_HANG: "hang watchdog fired (stacks in the log)",
+    EXIT_PEER_LOST: "another rank died",
     EXIT_INTERRUPTED: "interrupted (SIGINT)",
 }

@@ -230,6 +230,19 @@ def build_datasets(
         raise ConfigError(str(err)) from None
 
 
+@dataclass
+class LossTokenCount:
+    """Loss tokens (ones of the loss mask) in the training micro-batches this rank drew since the last
+    :meth:`take` (counted on the host, before the batch moves to the device: no device sync)."""
+
+    value: int = 0
+
+    def take(self) -> int:
+        """The count so far; restarts it at 0."""
+        value, self.value = self.value, 0
+        return value
+
+
 def _micro_batches(
     loader: Any,
     d: DataConfig,
@@ -238,8 +251,10 @@ def _micro_batches(
     device: torch.device,
     ulysses: tuple[int, int],
     seqlen: CurrentSeqlen | None = None,
+    loss_tokens: LossTokenCount | None = None,
 ) -> Iterator[Batch]:
-    """``ulysses``: (this rank's index in its Ulysses group, the group's size)."""
+    """``ulysses``: (this rank's index in its Ulysses group, the group's size); ``loss_tokens``: counts the
+    loss tokens of every micro-batch yielded (training only)."""
     sp_rank, sp_size = ulysses
     for raw in loader:
         batch = prepare_gpt_batch(
@@ -254,6 +269,8 @@ def _micro_batches(
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
         batch = slice_sequence(batch, sp_rank, sp_size)  # DeepSpeed-Ulysses: this rank's s/N tokens
+        if loss_tokens is not None:
+            loss_tokens.value += int(batch["loss_mask"].count_nonzero())
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -271,6 +288,8 @@ class RunIterators:
     test: Iterator[Any] | None = None
     seqlen: CurrentSeqlen = field(default_factory=CurrentSeqlen)
     """The length training micro-batches are cut to (the DeepSpeed JSON's curriculum; evaluation is never cut)."""
+    loss_tokens: LossTokenCount | None = None
+    """Counts the loss tokens of the training micro-batches drawn (None: not counted)."""
 
 
 def build_iterators(
@@ -320,18 +339,28 @@ def build_iterators(
     ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
 
     seqlen = CurrentSeqlen()
+    loss_tokens = LossTokenCount()
 
-    def batches(loader: Any, cut: CurrentSeqlen | None = None) -> Iterator[Any] | None:
+    def batches(
+        loader: Any, cut: CurrentSeqlen | None = None, tokens: LossTokenCount | None = None
+    ) -> Iterator[Any] | None:
         if loader is None:
             return None
         micro = _micro_batches(
-            loader, cfg.data, eod=eod, device=run.device, ulysses=ulysses, seqlen=cut
+            loader,
+            cfg.data,
+            eod=eod,
+            device=run.device,
+            ulysses=ulysses,
+            seqlen=cut,
+            loss_tokens=tokens,
         )
         return _pipe_batches(micro) if plan.pipeline_engine else micro
 
     return RunIterators(
-        train=batches(train_loader, seqlen) or iter(()),
+        train=batches(train_loader, seqlen, loss_tokens) or iter(()),
         valid=batches(valid_loader),
         test=batches(test_loader),
         seqlen=seqlen,
+        loss_tokens=loss_tokens,
     )

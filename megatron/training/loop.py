@@ -14,8 +14,11 @@ Each of them saves a checkpoint first when a save hook is present. With --hang-t
 --hang-timeout-factor each training step and each save runs under the rank's hang watchdog (``watchdog.py``: stacks
 in the log, then ``EXIT_HANG``); evaluation is not watched. A non-finite loss or grad norm
 (--check-for-nan-in-loss-and-grad, on by default) stops at once on every rank -> ``EXIT_NON_FINITE``, saving
-nothing, so ``latest`` stays at the last good checkpoint. Reaching --train-iters returns ``EXIT_OK`` (after
-saving the final iteration, unless --save-interval just did), also when that iteration is an exit point.
+nothing, so ``latest`` stays at the last good checkpoint; so does a step DeepSpeed skipped in fp32/bf16, or the
+third in a row at the lowest fp16 loss scale (``guards.py``). A run whose batches never held a loss token stops with
+``ConfigError`` (exit 2) at the end of its first log interval, before any save (``guards.py``). Reaching
+--train-iters returns ``EXIT_OK`` (after saving the final iteration, unless --save-interval just did), also when
+that iteration is an exit point.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from megatron.mpu.mappings import all_reduce_max_
 from megatron.planning.flops import Throughput
 from megatron.training.curriculum import SeqlenCurriculum
 from megatron.training.ds_config import curriculum_of
+from megatron.training.guards import LossTokenWatch, SkipGuard, loss_scale_exhausted
 from megatron.training.metrics import (
     EvalRecord,
     MetricsWriter,
@@ -82,6 +86,10 @@ class LoopSpec:
     save_interval: int | None
     check_for_nan: bool = True
     """Stop at a non-finite loss or grad norm (--check-for-nan-in-loss-and-grad)."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16: whether a step DeepSpeed skipped is a failure (``guards.SkipGuard``)."""
+    min_loss_scale: float = 1.0
+    """The lowest fp16 loss scale (--min-loss-scale; a static --loss-scale)."""
     tokens_per_iteration: int = 0
     """Tokens consumed per iteration (global batch x --seq-length)."""
     train_tokens: int | None = None
@@ -122,6 +130,8 @@ class LoopSpec:
             exit_signal_handler=t.exit_signal_handler,
             save_interval=cfg.checkpoint.save_interval,
             check_for_nan=t.check_for_nan_in_loss_and_grad,
+            precision=plan.precision,
+            min_loss_scale=t.loss_scale or t.min_loss_scale,
             tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,
             train_tokens=t.train_tokens,
             rampup=(
@@ -185,17 +195,17 @@ def _exit_code(
     return None
 
 
-def _non_finite(result: StepResult) -> bool:
-    """The loss is NaN/Inf, or the grad norm is in a step the fp16 loss scaler did not skip (a skipped step's
-    overflow is the scaler's business: it lowers the scale and the run goes on, as before)."""
-    if not math.isfinite(result.loss):
-        return True
-    return (
-        not result.skipped and result.grad_norm is not None and not math.isfinite(result.grad_norm)
-    )
+def _non_finite(result: StepResult) -> str | None:
+    """What is not finite: the loss, or the grad norm of a step DeepSpeed applied (a skipped step's inf norm is
+    ``guards.SkipGuard``'s business); None when both are fine."""
+    if math.isfinite(result.loss) and (
+        result.skipped or result.grad_norm is None or math.isfinite(result.grad_norm)
+    ):
+        return None
+    return f"non-finite lm loss ({result.loss}) or grad norm ({result.grad_norm})"
 
 
-def _report_non_finite(state: TrainState, result: StepResult, last_saved: int | None) -> None:
+def _report_non_finite(iteration: int, reason: str | None, last_saved: int | None) -> None:
     if global_rank() != 0:
         return
     kept = (
@@ -204,12 +214,10 @@ def _report_non_finite(state: TrainState, result: StepResult, last_saved: int | 
         else "no checkpoint was saved by this run"
     )
     logger.error(
-        "iteration %d: non-finite lm loss (%s) or grad norm (%s); stopping without saving (%s). Lower --lr or "
-        "raise --lr-warmup-iters and resume from a good checkpoint (--no-check-for-nan-in-loss-and-grad turns "
-        "this check off).",
-        state.iteration,
-        result.loss,
-        result.grad_norm,
+        "iteration %d: %s; stopping without saving (%s). Lower --lr or raise --lr-warmup-iters and resume "
+        "from a good checkpoint (--no-check-for-nan-in-loss-and-grad turns this check off).",
+        iteration,
+        reason or "non-finite lm loss or grad norm on another rank",
         kept,
     )
 
@@ -336,6 +344,8 @@ class _Loop:
         self.saved = False
         """The current iteration was saved already (by --save-interval)."""
         self.last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
+        self.skips = SkipGuard(spec.precision, spec.min_loss_scale)
+        self.loss_tokens = LossTokenWatch(state.iteration, spec.log_interval)
 
     def step(self) -> _Iteration:
         """Batch size, sequence length and LR of the next iteration, one optimizer step, the counters, the LR
@@ -377,11 +387,31 @@ class _Loop:
                 step_log.at_log_interval(state.iteration, seconds)
             self.interval.iters, self.interval.tokens = 0, 0
 
-    def non_finite(self, it: _Iteration) -> bool:
-        """A non-finite loss or grad norm on any rank (--check-for-nan-in-loss-and-grad), reported."""
-        if self.spec.check_for_nan and _any_rank([_non_finite(it.result)], self.trainer.device)[0]:
-            _report_non_finite(self.state, it.result, self.last_saved)
+    def failed(self, it: _Iteration) -> bool:
+        """A non-finite loss or grad norm, or a skipped step that is a failure, on any rank
+        (--check-for-nan-in-loss-and-grad), reported; and the loss-token check (``guards.LossTokenWatch``). One
+        all-reduce for both, so every rank decides the same.
+
+        Raises:
+            ConfigError: no global batch of this run held a loss token (bad training data).
+        """
+        spec, state = self.spec, self.state
+        reason = None
+        if spec.check_for_nan:
+            reason = _non_finite(it.result) or self.skips.failure(it.result)
+        tokens = self.trainer.take_loss_tokens()
+        has_tokens = tokens is None or tokens > 0
+        bad, any_tokens = _any_rank([reason is not None, has_tokens], self.trainer.device)
+        if bad:
+            _report_non_finite(state.iteration, reason, self.last_saved)
             return True
+        self.loss_tokens.record(state.iteration, any_tokens)
+        decide = (
+            state.iteration - self.first_iteration >= spec.log_interval
+            or spec.finished(state)
+            or bool(spec.save_interval and state.iteration % spec.save_interval == 0)
+        )
+        self.loss_tokens.check(state.iteration, decide_now=decide)
         return False
 
     def evaluate_and_save(self) -> None:
@@ -439,9 +469,16 @@ def train(
     loop = _Loop(trainer, spec, rates, state, writer, step_log, watchdog)
     try:
         while not spec.finished(state):
-            it = loop.step()
+            try:
+                it = loop.step()
+            except Exception as err:  # noqa: BLE001 - only DeepSpeed's fp16 give-up is handled, the rest re-raised
+                reason = loss_scale_exhausted(err) if spec.check_for_nan else None
+                if reason is None:
+                    raise
+                _report_non_finite(state.iteration + 1, reason, loop.last_saved)
+                return EXIT_NON_FINITE
             loop.log(it)
-            if loop.non_finite(it):
+            if loop.failed(it):
                 return EXIT_NON_FINITE
             loop.evaluate_and_save()
             code = loop.exit_code()

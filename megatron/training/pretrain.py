@@ -33,6 +33,13 @@ from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
 from megatron.diagnostics.watchdog import HangWatchdog
 from megatron.launch.exit_codes import EXIT_OK, ConfigError
+from megatron.launch.peers import (
+    Peer,
+    PeerLostError,
+    peer_loss_reason,
+    peer_lost_message,
+    this_process,
+)
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_gather_object
 from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token
@@ -103,6 +110,7 @@ def pretrain(
 
     Raises:
         ValueError / FileNotFoundError: from ``preflight``, before any process group is created.
+        PeerLostError: another rank died and a collective failed (one line naming it where knowable).
     """
     pre = checked if checked is not None else preflight(cfg)
     planner = PlannerConfig.from_configs(pre.cfg.model, pre.cfg.parallel, pre.cfg.training)
@@ -112,9 +120,18 @@ def pretrain(
         pre.cfg.parallel, planned_bytes=worst.total + worst.offloaded_bytes
     )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
     lock: SaveLock | None = None
+    peers: list[Peer] = []
     try:
+        peers = all_gather_object(this_process(global_rank()), group=dist.group.WORLD)
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
         return _run(pre, memory, run, checkpoint_hooks)
+    except (
+        RuntimeError
+    ) as err:  # a collective failed because another rank died: one line (``peers.py``)
+        reason = peer_loss_reason(err)
+        if reason is None:
+            raise
+        raise PeerLostError(peer_lost_message(global_rank(), reason, peers)) from None
     finally:
         if lock is not None:
             lock.release()
@@ -186,6 +203,7 @@ def build_trainer(
             model=cfg.model,
             tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
             tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
+            expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
         )
     if hooks is not None and cfg.checkpoint.load:
         join_checksums(pre.checksums)

@@ -136,6 +136,11 @@ class Trainer:
             timers=self.timers,
         )
 
+    def take_loss_tokens(self) -> int | None:
+        """Loss tokens this rank drew for training since the last call (None: the iterators do not count)."""
+        counter = self.iterators.loss_tokens
+        return None if counter is None else counter.take()
+
     def can_evaluate(self, split: Split) -> bool:
         """The split has data and --eval-iters is positive."""
         return self._batches(split) is not None and self.eval_iters > 0

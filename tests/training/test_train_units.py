@@ -317,6 +317,7 @@ def test_exit_codes_distinct() -> None:
         exit_codes.EXIT_SIGNAL,
         exit_codes.EXIT_NON_FINITE,
         exit_codes.EXIT_HANG,
+        exit_codes.EXIT_PEER_LOST,
         exit_codes.EXIT_INTERRUPTED,
     ]
     assert len(set(codes)) == len(codes) and 1 not in codes
