@@ -12,6 +12,7 @@ Exit codes: 0 fits (or no capacity given), 1 does not fit, 2 bad flags.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -28,6 +29,37 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (run with --help for the list of flags)")
 
 
+def _memory_gb(text: str) -> float:
+    """--memory-gb: a positive finite number (``nan``, and ``1e400`` read as ``inf``, would fit every plan or none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive finite number of GB (e.g. 80)"
+        )
+    return value
+
+
+def _world_size(given: int | None, tp: int, pp: int) -> int:
+    """--world-size, else WORLD_SIZE, else TP x PP (a 0 given is an error, not "not given")."""
+    if given is not None:
+        if given < 1:
+            raise ValueError(
+                f"--world-size ({given}) must be at least 1; give the ranks in the job."
+            )
+        return given
+    env = os.environ.get("WORLD_SIZE", "").strip()
+    if not env:
+        return tp * pp
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(
+            f"WORLD_SIZE={env!r} (environment) is not a positive integer; unset it or pass --world-size."
+        )
+    return int(env)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring for the exit codes)."""
     p = _Parser(
@@ -37,15 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         "--world-size", type=int, default=None, help="ranks in the job (default: WORLD_SIZE)"
     )
     p.add_argument("--gpu-type", choices=list(GPU_MEMORY_GB), default=None, help="device to fit")
-    p.add_argument("--memory-gb", type=float, default=None, help="device memory in GB to fit")
+    p.add_argument("--memory-gb", type=_memory_gb, default=None, help="device memory in GB to fit")
     try:
         own, rest = p.parse_known_args(argv)
         cfg = parse_args(rest)
         par = cfg.parallel
-        world = (
-            own.world_size
-            or int(os.environ.get("WORLD_SIZE", "0"))
-            or (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+        world = _world_size(
+            own.world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         )
         capacity = capacity_of(own.gpu_type, own.memory_gb)
         plan, mp, ds_config = plan_for_config(cfg, world_size=world)

@@ -8,20 +8,22 @@ Order, once per process and device type (``cpu`` / ``cuda``):
 3. A JIT build of ``csrc/cpu/*.cpp`` (or ``csrc/cuda/*.cu`` + binding) with ninja
    (``torch.utils.cpp_extension.load``) into ``$TRIDENT_KERNEL_CACHE`` (default
    ``$XDG_CACHE_HOME/trident/kernels``, i.e. ``~/.cache/trident/kernels``), in a folder named by a hash of the
-   sources, flags, torch and Python versions.
+   sources, flags, GPU architectures (``cuda_arch``), torch and Python versions.
 
 Many processes may start at once (8 ranks per node, several nodes, with or without a shared filesystem). No rank
 waits for another rank's build: each process takes an ``flock`` on ``<folder>.lock`` in the cache (so one process
-per node compiles and the others then find the result), builds in a private staging folder and renames it into
-place; a rename that loses to another node's identical build is dropped. Any failure (no compiler, no ninja, a
-compile error, a CPU without the instructions the prebuilt extension was compiled for) is one warning and the
-reference path, never a crash. One log line says which path each device type uses.
+per node compiles and the others then find the result; a waiter logs who holds it and gives up after a bounded time,
+``build_cache``), builds in a private staging folder, records the library's size and sha256 in it and renames it
+into place; a rename that loses to another node's identical build is dropped, and a library its record does not
+vouch for (cut short) is rebuilt, never opened. Any failure (no compiler, no ninja, a compile error, whose whole
+output is kept in ``<folder>.log``, a lock held too long, a build folder's name taken by a file, a CPU without the
+instructions the prebuilt extension was compiled for) is one warning and the reference path, never a crash: the
+kernels are a speed-up, and a cache problem must not stop a run. One log line says which path each device type uses.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -30,10 +32,10 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from megatron.fused_kernels import build_cache
 from megatron.log import log_rank_0
 
 logger = logging.getLogger(__name__)
@@ -166,41 +168,88 @@ def sources_digest(srcs: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def build_key(name: str, srcs: list[Path], flags: list[str]) -> str:
-    """A folder name that changes with the sources, the flags, torch and Python."""
+def build_key(name: str, srcs: list[Path], flags: list[str], *, arch: str = "") -> str:
+    """A folder name that changes with the sources, the flags, the GPU architectures (``arch``: what a CUDA build
+    compiles for, :func:`cuda_arch`; empty for a CPU build), torch and Python."""
     import torch
 
     digest = hashlib.sha256()
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")  # unset: torch builds for the GPU it sees
     parts = (name, torch.__version__, str(torch.version.cuda), arch, sys.version, " ".join(flags))
     for part in (*parts, sources_digest(srcs)):
         digest.update(part.encode() + b"\0")
     return f"{name}-{digest.hexdigest()[:16]}"
 
 
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 
 
-def _import_from(folder: Path, name: str) -> ModuleType:
+def cuda_arch(
+    env: str | None, capabilities: list[tuple[int, int]], torch_archs: list[str]
+) -> tuple[str, list[str]]:
+    """What a CUDA JIT build compiles for: ``(arch list, nvcc flags)``.
+
+    ``$TORCH_CUDA_ARCH_LIST`` (``env``) when set: torch reads it itself (no flags added). Unset (or ``native``):
+    torch's own rule, made explicit so that the cache key holds it: the visible devices' ``capabilities``, each
+    capped at the newest ``sm_XY`` of ``torch_archs`` (``torch.cuda.get_arch_list()``), sorted, PTX for the last
+    (``[(8, 0), (9, 0)]`` -> ``8.0;9.0+PTX``), passed as ``-gencode`` flags. Without this the key was the same for
+    every GPU generation, and one generation's build was loaded on another.
+    """
+    if env and env.strip() and env.strip() != "native":
+        return " ".join(env.split()), []
+    supported = [
+        (int(a[3:-1]), int(a[-1])) for a in torch_archs if a.startswith("sm_") and a[3:].isdigit()
+    ]
+    newest = max(supported, default=(99, 9))
+    archs = sorted({min((c[0], c[1]), newest) for c in capabilities})
+    if not archs:
+        raise RuntimeError("no CUDA device is visible to build the CUDA kernels for")
+    flags = [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs]
+    last = "{}{}".format(*archs[-1])
+    flags.append(f"-gencode=arch=compute_{last},code=compute_{last}")
+    return ";".join(f"{a}.{b}" for a, b in archs) + "+PTX", flags
+
+
+def _library(folder: Path, name: str) -> Path:
     built = sorted(folder.glob(f"{name}*.so"))
     if not built:
         raise ImportError(f"no {name}*.so in {folder}")
+    return built[0]
+
+
+def _import_from(folder: Path, name: str) -> ModuleType:
+    library = _library(folder, name)
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, built[0])
+    problem = build_cache.record_problem(library)
+    if problem is not None:  # never dlopen an unvouched library: cut short, it is a SIGBUS
+        raise ImportError(problem)
+    spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {built[0]}")
+        raise ImportError(f"cannot load {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module
     return module
+
+
+def _refuse_blocked(folder: Path, what: str) -> None:
+    if folder.exists() and not folder.is_dir():
+        # no build could ever be renamed into place: every start would compile again (~45 s), silently
+        raise RuntimeError(
+            f"the {what} {folder} is taken by a file, so no build can be cached; "
+            f"remove it (rm {folder}) or point {CACHE_ENV} at another folder"
+        )
+
+
+def _build_failed(exc: Exception, log: Path) -> RuntimeError:
+    """One line for a failed compile (its first error lines), the whole output kept in ``log``."""
+    output = str(exc)
+    try:
+        build_cache.write_atomic(log, output.encode("utf-8", "replace"))
+        where = f"full compiler output in {log}"
+    except OSError as err:
+        where = f"the compiler output could not be kept in {log}: {err}"
+    return RuntimeError(f"{build_cache.error_lines(output)} ({where})")
 
 
 def jit_build(
@@ -211,34 +260,57 @@ def jit_build(
     cuda_cflags: list[str] | None = None,
     ldflags: list[str] | None = None,
     cache_root: Path | None = None,
+    arch: str = "",
 ) -> ModuleType:
-    """Build (once per cache folder) and import the extension ``name`` from ``srcs``.
+    """Build (once per cache folder) and import the extension ``name`` from ``srcs`` (``arch``: the GPU
+    architectures a CUDA build compiles for, part of the folder's name).
 
     Safe for concurrent callers: an ``flock`` serializes the builders of one host, the staging folder plus
-    ``os.rename`` makes the result appear whole (also across hosts sharing the cache). Raises on a failed build.
+    ``os.rename`` makes the result appear whole (also across hosts sharing the cache), and the library is opened
+    only where its build record vouches for it (``build_cache``). Raises on a failed build (its compiler output in
+    ``<folder>.log`` beside the folder), a lock held too long, or a folder name taken by a file.
     """
-    from torch.utils import cpp_extension
-
     root = cache_root or default_cache_root()
+    _refuse_blocked(root, "kernel cache folder")
     root.mkdir(parents=True, exist_ok=True)
-    final = root / build_key(name, srcs, cflags + (cuda_cflags or []) + (ldflags or []))
+    final = root / build_key(name, srcs, cflags + (cuda_cflags or []) + (ldflags or []), arch=arch)
+    _refuse_blocked(final, "kernel build folder")
     if final.is_dir():
         with contextlib.suppress(ImportError):
             return _import_from(final, name)
-    with _flock(root / f"{final.name}.lock"):
+    with build_cache.build_lock(root / f"{final.name}.lock"):
+        _refuse_blocked(final, "kernel build folder")
         if final.is_dir():
             try:
                 return _import_from(final, name)
             except ImportError as exc:  # a damaged build (a truncated .so): set it aside, rebuild
                 logger.warning("fused kernels: rebuilding %s (%s)", final, exc)
-                os.rename(
-                    final, root / f".broken-{final.name}.{socket.gethostname()}.{os.getpid()}"
-                )
-        staging = root / f".{final.name}.{socket.gethostname()}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+                broken = root / f".broken-{final.name}.{socket.gethostname()}.{os.getpid()}"
+                os.rename(final, broken)
+                shutil.rmtree(broken, ignore_errors=True)
+        return _build_into(
+            final, name, srcs, cflags=cflags, cuda_cflags=cuda_cflags, ldflags=ldflags
+        )
+
+
+def _build_into(
+    final: Path,
+    name: str,
+    srcs: list[Path],
+    *,
+    cflags: list[str],
+    cuda_cflags: list[str] | None,
+    ldflags: list[str] | None,
+) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    staging = final.parent / f".{final.name}.{socket.gethostname()}.{os.getpid()}"
+    log = final.parent / f"{final.name}.log"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        compiled_in_this_process.append(name)
         try:
-            compiled_in_this_process.append(name)
             module = cpp_extension.load(
                 name,
                 [str(s) for s in srcs],
@@ -248,13 +320,18 @@ def jit_build(
                 build_directory=str(staging),
                 verbose=False,
             )
-            try:
-                os.rename(staging, final)
-            except OSError:  # another host's identical build won the rename
-                shutil.rmtree(staging, ignore_errors=True)
-        except BaseException:
+        except Exception as exc:
+            raise _build_failed(exc, log) from exc
+        build_cache.write_record(_library(staging, name))
+        with contextlib.suppress(FileNotFoundError):
+            log.unlink()  # an earlier failure's output, stale now
+        try:
+            os.rename(staging, final)
+        except OSError:  # another host's identical build won the rename
             shutil.rmtree(staging, ignore_errors=True)
-            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return module
 
 
@@ -310,8 +387,27 @@ def _jit(kind: str) -> ModuleType:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     if kind == "cuda":
-        return jit_build(JIT_NAMES[kind], srcs, cflags=["-O3"], cuda_cflags=["-O3"])
+        import torch
+
+        count = torch.cuda.device_count()
+        arch, arch_flags = cuda_arch(
+            os.environ.get(ARCH_ENV),
+            [torch.cuda.get_device_capability(i) for i in range(count)],
+            torch.cuda.get_arch_list(),
+        )
+        return jit_build(
+            JIT_NAMES[kind], srcs, cflags=["-O3"], cuda_cflags=["-O3", *arch_flags], arch=arch
+        )
     return jit_build(JIT_NAMES[kind], srcs, cflags=cpu_cflags(), ldflags=CPU_LDFLAGS)
+
+
+def failure_line(exc: BaseException) -> str:
+    """A failed JIT build as one line: the message (a compile failure is already one line naming its log), or
+    the first error lines of a multi-line one."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return text if "\n" not in text else build_cache.error_lines(text)
 
 
 def _find(kind: str) -> tuple[ModuleType | None, str]:
@@ -332,17 +428,17 @@ def _find(kind: str) -> tuple[ModuleType | None, str]:
     try:
         module = _jit(kind)
     except Exception as exc:  # noqa: BLE001 - any build failure means the reference path
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = failure_line(exc)
         log_rank_0(
             logger,
             "fused kernels (%s): no kernels (JIT build failed: %s); using the PyTorch references. Set "
             "%s=1 to skip the build.",
             kind,
-            first[:300],
+            why,
             NO_KERNELS_ENV,
             level=logging.WARNING,
         )
-        return None, f"PyTorch references (build failed: {first[:200]})"
+        return None, f"PyTorch references (build failed: {why})"
     return module, f"kernels JIT-built into {default_cache_root()} ({module.build_info()})"
 
 

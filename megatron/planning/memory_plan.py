@@ -56,6 +56,7 @@ input), per optimizer step, on one rank of the first stage: see :func:`collectiv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -69,6 +70,7 @@ from megatron.planning.moe_plan import (
     moe_mlp_activation_bytes,
 )
 from megatron.planning.params import (
+    each_layer,
     fc1_width,
     in_flight_micro_batches,
     persistent_params,
@@ -341,7 +343,7 @@ def _stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_
     m = pc.model
     layer_ids = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
     layers = len(layer_ids)
-    each = [layer_activation_bytes(pc, plan, micro_batch, i) for i in layer_ids]
+    each = each_layer(m, layer_ids, lambda i: layer_activation_bytes(pc, plan, micro_batch, i))
     per_layer = max(each, default=0)  # the largest layer: what a recomputed chunk re-creates
     outside = _outside_layers_bytes(m, plan, stage, micro_batch)
     if m.recompute_granularity != "full":
@@ -499,12 +501,14 @@ def capacity_of(gpu_type: str | None, memory_gb: float | None) -> float | None:
     """Device bytes from --memory-gb (GB = 10^9 bytes) or --gpu-type; None when neither is given.
 
     Raises:
-        ValueError: an unknown --gpu-type, or a non-positive --memory-gb.
+        ValueError: an unknown --gpu-type, or a --memory-gb that is not a positive finite number (``nan``, and
+            ``1e400`` which float() reads as ``inf``, would make every plan "fit" or none).
     """
     if memory_gb is not None:
-        if memory_gb <= 0:
+        if not (math.isfinite(memory_gb) and memory_gb > 0):
             raise ValueError(
-                f"--memory-gb ({memory_gb}) must be positive; give the device memory in GB."
+                f"--memory-gb ({memory_gb}) must be a positive finite number; give the device memory in "
+                "GB, e.g. --memory-gb 80."
             )
         return memory_gb * 1e9
     if gpu_type is None:

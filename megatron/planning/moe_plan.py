@@ -13,17 +13,31 @@ Measured against real runs by ``benchmarks/bench_memory_plan.py`` (the ``moe-*``
 
 from __future__ import annotations
 
+import functools
 import math
 
 from megatron.config import ModelConfig, RunPlan
+from megatron.config.moe import MoEConfig
 from megatron.planning.planner_config import PlannerConfig
+
+
+@functools.lru_cache(maxsize=8)
+def _experts_per_layer(moe: MoEConfig, num_layers: int) -> tuple[int, ...]:
+    # built once per model: the planner asks per layer, and rebuilding the L-long list each time made a plan
+    # quadratic in --num-layers (100,000 layers: minutes)
+    if not moe.is_moe(num_layers):
+        return (1,) * num_layers
+    return moe.experts_per_layer(num_layers)
+
+
+def layer_experts(m: ModelConfig) -> tuple[int, ...]:
+    """DeepSpeed-MoE experts of each transformer layer 0..L-1 (1: a dense layer), built once per model."""
+    return _experts_per_layer(m.moe, m.num_layers)
 
 
 def experts_of_layer(m: ModelConfig, layer: int) -> int:
     """DeepSpeed-MoE experts of transformer layer ``layer`` (0-based; 1: a dense layer)."""
-    if not m.moe.is_moe(m.num_layers):
-        return 1
-    return m.moe.experts_per_layer(m.num_layers)[layer]
+    return layer_experts(m)[layer]
 
 
 def expert_capacity(m: ModelConfig, plan: RunPlan, micro_batch: int, experts: int) -> int:

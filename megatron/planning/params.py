@@ -7,8 +7,14 @@ whole, the local experts' parameters and a stage's total.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from megatron.config import ModelConfig, RunPlan
+from megatron.planning.moe_plan import experts_of_layer, layer_experts
 from megatron.planning.planner_config import PlannerConfig
+
+T = TypeVar("T")
 
 
 def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
@@ -24,8 +30,23 @@ def in_flight_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     """0-based indices of the transformer layers on ``stage`` (the split of :func:`layers_of_stage`)."""
-    first = sum(layers_of_stage(num_layers, pp, k) for k in range(stage))
+    base, extra = divmod(num_layers, pp)
+    first = stage * base + min(stage, extra)  # the layers of the stages before it, in O(1)
     return range(first, first + layers_of_stage(num_layers, pp, stage))
+
+
+def each_layer(m: ModelConfig, layers: range, value: Callable[[int], T]) -> list[T]:
+    """``value(layer)`` for each of ``layers``, computed once per expert count: layers with as many experts are
+    alike (the planner is linear in --num-layers, with a small constant, for 100,000 layers)."""
+    counts = layer_experts(m)
+    known: dict[int, T] = {}
+    out = []
+    for layer in layers:
+        experts = counts[layer]
+        if experts not in known:
+            known[experts] = value(layer)
+        out.append(known[experts])
+    return out
 
 
 def fc1_width(m: ModelConfig) -> int:
@@ -57,7 +78,7 @@ def layer_param_tensors(pc: PlannerConfig, tp: int, layer: int = 0) -> tuple[lis
     dense = [h * qkv_out, m.num_attention_heads * hn * h // tp, *norms]
     if m.add_bias_linear:
         dense += [qkv_out, h]
-    experts = m.moe.experts_per_layer(m.num_layers)[layer] if m.moe.is_moe(m.num_layers) else 1
+    experts = experts_of_layer(m, layer)
     if experts > 1:
         dense.append(experts * h)  # the gate
         if m.moe.mlp_type == "residual":
@@ -75,10 +96,11 @@ def persistent_params(pc: PlannerConfig, plan: RunPlan, stage: int, threshold: i
     ``stage3_param_persistence_threshold`` elements)."""
     m, tp, pp = pc.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     count = sum(
-        n
-        for layer in stage_layers(m.num_layers, pp, stage)
-        for n in layer_param_tensors(pc, tp, layer)[0]
-        if n < threshold
+        each_layer(
+            m,
+            stage_layers(m.num_layers, pp, stage),
+            lambda layer: sum(n for n in layer_param_tensors(pc, tp, layer)[0] if n < threshold),
+        )
     )
     extra = []
     if stage == 0:
@@ -95,7 +117,7 @@ def stage_expert_param_count(pc: PlannerConfig, plan: RunPlan, stage: int) -> in
     ZeRO partitions them over the expert-data-parallel group, ``expert_data_parallel_size`` ranks)."""
     m, tp = pc.model, plan.tensor_model_parallel_size
     layers = stage_layers(m.num_layers, plan.pipeline_model_parallel_size, stage)
-    return sum(sum(layer_param_tensors(pc, tp, layer)[1]) for layer in layers)
+    return sum(each_layer(m, layers, lambda layer: sum(layer_param_tensors(pc, tp, layer)[1])))
 
 
 def stage_param_count(pc: PlannerConfig, plan: RunPlan, stage: int) -> int:
@@ -103,8 +125,11 @@ def stage_param_count(pc: PlannerConfig, plan: RunPlan, stage: int) -> int:
     m, tp, pp = pc.model, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = m.hidden_size
     count = sum(
-        sum(map(sum, layer_param_tensors(pc, tp, layer)))
-        for layer in stage_layers(m.num_layers, pp, stage)
+        each_layer(
+            m,
+            stage_layers(m.num_layers, pp, stage),
+            lambda layer: sum(map(sum, layer_param_tensors(pc, tp, layer))),
+        )
     )
     word = plan.padded_vocab_size // tp * h
     if stage == 0:

@@ -9,6 +9,7 @@ same ``jit_build`` the kernels use, from 4 processes started together on one cac
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -206,3 +207,213 @@ def test_a_failed_build_removes_the_stale_extension(tmp_path: Path) -> None:
     ), removed
     assert not in_tree.exists() and not in_build.exists()
     assert not (tree / "megatron" / "fused_kernels" / "_cpu.sources").exists()
+
+
+# --------------------------------------------------------------- the JIT cache: damaged, blocked, locked, failed
+
+
+def _probe(tmp: Path, name: str, body: str = "") -> Path:
+    """A probe extension named ``name`` (its own module name: each test imports its own)."""
+    src = tmp / f"{name}.cpp"
+    src.write_text(
+        PROBE.replace("trident_jit_probe", name).replace("return PyLong", body + "return PyLong")
+    )
+    return src
+
+
+def _key_folder(cache: Path, name: str, src: Path) -> Path:
+    from megatron.fused_kernels import loader
+
+    return cache / loader.build_key(name, [src], ["-O1"])
+
+
+LOAD_IN_CHILD = """
+import sys
+from pathlib import Path
+from megatron.fused_kernels import loader
+module = loader.jit_build(sys.argv[1], [Path(sys.argv[2])], cflags=["-O1"], cache_root=Path(sys.argv[3]))
+print("answer", module.answer(), "compiled", len(loader.compiled_in_this_process))
+"""
+
+
+def test_a_cached_library_cut_short_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    """A cached ``.so`` cut to half its size (a full disk while copying the cache) used to kill the next process
+    with SIGBUS in dlopen (rc 135, no message); its build record (size + sha256) no longer vouches for it, so the
+    next process logs one line and rebuilds. The record is written atomically: no temporary file is left."""
+    from megatron.fused_kernels import loader
+
+    name = "trident_jit_probe_cut"
+    src, cache = _probe(tmp_path, name), tmp_path / "cache"
+    assert loader.jit_build(name, [src], cflags=["-O1"], cache_root=cache).answer() == 42
+    folder = _key_folder(cache, name, src)
+    (library,) = folder.glob(f"{name}*.so")
+    whole = library.read_bytes()
+    library.unlink()  # a new file (a copy cut short): this process keeps its own mapping of the old one
+    library.write_bytes(whole[: len(whole) // 2])
+    env = {**os.environ, "PYTHONPATH": str(Path(loader.__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_CHILD, name, str(src), str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "answer 42 compiled 1" in done.stdout, done.stdout
+    assert "rebuilding" in done.stderr and "cut short" in done.stderr, done.stderr[-3000:]
+    from megatron.fused_kernels import build_cache
+
+    (library,) = folder.glob(f"{name}*.so")
+    assert build_cache.record_problem(library) is None and library.read_bytes() == whole
+    cut = tmp_path / "cut" / library.name
+    cut.parent.mkdir()
+    cut.write_bytes(whole[:4096])
+    shutil.copy(folder / build_cache.RECORD, cut.parent)
+    assert "cut short" in (build_cache.record_problem(cut) or "")
+    assert not [p for p in cache.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_build_folder_name_taken_by_a_file_is_one_clear_error(tmp_path: Path) -> None:
+    """A regular file where the build folder goes: every start used to compile (~45 s), fail to rename the build
+    into place and drop it, silently. Now the build is refused before compiling, with one line naming the path and
+    the fix; the loader turns it into its one warning and the references (a cache problem does not stop a run).
+    The file is left as it was."""
+    from megatron.fused_kernels import loader
+
+    name = "trident_jit_probe_blocked"
+    src, cache = _probe(tmp_path, name), tmp_path / "cache"
+    cache.mkdir()
+    blocker = _key_folder(cache, name, src)
+    blocker.write_text("not a folder\n")
+    compiled = len(loader.compiled_in_this_process)
+    with pytest.raises(RuntimeError) as raised:
+        loader.jit_build(name, [src], cflags=["-O1"], cache_root=cache)
+    why = str(raised.value)
+    assert f"{blocker} is taken by a file" in why and f"rm {blocker}" in why, why
+    assert loader.CACHE_ENV in why and "\n" not in why
+    assert len(loader.compiled_in_this_process) == compiled  # nothing compiled for nothing
+    assert blocker.read_text() == "not a folder\n"
+    assert loader.failure_line(raised.value) == why
+
+
+def _hold(lock: Path, pid: int) -> int:
+    """Take ``lock`` as another process would (a separate open file), recording ``pid`` on this host."""
+    import fcntl
+    import socket
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {pid} host {socket.gethostname()} since 2026-01-01T00:00:00\n".encode())
+    return fd
+
+
+@pytest.mark.timeout(60)
+def test_a_held_build_lock_is_logged_and_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds the build lock and never finishes: the wait used to be endless and silent. Now it
+    names the holder at once and every LOG_EVERY s, and gives up after $TRIDENT_KERNEL_LOCK_TIMEOUT with one error
+    naming the lock file (the loader's warning, then the references). A holder recorded on this host whose pid is
+    dead is taken over (where the filesystem kept its lock)."""
+    from megatron.fused_kernels import loader
+
+    name = "trident_jit_probe_locked"
+    src, cache = _probe(tmp_path, name), tmp_path / "cache"
+    cache.mkdir()
+    lock = cache / f"{_key_folder(cache, name, src).name}.lock"
+    holder = _hold(lock, os.getpid())  # alive: this process
+    monkeypatch.setenv("TRIDENT_KERNEL_LOCK_TIMEOUT", "1")
+    caplog.set_level(logging.WARNING, logger="megatron.fused_kernels")
+
+    def wait_for_lock() -> str:
+        with pytest.raises(RuntimeError, match="waiting for the kernel build lock") as raised:
+            loader.jit_build(name, [src], cflags=["-O1"], cache_root=cache)
+        return str(raised.value)
+
+    try:
+        why = wait_for_lock()  # the default LOG_EVERY: one line at once
+        from megatron.fused_kernels import build_cache
+
+        monkeypatch.setattr(build_cache, "LOG_EVERY", 0.3)
+        caplog.clear()
+        wait_for_lock()
+    finally:
+        os.close(holder)
+    assert str(lock) in why and f"pid {os.getpid()} on host" in why and f"delete {lock}" in why, why
+    waiting = [
+        r.getMessage() for r in caplog.records if "waiting for the build lock" in r.getMessage()
+    ]
+    assert len(waiting) >= 2 and all(f"pid {os.getpid()}" in m for m in waiting), waiting
+    # a holder that is gone (its pid dead on this host) but whose lock was kept: taken over
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # reaped: its pid names no process now
+    dead = _hold(lock, finished.pid)
+    try:
+        with build_cache.build_lock(lock, timeout=20):
+            assert lock.read_text().startswith(f"pid {os.getpid()} host")
+    finally:
+        os.close(dead)
+    assert any("taking over the build lock" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(build_cache.LOCK_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="TRIDENT_KERNEL_LOCK_TIMEOUT='soon' must be a positive"):
+        build_cache.lock_timeout()
+
+
+def test_a_failed_build_keeps_the_compiler_output(tmp_path: Path) -> None:
+    """A compile error used to be reported by its first 300 characters (the compiler's command line, not the
+    error). Now the whole output goes to a log beside the build folder, and the one-line message holds the first
+    error lines and the log's path."""
+    from megatron.fused_kernels import loader
+
+    name = "trident_jit_probe_broken"
+    src, cache = _probe(tmp_path, name, body="planted_undeclared_name; "), tmp_path / "cache"
+    with pytest.raises(RuntimeError) as raised:
+        loader.jit_build(name, [src], cflags=["-O1"], cache_root=cache)
+    why = str(raised.value)
+    log = cache / f"{_key_folder(cache, name, src).name}.log"
+    assert "\n" not in why and "planted_undeclared_name" in why and "error" in why, why
+    assert f"full compiler output in {log}" in why, why
+    full = log.read_text()
+    assert "planted_undeclared_name" in full and str(src) in full and "ninja" in full, full[-2000:]
+    assert not [p.name for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
+    assert loader.failure_line(raised.value) == why  # what the loader's warning shows
+
+
+def test_the_cuda_build_key_holds_the_architecture() -> None:
+    """Without TORCH_CUDA_ARCH_LIST the key used to hold no architecture: an sm_80 build was loaded on an sm_90
+    device. Now the list torch compiles for is derived the way torch derives it (the visible devices, capped at
+    torch's newest, PTX for the last), passed as explicit -gencode flags and put in the key."""
+    from megatron.fused_kernels import loader
+
+    torch_archs = ["sm_70", "sm_80", "sm_90", "compute_90"]
+    a100, a100_flags = loader.cuda_arch(None, [(8, 0)], torch_archs)
+    h100, h100_flags = loader.cuda_arch("", [(9, 0), (9, 0)], torch_archs)
+    assert (a100, h100) == ("8.0+PTX", "9.0+PTX")
+    assert a100_flags == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_80,code=compute_80",
+    ]
+    assert loader.cuda_arch("native", [(9, 0), (8, 0)], torch_archs)[0] == "8.0;9.0+PTX"
+    assert loader.cuda_arch(None, [(12, 0)], torch_archs)[0] == "9.0+PTX"  # capped, as torch does
+    assert loader.cuda_arch(" 8.0;9.0 ", [(8, 0)], torch_archs) == ("8.0;9.0", [])  # torch reads it
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        loader.cuda_arch(None, [], torch_archs)
+    srcs = loader.sources("cuda")
+    assert srcs, "csrc/cuda has no sources"
+
+    def key(arch: str, flags: list[str]) -> str:
+        return loader.build_key("trident_cuda_kernels", srcs, ["-O3", "-O3", *flags], arch=arch)
+
+    assert key(a100, a100_flags) != key(h100, h100_flags)
+    assert key(a100, a100_flags) == key(*loader.cuda_arch(None, [(8, 0)], torch_archs))
+    assert key("8.0", []) != key("9.0", [])  # an explicit TORCH_CUDA_ARCH_LIST is in the key too
+
+
+def test_a_multiline_failure_is_summarised_on_one_line() -> None:
+    from megatron.fused_kernels import loader
+
+    output = "[1/2] c++ -c probe.cpp -o probe.o\nFAILED: probe.o\nprobe.cpp:3:5: error: 'x' was not declared\n"
+    assert loader.failure_line(RuntimeError(output)) == "probe.cpp:3:5: error: 'x' was not declared"
+    assert loader.failure_line(RuntimeError("no C++ compiler")) == "no C++ compiler"
+    assert loader.failure_line(RuntimeError()) == "RuntimeError"
