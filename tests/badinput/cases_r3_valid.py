@@ -8,6 +8,7 @@ index cache is written beside the shared one).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,12 @@ ON_DATA = (
 
 def _copy_tiny(tmp: Path, ws: Path) -> None:
     shutil.copytree(ws / "tiny", tmp / "tiny")
+
+
+def _long_line(tmp: Path, ws: Path) -> None:
+    """Line 2 of 3 is 2 MB of ids (over --max-line-bytes 1000000)."""
+    lines = [{"text": "1 2 3"}, {"text": " ".join(["7"] * 1_000_000)}, {"text": "4 5"}]
+    (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 CASES: list[Case] = [
@@ -64,5 +71,25 @@ CASES: list[Case] = [
         "of memory; ask for fewer samples (--global-batch-size",
         needs=("data",),
         setup=_copy_tiny,
+    ),
+    Case(
+        "r3-preprocess-line-too-long",
+        (
+            "tools/preprocess_data.py",
+            "--input",
+            "{tmp}/in.jsonl",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1000",
+            "--output-prefix",
+            "{tmp}/out",
+            "--max-line-bytes",
+            "1000000",
+        ),  # fmt: skip
+        1,
+        "in.jsonl:2: the line is 2000011 bytes, more than --max-line-bytes (1000000)",
+        unchanged=("{tmp}",),
+        setup=_long_line,
     ),
 ]
