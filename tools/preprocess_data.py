@@ -7,7 +7,8 @@
 then train with ``--data-path data/my-gpt2_text_document``. Megatron's flags; differences: every key is written
 (Megatron finalizes only the last), sizes include the EOD (the fixed Megatron-LM layout), the output is
 byte-identical for any --workers, files appear only when the run succeeds, and a bad line stops the run with
-``file:line`` (or is skipped with --skip-bad-lines). --partitions takes only 1 (Megatron's default): inputs are
+``file:line`` (or is skipped with --skip-bad-lines), and so is a line longer than --max-line-bytes (16 MiB by
+default: tokenizing takes about 40 times a line's size in memory). --partitions takes only 1 (Megatron's default): inputs are
 streamed to the --workers in order, which gives the same parallelism without a merge step. An input with no documents (or a key whose values
 are all empty) is an error, not an empty dataset, and --output-prefix must end with a file-name prefix, not a
 path separator (``data/my-corpus``, not ``data/``).
@@ -28,7 +29,13 @@ import signal
 import sys
 
 from megatron.data.jsonl_input import resolve_inputs
-from megatron.data.preprocess import Execution, PreprocessError, preprocess, rates
+from megatron.data.preprocess import (
+    MAX_LINE_BYTES,
+    Execution,
+    PreprocessError,
+    preprocess,
+    rates,
+)
 from megatron.log import setup_logging
 from megatron.tokenizer import TOKENIZER_TYPES
 
@@ -46,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--skip-bad-lines", action="store_true", help="skip malformed lines instead of stopping"
+    )
+    g.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        help="a longer JSONL line is a bad line: tokenizing takes about 40x a line's size in memory "
+        f"(default {MAX_LINE_BYTES} = 16 MiB)",
     )
     g.add_argument("--split-sentences", action="store_true", help="not supported (needs NLTK data)")
     g = p.add_argument_group("tokenizer")
@@ -119,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_kwargs=tokenizer_kwargs,
             append_eod=args.append_eod,
             skip_bad_lines=args.skip_bad_lines,
+            max_line_bytes=args.max_line_bytes,
             execution=Execution(workers=args.workers, log_interval=args.log_interval),
         )
     except (

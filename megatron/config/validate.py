@@ -11,6 +11,7 @@ from megatron.config.batch_rampup import check_rampup
 from megatron.config.logging_config import check_logging
 from megatron.config.moe_rules import check_moe
 from megatron.config.plan import global_batch_size
+from megatron.config.ranges import check_ranges, check_run_length
 from megatron.config.rules import check_head_layout, check_tensor_parallel_split
 from megatron.config.ulysses import check_ulysses
 
@@ -304,6 +305,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     """Raise ``ValueError`` for the first inconsistency in ``cfg`` for ``world_size`` ranks on ``device_type``."""
     if world_size < 1:
         raise ValueError(f"world size ({world_size}) must be at least 1.")
+    check_ranges(cfg)
     _check_positive(cfg)
     _check_model(cfg)
     _check_recompute(cfg)
@@ -312,6 +314,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     check_ulysses(cfg, world_size)
     check_moe(cfg, world_size)
     _check_batch(cfg, world_size)
+    check_run_length(cfg, global_batch_size(cfg, world_size))
     check_rampup(cfg, world_size)
     _check_precision(cfg, device_type)
     _check_tokens(cfg)

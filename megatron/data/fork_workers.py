@@ -11,7 +11,9 @@ forever too. Here every worker has its own two pipes and nothing is shared, so:
 - at most ``in_flight`` items per worker are outstanding (memory stays flat however long the stream);
 - an exception raised by ``fn`` in a worker is raised again in the caller, as it is (or as ``RuntimeError`` with its
   text when it cannot be pickled);
-- a worker that dies is noticed at once (its process sentinel) and raises :class:`WorkerDied` naming it;
+- a worker that dies is noticed at once (its process sentinel) and raises :class:`WorkerDied` naming it and its
+  signal or exit code, also when it dies half-way through sending an answer (the partial message is dropped and
+  the exit status read) or while the caller hands it an item (no ``BrokenPipeError``);
 - closing the iterator early, an error or Ctrl-C kills and reaps every worker before the caller sees the exception:
   killing a process that holds no shared lock cannot wedge anything.
 
@@ -141,12 +143,26 @@ class _Worker:
         if self.results in ready:
             try:
                 ok, value = self.results.recv()
-            except EOFError:
+            except (
+                EOFError,
+                OSError,
+            ):  # OSError: "got end of file during message", killed mid-answer
                 ok, value = False, None
             if ok:
                 return value
             if value is not None:
                 raise value
+        raise self.died()
+
+    def send(self, item: Any) -> None:
+        """Give the worker ``item``; a worker that is gone is :meth:`died`, not a ``BrokenPipeError``."""
+        try:
+            self.tasks.send(item)
+        except OSError:  # BrokenPipeError: it was killed since its last answer
+            raise self.died() from None
+
+    def died(self) -> WorkerDied:
+        """The error for a worker that ended without answering, naming its signal or exit code."""
         self.proc.join(timeout=5)
         code = self.proc.exitcode
         how = (
@@ -154,11 +170,13 @@ class _Worker:
             if code is not None and code < 0
             else f"exited with code {code}"
         )
-        raise WorkerDied(
+        return WorkerDied(
             f"worker {self.index} (pid {self.proc.pid}) {how} before answering"
             + (
                 " (signal 9 is usually the out-of-memory killer: use fewer workers)"
                 if code == -9
+                else " (signal 6 is an abort, e.g. a C++ std::bad_alloc: out of memory)"
+                if code == -6
                 else ""
             )
         )
@@ -204,7 +222,7 @@ def ordered_map(
             if item is _END:
                 return False
             worker = pool[submitted % workers]
-            worker.tasks.send(item)
+            worker.send(item)
             pending.append(worker)
             submitted += 1
             return True

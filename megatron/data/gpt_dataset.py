@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
+from megatron.data.index_budget import DatasetRequestError, check_index_fits
 from megatron.data.index_cache import cache_file_paths, load_or_build
 from megatron.data.index_files import (
     INDEX_FLAGS,
@@ -270,8 +271,10 @@ def build_index_mappings(
     usual; the returned cache directory is None when all three are given.
 
     Raises:
-        ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``, a request
-            needing an absurd number of epochs, ``exact_num_epochs`` too small for ``num_samples``, or a forced
+        DatasetRequestError: a request needing an absurd number of epochs, or an index larger than this
+            machine's memory (checked before building it).
+        ValueError: fewer than 2 tokens in the split, ``seq_length < 1``, ``num_samples < 0``,
+            ``exact_num_epochs`` too small for ``num_samples``, or a forced
             index file that does not fit the dataset.
         FileNotFoundError: a forced index file that does not exist.
     """
@@ -296,7 +299,7 @@ def build_index_mappings(
         )
         num_epochs = spec.exact_num_epochs
     if num_epochs * len(documents) >= _MAX_DOC_IDX_ENTRIES:
-        raise ValueError(
+        raise DatasetRequestError(
             f"dataset {name!r} of {data_prefix}: {num_samples} samples of {seq_length} tokens need {num_epochs} "
             f"epochs of its {tokens_per_epoch} tokens; that is not a sensible request. Use more data or fewer "
             "samples (--train-iters/--train-samples, --eval-iters, --split)."
@@ -314,6 +317,8 @@ def build_index_mappings(
     }
 
     def build() -> dict[str, np.ndarray]:
+        where = f"dataset {name!r} of {data_prefix}"
+        check_index_fits(where, num_docs=len(documents), num_epochs=num_epochs, total_samples=total)
         start = time.time()
         arrays = compute_gpt_indices(
             documents,

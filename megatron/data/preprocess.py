@@ -11,17 +11,19 @@ Pipeline, streaming and order-preserving::
 
 Reading the inputs (globs, gzip, chunks, one line parsed) is :mod:`megatron.data.jsonl_input`.
 
-With ``workers > 1`` at most ``2 * workers`` chunks are in flight (so memory stays flat however big the input),
+At most ``2 * workers`` chunks are in flight (so memory stays flat however big the input),
 and results are consumed in submission order, so the output is byte-identical for any worker count. The workers are
 forked once the main process has built and checked its tokenizer (they inherit it: no start-up cost per worker, no
-helper process); every one is reaped before ``preprocess`` returns or raises, also on Ctrl-C (``fork_workers``:
+helper process; one worker is a forked process too, so a tokenizer that aborts out of memory kills the worker,
+which is reported, not the run with its temporary files); every one is reaped before ``preprocess`` returns or raises, also on Ctrl-C (``fork_workers``:
 no shared queue, so stopping a worker mid-write cannot hang the run, and a worker killed by the OS is one error).
 
 Per document and key, as Megatron-LM: a string value is one sequence, a list of strings is one sequence per
 non-empty string; sequences with no tokens are dropped; with ``append_eod`` the EOD is appended to the document's
 last sequence and counted in its size (the fixed Megatron-LM layout). A document with no tokens has no sequences
 (its ``doc_idx`` entry repeats). Bad lines (invalid JSON/UTF-8, not an object, a missing key, a value that is not a
-string or list of strings, text the tokenizer rejects) stop the run with ``file:line: reason``, or are skipped and
+string or list of strings, text the tokenizer rejects, a line longer than ``max_line_bytes``: tokenizing takes about
+40 times a line's size in memory) stop the run with ``file:line: reason``, or are skipped and
 counted with ``skip_bad_lines``. An input with no documents, or a key with no tokens at all, is an error and
 writes nothing (an empty dataset would only fail later, in training).
 """
@@ -58,6 +60,10 @@ from megatron.data.jsonl_input import (
 from megatron.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 16 * 2**20
+"""Default ``--max-line-bytes``: a longer JSONL line is a bad line (tokenizing one takes about 40 times its size in
+memory: a 50 MB line peaked at 1.9 GB with GPT-2 BPE)."""
 
 
 @dataclass
@@ -98,10 +104,15 @@ class Encoder:
     """Turns chunks of JSONL lines into token arrays (runs in each worker, or in-process for one worker)."""
 
     def __init__(
-        self, tokenizer_kwargs: dict[str, Any], keys: Sequence[str], append_eod: bool
+        self,
+        tokenizer_kwargs: dict[str, Any],
+        keys: Sequence[str],
+        append_eod: bool,
+        max_line_bytes: int = MAX_LINE_BYTES,
     ) -> None:
         self.tokenizer = build_tokenizer(**tokenizer_kwargs)
         self.keys = tuple(keys)
+        self.max_line_bytes = max_line_bytes
         self.eod = self.tokenizer.eod if append_eod else None
         self.dtype = np.dtype(best_fitting_dtype(self.tokenizer.vocab_size))
 
@@ -139,6 +150,19 @@ class Encoder:
             sizes[np.cumsum(seqs_per_doc)[has] - 1] += 1
         return KeyResult(tokens, sizes.astype(np.int32), seqs_per_doc.astype(np.int64))
 
+    def _too_long(self, line: bytes) -> str:
+        """Why ``line`` is refused unread ("" when, without its newline, it is within the limit)."""
+        if len(line) <= self.max_line_bytes:
+            return ""
+        size = len(line) - line.endswith(b"\n")
+        if size <= self.max_line_bytes:
+            return ""
+        return (
+            f"the line is {size} bytes, more than --max-line-bytes ({self.max_line_bytes}); tokenizing takes "
+            "about 40 times a line's size in memory: split the document into several lines, or raise "
+            "--max-line-bytes where the memory allows it"
+        )
+
     def encode(self, chunk: Chunk | ByteRange) -> ChunkResult:
         """Parse, validate and tokenize one chunk (read first when a byte range); bad lines are reported by their
         index in the chunk, not raised."""
@@ -147,6 +171,9 @@ class Encoder:
         bad: dict[int, str] = {}
         docs: list[tuple[int, list[list[str]]]] = []
         for i, line in enumerate(chunk.lines):
+            if reason := self._too_long(line):
+                bad[i] = reason
+                continue
             if not line.strip():
                 continue
             values, reason = parse_line(line, self.keys)
@@ -187,11 +214,11 @@ def _select(
 def _results(
     chunks: Iterator[Chunk | ByteRange], encoder: Encoder, workers: int
 ) -> Iterator[ChunkResult]:
-    """Encoded chunks in input order; with workers > 1 at most 2 * workers in flight."""
-    if workers == 1:
-        for chunk in chunks:
-            yield encoder.encode(chunk)
-        return
+    """Encoded chunks in input order, at most 2 * workers in flight.
+
+    One worker is a forked process too: a tokenizer that aborts the process (a C++ ``std::bad_alloc`` out of
+    memory) then kills the worker, not this process, which reports it and removes its temporary files.
+    """
     # fork: the workers inherit the built and checked tokenizer (spawning re-imports and rebuilds it, ~0.5 s each,
     # and starts a resource-tracker process that outlives the run). No thread runs in this process: the
     # tokenizers' own parallelism is off (TOKENIZERS_PARALLELISM=false) and torch is not imported here.
@@ -365,6 +392,7 @@ def preprocess(
     append_eod: bool = False,
     skip_bad_lines: bool = False,
     execution: Execution = Execution(),
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Summary:
     """Tokenize JSONL ``inputs`` into one mmap dataset per key (``{output_prefix}_{key}_document.bin/.idx``).
 
@@ -378,12 +406,13 @@ def preprocess(
         FileNotFoundError: an input, tokenizer file or the output directory is missing.
     """
     _check_settings(output_prefix, json_keys, execution.workers)
+    if max_line_bytes < 1:
+        raise PreprocessError(f"--max-line-bytes ({max_line_bytes}) must be a positive integer.")
     os.environ.setdefault(
         "TOKENIZERS_PARALLELISM", "false"
     )  # one thread per process: --workers is the parallelism
-    encoder = Encoder(
-        tokenizer_kwargs, json_keys, append_eod
-    )  # checks the tokenizer (and eod) up front
+    # checks the tokenizer (and eod) up front
+    encoder = Encoder(tokenizer_kwargs, json_keys, append_eod, max_line_bytes)
 
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     check_outputs_not_inputs(
@@ -420,6 +449,11 @@ def preprocess(
             builder.abort()
         if isinstance(e, WorkerDied):
             raise PreprocessError(f"preprocessing {e}; nothing written.") from None
+        if isinstance(e, MemoryError):
+            raise PreprocessError(
+                f"out of memory while tokenizing ({e}); nothing written. Use fewer --workers, or a lower "
+                f"--max-line-bytes (now {max_line_bytes}) to refuse long lines."
+            ) from None
         raise
     summary.seconds = time.monotonic() - start
     return summary

@@ -202,12 +202,14 @@ def build_datasets(
 
     Raises:
         ConfigError: a forced --train-*-idx-path file does not fit the dataset (checked here, on every rank alike,
-            when the other arrays come from the index cache: one line and exit 2, not a traceback).
+            when the other arrays come from the index cache: one line and exit 2, not a traceback), or the samples
+            asked for need an absurd number of epochs or an index larger than this machine's memory.
     """
     from megatron.data.builders import (
         build_train_valid_test_datasets,
         get_train_valid_test_num_samples,
     )
+    from megatron.data.index_budget import DatasetRequestError
     from megatron.data.index_files import IndexFileError
 
     t = cfg.training
@@ -226,7 +228,7 @@ def build_datasets(
             train_valid_test_num_samples=counts,
             vocab_size=tokenizer.vocab_size,
         )
-    except IndexFileError as err:
+    except (IndexFileError, DatasetRequestError) as err:
         raise ConfigError(str(err)) from None
 
 
