@@ -210,6 +210,28 @@ def test_bias_activations(device: str, dtype: torch.dtype, f: int) -> None:
     _check(lambda x, fused: fk.bias_swiglu(x, None, fused=fused), [x2], dtype, **act)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_bias_grad_makes_no_fp32_copy_of_dx(kind: str) -> None:
+    """The CUDA backward sums the bias gradient in fp32 straight from the bf16 ``dx`` (``sum`` with an fp32
+    dtype): its peak is ``dx`` plus small change, where ``dx.to(float32).sum()`` added an fp32 copy (2x ``dx``)."""
+    assert fk.extension("cuda") is not None, fk.status()
+    rows, width = 4096, 4096 if kind == "gelu" else 2 * 2048
+    x = _randn(rows, width, dtype=torch.bfloat16, device="cuda", seed=5).requires_grad_()
+    bias = _randn(width, dtype=torch.bfloat16, device="cuda", seed=6).requires_grad_()
+    y = fk.bias_gelu(x, bias) if kind == "gelu" else fk.bias_swiglu(x, bias)
+    g = torch.ones_like(y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y.backward(g)
+    torch.cuda.synchronize()
+    dx_bytes = x.numel() * x.element_size()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 1.5 * dx_bytes, (peak, dx_bytes)  # with the fp32 copy: >= 3x dx_bytes
+    assert bias.grad is not None and bias.grad.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
