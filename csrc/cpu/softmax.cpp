@@ -10,6 +10,9 @@
 //     Only the first i + 1 columns are read and exponentiated; the rest of the row is zero-filled.
 //   masked (scaled_masked_softmax_fwd, x [b, np, sq, sk], mask [bm, 1, sq, sk] with bm in {1, b}):
 //     K = {j : !mask[b or 0, 0, i, j]}. K empty -> the whole row is 0 (no NaN).
+//   Non-finite scores follow the reference (torch.softmax after masked_fill): a NaN or +inf in K,
+//   or K's scores all -inf, make the sum NaN and give NaN in every column of the row (the masked
+//   ones and a causal row's zero-filled part too).
 // Backward (both kinds), from y:
 //   dx_j = scale * y_j * (dy_j - sum_k dy_k y_k)
 //   masked-out entries have y_j = 0 so dx_j = 0; an all-zero row gives dx = 0.
@@ -82,8 +85,9 @@ float scaled_max(const float* x, float scale, int64_t n) {
   return m;
 }
 
-// y_j = exp(scale * x_j - m) / sum_k exp(scale * x_k - m) over j < n; y may alias x.
-void softmax_row(const float* x, float* y, float scale, float m, int64_t n) {
+// y_j = exp(scale * x_j - m) / sum_k exp(scale * x_k - m) over j < n; y may alias x. Returns the
+// sum: >= 1 for finite scores (the max term is 1), NaN where a score is NaN or +inf, or m = -inf.
+float softmax_row(const float* x, float* y, float scale, float m, int64_t n) {
   const Vec vs(scale), vm(m);
   Vec s0(0.f);
   int64_t j = 0;
@@ -102,6 +106,17 @@ void softmax_row(const float* x, float* y, float scale, float m, int64_t n) {
   j = 0;
   for (; j + kW <= n; j += kW) (Vec::loadu(y + j) * vi).store(y + j);
   for (; j < n; ++j) y[j] *= inv;
+  return s;
+}
+
+// The rest of a row after its kept part: 0, or NaN after a NaN sum (as the reference's softmax).
+template <typename T>
+void fill_rest(T* y, int64_t n, float sum) {
+  if (std::isnan(sum)) {
+    std::fill(y, y + n, static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
+  } else {
+    std::memset(static_cast<void*>(y), 0, sizeof(T) * n);
+  }
 }
 
 // t_j = scale * x_j, or -inf where mask_j (exp(-inf - m) = 0 later); returns max_j t_j.
@@ -152,9 +167,9 @@ void causal_fwd_kernel(const T* x, T* y, int64_t batches, int64_t sq, float scal
       const int64_t n = r % sq + 1;  // kept columns j <= i
       const float* xr = row_as_float(x + r * sq, xbuf.data(), n);
       float* yr = out_as_float(y + r * sq, ybuf.data());
-      softmax_row(xr, yr, scale, scaled_max(xr, scale, n), n);
+      const float sum = softmax_row(xr, yr, scale, scaled_max(xr, scale, n), n);
       store_row(yr, y + r * sq, n);
-      std::memset(static_cast<void*>(y + r * sq + n), 0, sizeof(T) * (sq - n));
+      fill_rest(y + r * sq + n, sq - n, sum);
     }
   });
 }
@@ -170,8 +185,11 @@ void masked_fwd_kernel(const T* x, const bool* mask, T* y, int64_t rows, int64_t
       const bool* mr = mask + mrow * sk;
       const float* xr = row_as_float(x + r * sk, xbuf.data(), sk);
       const float m = masked_scores(xr, mr, scale, t, sk);
-      if (m == kNegInf) {  // every column masked out
-        std::memset(static_cast<void*>(y + r * sk), 0, sizeof(T) * sk);
+      if (m == kNegInf) {
+        // Every column masked out: zeros. Else the kept scores are all -inf or NaN (std::max
+        // drops a NaN): NaN, as the reference.
+        const bool any_kept = std::memchr(mr, 0, sk) != nullptr;
+        fill_rest(y + r * sk, sk, any_kept ? std::numeric_limits<float>::quiet_NaN() : 0.f);
         continue;
       }
       float* yr = out_as_float(y + r * sk, t);

@@ -4,7 +4,10 @@
 // Math (fp32; a row has sk columns, v_j = scale * x_j):
 //   forward:  kept(j) = j <= i (causal, i the query index) or !mask[j] (masked; true = masked out)
 //             m = max_{kept} v_j;  s = sum_{kept} exp(v_j - m);  y_j = exp(v_j - m) / s if kept(j),
-//             else 0; a row with no kept column (s = 0) gives y = 0, not NaN.
+//             else 0; a row with no kept column gives y = 0, not NaN. Non-finite scores follow the
+//             reference (reference.py: torch.softmax after masked_fill): a kept NaN or +inf score,
+//             or kept scores that are all -inf, give NaN in every column of the row (masked ones
+//             and a causal row's upper part too), so a diverged run's NaN is never hidden.
 //   backward: dx_j = scale * y_j * (dy_j - sum_k dy_k * y_k)  (same for both forward kinds; rows of
 //             y that are all 0 give 0).
 //
@@ -15,6 +18,7 @@
 // group (max, then the sums rescaled to the common max); pass 2 writes y. A causal row only reads
 // its first i + 1 columns and writes zeros after them. The backward reads dy and y twice (dot
 // product, then dx).
+#include <float.h>
 #include <math.h>
 
 #include "kernels.h"
@@ -31,6 +35,33 @@ using detail::row_slot;
 using detail::RowSlot;
 using detail::store_vec;
 using detail::SumOp;
+
+// Bit k set where column v * kVec + k of the row is kept. The masked kind reads the vector's kVec
+// mask bytes as one integer load (the launcher checks the mask row is kVec-byte aligned): kVec
+// byte loads held in registers across the unrolled loop made ptxas spill under the 512-thread
+// bound (sm_80, 16-bit types).
+template <int kVec, bool kCausal>
+__device__ __forceinline__ unsigned kept_bits(const bool* mrow, int v, int limit) {
+  unsigned bits = 0;
+  if (kCausal) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) bits |= (v * kVec + k < limit ? 1u : 0u) << k;
+    return bits;
+  }
+  uint64_t word;
+  if (kVec == 8) {
+    word = *reinterpret_cast<const uint64_t*>(mrow + v * kVec);
+  } else if (kVec == 4) {
+    word = *reinterpret_cast<const uint32_t*>(mrow + v * kVec);
+  } else {
+    word = 0;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) word |= static_cast<uint64_t>(mrow[v * kVec + k]) << (8 * k);
+  }
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) bits |= (((word >> (8 * k)) & 0xffu) == 0 ? 1u : 0u) << k;
+  return bits;
+}
 
 // Forward of both kinds. Causal: mask == nullptr and row r keeps columns j <= r % sq. Masked: the
 // row's mask row is mask[(mb * sq + r % sq) * sk] with mb = 0 (shared mask) or the batch index.
@@ -52,20 +83,22 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   const T* xr = x + row * sk;
   const int vecs = s.valid ? (limit + kVec - 1) / kVec : 0;
 
-  // Pass 1: per-thread online max and sum of exp(v - max) over the kept columns.
+  // Pass 1: per-thread online max and sum of exp(v - max) over the kept columns. A kept score
+  // enters the max as at least -FLT_MAX (fmaxf also turns NaN into -FLT_MAX there), so the row max
+  // is -inf only for a row with no kept column; a NaN or +inf score makes the sum NaN.
   float m = -INFINITY, sum = 0.f;
   for (int v = s.lane; v < vecs; v += width) {
     float e[kVec];
     load_vec<T, kVec>(xr + v * kVec, e);
+    const unsigned keep = kept_bits<kVec, kCausal>(mrow, v, limit);
     float vmax = -INFINITY;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const int j = v * kVec + k;
-      const bool kept = j < limit && (kCausal || !mrow[j]);
+      const bool kept = (keep >> k) & 1u;
       e[k] = kept ? __fmul_rn(e[k], scale) : -INFINITY;  // no FMA: as in pass 2
-      vmax = fmaxf(vmax, e[k]);
+      vmax = kept ? fmaxf(vmax, fmaxf(e[k], -FLT_MAX)) : vmax;
     }
-    if (vmax == -INFINITY) continue;  // nothing kept (or only -inf scores): adds 0
+    if (vmax == -INFINITY) continue;  // nothing kept: adds 0
     if (vmax > m) {
       sum *= expf(m - vmax);  // m = -inf: sum is 0 and stays 0
       m = vmax;
@@ -78,18 +111,23 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   const float row_sum = row_reduce(mine, SumOp(), 0.f, width, scratch);
   if (!s.valid) return;
 
-  // Pass 2: y over the whole row (zeros for the masked columns and for fully masked rows).
+  // Pass 2: y over the whole row. No kept column: zeros. A NaN or +inf kept score (row_sum NaN),
+  // or only -inf kept scores (row_sum 0): NaN in every column, masked ones included, as the
+  // reference's softmax gives. Else the probabilities, 0 in the masked columns.
+  const bool empty = row_max == -INFINITY;
+  const bool nan_row = !empty && !(row_sum > 0.f);
+  const float fill = nan_row ? NAN : 0.f;
   T* yr = y + row * sk;
   const int all_vecs = sk / kVec;
   for (int v = s.lane; v < all_vecs; v += width) {
     float e[kVec] = {};
-    const bool any = row_sum > 0.f && v * kVec < limit;
+    const bool any = !empty && !nan_row && v * kVec < limit;
+    const unsigned keep = any ? kept_bits<kVec, kCausal>(mrow, v, limit) : 0u;
     if (any) load_vec<T, kVec>(xr + v * kVec, e);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const int j = v * kVec + k;
-      const bool kept = any && j < limit && (kCausal || !mrow[j]);
-      e[k] = kept ? expf(__fmul_rn(e[k], scale) - row_max) / row_sum : 0.f;
+      const bool kept = (keep >> k) & 1u;
+      e[k] = kept ? expf(__fmul_rn(e[k], scale) - row_max) / row_sum : fill;
     }
     store_vec<T, kVec>(yr + v * kVec, e);
   }
@@ -133,8 +171,9 @@ cudaError_t launch_fwd(const T* x, const bool* mask, T* y, int64_t rows, int64_t
                        int64_t rows_per_batch, bool shared_mask, float scale, cudaStream_t stream) {
   if (rows <= 0 || sk <= 0) return cudaSuccess;
   constexpr int kVec = vec_width<T>();
-  // The mask is read one byte at a time, so only x and y need to be aligned.
-  const bool vec = sk % kVec == 0 && detail::all_aligned16(x, y);
+  // x and y are read as 16-byte vectors, the mask as kVec-byte words (kept_bits).
+  const bool vec = sk % kVec == 0 && detail::all_aligned16(x, y) &&
+                   reinterpret_cast<uintptr_t>(mask) % kVec == 0;
   const detail::RowLaunch l = detail::row_launch(rows, vec ? sk / kVec : sk);
   const int isq = static_cast<int>(sq), isk = static_cast<int>(sk);
   if (vec) {

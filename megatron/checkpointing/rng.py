@@ -4,9 +4,12 @@ Every rank writes its own ``rng_state_rank{RANK:05d}.safetensors`` into the chec
 states differ by rank (the tracker's model-parallel stream is seeded per TP rank; pipeline stages consume dropout
 randomness differently), so one copy per rank is what exact resume needs.
 
-Encoding: tensors ``torch/cpu``, ``torch/cuda`` (when CUDA exists), ``numpy/keys`` (624 x uint32, stored int64),
-``python/state`` (625 ints, int64), ``tracker/<stream>/cpu`` and ``tracker/<stream>/cuda``; the few scalars
-(numpy's position and cached gaussian, python's version) are JSON in the file's metadata.
+Encoding: tensors ``torch/cpu``, ``torch/cuda`` (when the run's device is CUDA), ``numpy/keys`` (624 x uint32,
+stored int64), ``python/state`` (625 ints, int64), ``tracker/<stream>/cpu`` and ``tracker/<stream>/cuda``; the few
+scalars (numpy's position and cached gaussian, python's version) are JSON in the file's metadata.
+
+The run's device type is the RNG tracker's (``mpu.model_parallel_cuda_manual_seed(..., device_type=...)`` at
+start-up): a CPU run neither reads nor writes a CUDA generator, even where a GPU is visible.
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ def rng_file_name(rank: int) -> str:
 
 def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This process's RNG states as (tensors, JSON-able scalars)."""
-    tensors: dict[str, torch.Tensor] = {"torch/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["torch/cuda"] = torch.cuda.get_rng_state()
+    tracker = get_cuda_rng_tracker()
+    tensors: dict[str, torch.Tensor] = {
+        f"torch/{dev}": t for dev, t in tracker.get_rng_state().items()
+    }
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors["numpy/keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
     py_version, py_state, py_gauss = random.getstate()
     tensors["python/state"] = torch.tensor(py_state, dtype=torch.int64)
-    for stream, state in get_cuda_rng_tracker().get_states().items():
+    for stream, state in tracker.get_states().items():
         for dev, t in state.items():
             tensors[f"tracker/{stream}/{dev}"] = t
     scalars = {
@@ -50,10 +54,12 @@ def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state` (the CUDA parts only where CUDA exists)."""
-    torch.set_rng_state(tensors["torch/cpu"])
-    if "torch/cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["torch/cuda"])
+    """Inverse of :func:`capture_rng_state` (the CUDA parts only when the run's device is CUDA)."""
+    tracker = get_cuda_rng_tracker()
+    on_cuda = tracker.rng_device_type() == "cuda"
+    tracker.set_rng_state(
+        {k.split("/", 1)[1]: t for k, t in tensors.items() if k.startswith("torch/")}
+    )
     np_name, np_pos, np_has_gauss, np_gauss = scalars["numpy"]
     keys = tensors["numpy/keys"].numpy().astype(np.uint32)
     np.random.set_state((np_name, keys, np_pos, np_has_gauss, np_gauss))
@@ -65,13 +71,10 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any])
             _, stream, dev = key.split("/", 2)
             streams.setdefault(stream, {})[dev] = t
     if streams:
-        tracker = get_cuda_rng_tracker()
         merged = tracker.get_states()
         for stream, state in streams.items():
             current = dict(merged.get(stream, {}))
-            current.update(
-                {d: s for d, s in state.items() if d == "cpu" or torch.cuda.is_available()}
-            )
+            current.update({d: s for d, s in state.items() if d == "cpu" or on_cuda})
             merged[stream] = current
         tracker.set_states(merged)
 

@@ -123,7 +123,7 @@ def _rank_writer(
     )
     run = initialize.init_distributed(cfg.parallel)
     try:
-        initialize.set_seeds(cfg.training.seed, run.state)
+        initialize.set_seeds(cfg.training.seed, run.state, device_type=run.device.type)
         module = build_model(cfg.model, cfg.parallel, plan, run, seed=cfg.training.seed)
         full = load_file(full_path)
         partition = moe_partition(model_cfg, expert_tensor_parallel=False) if moe else None

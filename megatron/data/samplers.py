@@ -286,6 +286,7 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     seed: int = 0,
     data_sharding: bool = False,
+    pin_memory: bool = False,
 ) -> torch.utils.data.DataLoader | None:
     """A DataLoader yielding this DP rank's micro-batches from ``consumed_samples`` on (None for no dataset).
 
@@ -302,8 +303,8 @@ def build_pretraining_data_loader(
         num_workers: ``--num-workers``.
         seed: data seed for ``cyclic``.
         data_sharding: Megatron's per-rank buckets for ``cyclic`` (not DP-invariant).
-
-    Batches are pinned when CUDA is available (as Megatron's ``pin_memory=True``).
+        pin_memory: pin the batches (Megatron's ``pin_memory=True``); for a CUDA run only (the caller passes
+            ``run.device.type == "cuda"``): pinning creates a CUDA context, so a CPU run never asks for it.
 
     Raises:
         ValueError: bad batch layout, consumed_samples out of range, or an unknown loader type.
@@ -346,6 +347,6 @@ def build_pretraining_data_loader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         generator=generator,
     )

@@ -11,6 +11,9 @@ The kernels see contiguous 2-D ``[rows, h]`` views; these wrappers make the view
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -124,13 +127,80 @@ def rms_norm(
     return _apply(_RMSNorm, x, gamma, eps, ext)
 
 
+@dataclass
+class _Derived:
+    """Tensors made from ``sources`` (held weakly, with their versions at the time) and ``key``."""
+
+    sources: tuple[weakref.ref[torch.Tensor], ...]
+    versions: tuple[int, ...]
+    key: tuple[Any, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    def made_from(self, sources: tuple[torch.Tensor, ...], key: tuple[Any, ...]) -> bool:
+        return (
+            self.key == key
+            and len(sources) == len(self.sources)
+            and all(r() is t for r, t in zip(self.sources, sources, strict=True))
+            and self.versions == tuple(t._version for t in sources)
+        )
+
+
+_DERIVED: dict[tuple[str, torch.device], _Derived] = {}
+"""The last tensors each op made from its inputs on each device (see :func:`_derived`)."""
+
+
+def _derived(
+    name: str,
+    sources: tuple[torch.Tensor, ...],
+    key: tuple[Any, ...],
+    make: Callable[[], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """``make()``, or what it returned last time for the same ``name``, source tensors (the same objects, not
+    modified since: their ``_version``) and ``key``.
+
+    The model builds its RoPE tables and attention mask once per forward and hands the same tensors to every
+    layer's q and k: the copies the kernels need (contiguous ``[s, b, d]`` tables, a contiguous mask) are made
+    once per forward, not per call. One entry per op and device; it is dropped with its sources (weak
+    references), so nothing outlives the forward that made it.
+    """
+    if any(t.is_inference() for t in sources):  # no version counter to check: made every time
+        return make()
+    slot = (name, sources[0].device)
+    hit = _DERIVED.get(slot)
+    if hit is not None and hit.made_from(sources, key):
+        return hit.tensors
+    tensors = make()
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _DERIVED.get(slot)
+        if entry is not None and ref in entry.sources:
+            del _DERIVED[slot]
+
+    refs = tuple(weakref.ref(t, forget) for t in sources)
+    _DERIVED[slot] = _Derived(refs, tuple(t._version for t in sources), key, tensors)
+    return tensors
+
+
+def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` ``[b or 1, 1, sq, sk]`` as the kernels read it: a mask broadcast over the batch (stride 0, what
+    ``expand`` gives) is its first sample ``[1, 1, sq, sk]``, a view; any other non-contiguous mask is copied
+    once per mask tensor (:func:`_derived`)."""
+    if mask.shape[0] > 1 and mask.stride(0) == 0:
+        mask = mask[:1]  # [b, 1, sq, sk] (stride 0 over b) -> [1, 1, sq, sk]
+    if mask.is_contiguous():
+        return mask
+    return _derived(
+        "mask", (mask,), (tuple(mask.shape), mask.stride()), lambda: (mask.contiguous(),)
+    )[0]
+
+
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor | None, scale: float, ext: Any):
         if mask is None:
             y = ext.scaled_upper_triang_masked_softmax_fwd(x.contiguous(), scale)
         else:
-            y = ext.scaled_masked_softmax_fwd(x.contiguous(), mask.contiguous(), scale)
+            y = ext.scaled_masked_softmax_fwd(x.contiguous(), _kernel_mask(mask), scale)
         ctx.ext, ctx.scale = ext, scale
         ctx.save_for_backward(y)
         return y
@@ -237,13 +307,28 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, *, fused: bool = Tru
     return _apply(_BiasAct, x, bias, "swiglu", ext, False)
 
 
+def rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, s: int, b: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous ``[s, b, d]`` tables the RoPE kernels read, from ``cos`` / ``sin`` ``[s, b or 1, 1, d]``.
+
+    Made once per pair of table tensors (and ``s``, ``b``): q and k of every layer of a forward share them
+    (:func:`_derived`; a table modified in place is copied again)."""
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        # [s, b or 1, 1, d] -> [s, b, 1, d] -> [s, b, d]
+        cos3 = cos.expand(s, b, 1, cos.shape[-1]).reshape(s, b, -1).contiguous()
+        sin3 = sin.expand(s, b, 1, sin.shape[-1]).reshape(s, b, -1).contiguous()
+        return cos3, sin3
+
+    cos3, sin3 = _derived("rope", (cos, sin), (s, b, cos.shape, sin.shape), make)
+    return cos3, sin3
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ext: Any):
-        s, b = x.shape[0], x.shape[1]
-        # [s, b or 1, 1, d] -> [s, b, d]
-        cos3 = cos.expand(s, b, 1, cos.shape[-1]).reshape(s, b, -1).contiguous()
-        sin3 = sin.expand(s, b, 1, sin.shape[-1]).reshape(s, b, -1).contiguous()
+        cos3, sin3 = rope_tables(cos, sin, x.shape[0], x.shape[1])  # 2 x [s, b, d]
         ctx.ext = ext
         ctx.save_for_backward(cos3, sin3)
         return ext.rope_fwd(x.contiguous(), cos3, sin3)

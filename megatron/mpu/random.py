@@ -10,8 +10,12 @@ Two random streams per process, on CPU and CUDA alike:
   under ``get_cuda_rng_tracker().fork()`` for dropout on sharded activations (attention probabilities of the
   local heads) and for the optional per-shard weight init.
 
-A tracker state covers the CPU default generator and, when CUDA is available, the current CUDA device's
-generator, so ``fork()`` is device-agnostic (the name ``CudaRNGStatesTracker`` is kept for Megatron users).
+A tracker state covers the CPU default generator and, when the run's device is CUDA, the current CUDA device's
+generator, so ``fork()`` is device-agnostic (the name ``CudaRNGStatesTracker`` is kept for Megatron users). The
+run's device comes in with the seed (``model_parallel_cuda_manual_seed(seed, group, device_type=...)``, from
+``megatron.launch.device``): a CPU run never calls into ``torch.cuda``, even where a GPU is visible (one CUDA
+context per gloo rank on GPU 0 otherwise). Only a tracker that was never seeded with a device falls back to
+"CUDA where torch sees a GPU" (Megatron's behaviour, for library callers).
 
 With --deepspeed-activation-checkpointing this tracker is also DeepSpeed's (``deepspeed.checkpointing.
 get_cuda_rng_tracker()`` returns this object, see ``megatron/training/activation_checkpointing.py``): one tracker,
@@ -46,7 +50,7 @@ TENSOR_MODEL_PARALLEL_SEED_OFFSET = 2718
 """The tracker stream of TP rank r is seeded with ``seed + 2718 + r`` (Megatron's offset)."""
 
 RNGState = dict[str, torch.Tensor]
-"""``{"cpu": state}`` plus ``"cuda": state`` when CUDA is available."""
+"""``{"cpu": state}`` plus ``"cuda": state`` when the tracker's device is CUDA."""
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -66,22 +70,22 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def _get_rng_state() -> RNGState:
+def _get_rng_state(device_type: str) -> RNGState:
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: RNGState) -> None:
+def _set_rng_state(state: RNGState, device_type: str) -> None:
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and device_type == "cuda":
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _seeded_state(seed: int) -> RNGState:
+def _seeded_state(seed: int, device_type: str) -> RNGState:
     state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         saved = torch.cuda.get_rng_state()
         torch.cuda.manual_seed(seed)
         state["cuda"] = torch.cuda.get_rng_state()
@@ -92,17 +96,36 @@ def _seeded_state(seed: int) -> RNGState:
 class RNGStatesTracker:
     """Named RNG streams that can be swapped in around a block of code (``fork``).
 
-    Invariant: a name and a seed are each added at most once until ``reset``.
+    Invariant: a name and a seed are each added at most once until ``reset``. ``device_type`` ('cpu' or
+    'cuda', set by ``reset``) says whether the CUDA generator is part of every state; None (never set): 'cuda'
+    where torch sees a GPU.
     """
 
     def __init__(self) -> None:
         self.states: dict[str, RNGState] = {}
         self.seeds: set[int] = set()
+        self.device_type: str | None = None
 
-    def reset(self) -> None:
-        """Forget every stream."""
+    def reset(self, device_type: str | None = None) -> None:
+        """Forget every stream; ``device_type`` given: the run's device type from now on."""
         self.states = {}
         self.seeds = set()
+        if device_type is not None:
+            self.device_type = "cuda" if device_type == "cuda" else "cpu"
+
+    def rng_device_type(self) -> str:
+        """'cuda' when the CUDA generator is saved and restored with the CPU one, else 'cpu'."""
+        if self.device_type is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device_type
+
+    def get_rng_state(self) -> RNGState:
+        """The default generators' states (CPU, plus CUDA on a CUDA tracker)."""
+        return _get_rng_state(self.rng_device_type())
+
+    def set_rng_state(self, state: RNGState) -> None:
+        """Restore the default generators from :meth:`get_rng_state` (its CUDA part on a CUDA tracker only)."""
+        _set_rng_state(state, self.rng_device_type())
 
     def get_states(self) -> dict[str, RNGState]:
         """A copy of every stream's state (for checkpoints)."""
@@ -123,7 +146,7 @@ class RNGStatesTracker:
         if name in self.states:
             raise ValueError(f"RNG tracker: stream {name!r} already exists; call reset() first")
         self.seeds.add(seed)
-        self.states[name] = _seeded_state(seed)
+        self.states[name] = _seeded_state(seed, self.rng_device_type())
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
@@ -137,13 +160,13 @@ class RNGStatesTracker:
                 f"RNG stream {name!r} does not exist; call megatron.mpu.model_parallel_cuda_manual_seed(seed) "
                 "after initialize_model_parallel (or give the layer init=WeightInit(seed=...))"
             )
-        saved = _get_rng_state()
-        _set_rng_state(self.states[name])
+        saved = self.get_rng_state()
+        self.set_rng_state(self.states[name])
         try:
             yield
         finally:
-            self.states[name] = _get_rng_state()
-            _set_rng_state(saved)
+            self.states[name] = self.get_rng_state()
+            self.set_rng_state(saved)
 
 
 CudaRNGStatesTracker = RNGStatesTracker
@@ -155,16 +178,21 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _RNG_STATE_TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int, group: ProcessGroup | None = None) -> None:
+def model_parallel_cuda_manual_seed(
+    seed: int, group: ProcessGroup | None = None, *, device_type: str | None = None
+) -> None:
     """Seed the default generators with ``seed`` and the tracker stream with ``seed + 2718 + tp_rank``.
 
     Args:
         seed: identical on the ranks of a TP group (Megatron adds ``100 * pp_rank`` before calling this).
         group: the TP group; None = the default one (a world of 1 without torch.distributed).
+        device_type: the run's device type ('cpu' or 'cuda', ``megatron.launch.device``): only a 'cuda' run
+            saves and restores CUDA generators. None: keep the tracker's (CUDA where torch sees a GPU if never
+            set).
     """
     tp_rank = group_rank(resolve_group(group))
     torch.manual_seed(seed)
-    _RNG_STATE_TRACKER.reset()
+    _RNG_STATE_TRACKER.reset(device_type)
     _RNG_STATE_TRACKER.add(
         _MODEL_PARALLEL_RNG_TRACKER_NAME, seed + TENSOR_MODEL_PARALLEL_SEED_OFFSET + tp_rank
     )
@@ -184,7 +212,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.distribute = distribute_saved_activations
         ctx.group = group
-        ctx.rng_state = _get_rng_state()
+        ctx.rng_state = _RNG_STATE_TRACKER.get_rng_state()
         ctx.tracker_states = _RNG_STATE_TRACKER.get_states()
         with torch.no_grad():
             outputs = run_function(*args)
@@ -219,15 +247,16 @@ class CheckpointFunction(torch.autograd.Function):
             a.detach().requires_grad_(rg) if torch.is_tensor(a) else a
             for a, rg in zip(args, ctx.input_requires_grad)
         ]
-        current_rng, current_tracker = _get_rng_state(), _RNG_STATE_TRACKER.get_states()
-        _set_rng_state(ctx.rng_state)
+        tracker = _RNG_STATE_TRACKER
+        current_rng, current_tracker = tracker.get_rng_state(), tracker.get_states()
+        tracker.set_rng_state(ctx.rng_state)
         _RNG_STATE_TRACKER.set_states(ctx.tracker_states)
         try:
             with torch.enable_grad():
                 outputs = ctx.run_function(*inputs)
         finally:
-            _set_rng_state(current_rng)
-            _RNG_STATE_TRACKER.set_states(current_tracker)
+            tracker.set_rng_state(current_rng)
+            tracker.set_states(current_tracker)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]

@@ -319,7 +319,12 @@ def build_iterators(
         data_parallel_rank=state.get_data_parallel_rank(),
         data_parallel_size=state.get_data_parallel_world_size(),
     )
-    common = {"layout": layout, "num_workers": cfg.data.num_workers, "seed": cfg.training.seed}
+    common = {
+        "layout": layout,
+        "num_workers": cfg.data.num_workers,
+        "seed": cfg.training.seed,
+        "pin_memory": run.device.type == "cuda",
+    }
     # A resumed run that already finished (or --skip-train after the last iteration) has no training left.
     finished = train_ds is None or consumed_train_samples >= len(train_ds)
     train_loader = (

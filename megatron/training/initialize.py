@@ -139,20 +139,21 @@ def rank_seed(seed: int, pp_rank: int, sp_rank: int) -> int:
     return seed + PIPELINE_SEED_OFFSET * pp_rank + SEQUENCE_PARALLEL_SEED_OFFSET * sp_rank
 
 
-def set_seeds(seed: int, state: ParallelState) -> None:
+def set_seeds(seed: int, state: ParallelState, *, device_type: str) -> None:
     """Seed torch's default generators and the model-parallel RNG tracker for this rank's dropout.
 
     Parameter values come from ``param_seed(seed, name)`` inside the model and the data order from the sampler's
     seed, so neither depends on the rank or the layout. Dropout does: the default generators start from
     ``rank_seed`` (one stream per stage and Ulysses rank: the layers of stage 1 do not replay stage 0's masks, nor
     one sequence chunk another's), and the tracker's "model-parallel-rng" stream from that plus 2718 + tp_rank
-    (Megatron's), for dropout inside tensor-parallel regions.
+    (Megatron's), for dropout inside tensor-parallel regions. ``device_type`` is the run's (``run.device.type``):
+    only a CUDA run saves and restores CUDA generators (a CPU run never touches CUDA).
     """
     own = rank_seed(
         seed, state.get_pipeline_model_parallel_rank(), state.get_sequence_parallel_rank()
     )
     torch.manual_seed(own)
-    mpu.model_parallel_cuda_manual_seed(own)
+    mpu.model_parallel_cuda_manual_seed(own, device_type=device_type)
 
 
 def check_pipe_grid(grid: object, state: ParallelState) -> None:

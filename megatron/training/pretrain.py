@@ -241,7 +241,7 @@ def _run(
     pre: Preflight, memory: MemoryPlan, run: Distributed, hooks: CheckpointHooks | None
 ) -> TrainResult:
     cfg, plan = pre.cfg, pre.plan
-    initialize.set_seeds(cfg.training.seed, run.state)
+    initialize.set_seeds(cfg.training.seed, run.state, device_type=run.device.type)
     log_zero_upgrade(cfg.training, plan)
     if global_rank() == 0:  # the planner's numbers (tools/plan_memory.py) as the run's first lines
         for line in format_plan(memory, plan):

@@ -17,7 +17,7 @@ def test_cuda_rng_states_round_trip(tmp_path: Path) -> None:
     torch.manual_seed(11)
     torch.cuda.manual_seed(11)
     tracker = get_cuda_rng_tracker()
-    tracker.reset()
+    tracker.reset("cuda")  # the run's device (a CPU test before may have set 'cpu')
     tracker.add("model-parallel-rng", 2718)
     path = tmp_path / "rng.safetensors"
     save_rng_file(path)

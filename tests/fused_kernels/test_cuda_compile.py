@@ -2,10 +2,11 @@
 
 Nothing here runs a kernel: the numerical tests against ``megatron/fused_kernels/reference.py`` need a
 GPU and live elsewhere. These tests catch what a CPU-only CI can: every ``.cu`` file compiles with
-nvcc for sm_80 (A100) and sm_90 (H100/H200) without a warning, and with CUDA 12 for sm_70 (V100,
-which CUDA 13 no longer targets; fp32/fp16 only, the bf16 kernels reduced to a trap); no ``.cu`` file
-pulls in a torch header (the contract keeps them plain CUDA), and ``binding.cpp`` passes a C++
-syntax check against torch's headers.
+nvcc for sm_80 (A100) and sm_90 (H100/H200) without a warning and without a register spill (ptxas
+``-v``: a kernel that spills under its ``__launch_bounds__`` reads and writes local memory in its
+inner loop), and with CUDA 12 for sm_70 (V100, which CUDA 13 no longer targets; fp32/fp16 only, the
+bf16 kernels reduced to a trap); no ``.cu`` file pulls in a torch header (the contract keeps them plain
+CUDA), and ``binding.cpp`` passes a C++ syntax check against torch's headers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ NVCC = shutil.which("nvcc")
 CXX = shutil.which("g++") or shutil.which("c++")
 ARCH_FLAGS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10)/', re.MULTILINE)
+# ptxas -v: "Compiling entry function '_Z...' for 'sm_80'" then "... N bytes spill stores, M bytes spill loads"
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
+PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 # Headers ATen/cuda/CUDAContext.h needs that a CPU-only machine lacks: the CPU torch wheel has no
 # generated c10/cuda/impl/cuda_cmake_macros.h and a bare CUDA toolkit may have no cuBLAS / cuSPARSE
@@ -157,22 +161,54 @@ def test_no_torch_header_in_the_kernels() -> None:
     assert not offenders, "torch headers in plain-CUDA files:\n" + "\n".join(offenders)
 
 
+def spilling_kernels(ptxas_output: str) -> list[str]:
+    """``kernel for sm_XX: S bytes spill stores, L bytes spill loads`` for every entry function of ``ptxas -v``
+    output that spills."""
+    found, entry = [], None
+    for line in ptxas_output.splitlines():
+        if m := PTXAS_ENTRY.search(line):
+            entry = f"{m.group(1)} for {m.group(2)}"
+        elif (m := PTXAS_SPILL.search(line)) and entry and (int(m.group(1)) or int(m.group(2))):
+            found.append(f"{entry}: {m.group(0)}")
+    return found
+
+
+def test_spill_parser_finds_a_spill() -> None:
+    """The spill check reads ptxas' lines as they are (here the masked softmax forward's before its fix)."""
+    log = (
+        "ptxas info    : Compiling entry function '_Z18softmax_fwd_kernelI6__halfLi8ELb0EEvPKT_' "
+        "for 'sm_80'\nptxas info    : Function properties for _Z18softmax_fwd_kernel\n"
+        "    16 bytes stack frame, 12 bytes spill stores, 24 bytes spill loads\n"
+        "ptxas info    : Compiling entry function '_Z6otherv' for 'sm_90'\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    )
+    assert spilling_kernels(log) == [
+        "_Z18softmax_fwd_kernelI6__halfLi8ELb0EEvPKT_ for sm_80: 12 bytes spill stores, 24 bytes spill loads"
+    ]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: install the CUDA toolkit to compile")
 def test_every_cu_file_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
     def compile_one(src: Path) -> tuple[str, subprocess.CompletedProcess[str]]:
         cmd = [
             str(NVCC), "-c", "-O3", "-std=c++17", *ARCH_FLAGS, "-Xcompiler", "-Wall",
-            "-I", str(CUDA_DIR), "-o", str(tmp_path / f"{src.stem}.o"), str(src),
+            "-Xptxas", "-v", "-I", str(CUDA_DIR), "-o", str(tmp_path / f"{src.stem}.o"), str(src),
         ]  # fmt: skip
         return src.name, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # CI has 2 cores
         results = list(pool.map(compile_one, CU_FILES))
-    # A clean compile prints nothing, so any warning (ours, nvcc's or ptxas') fails the test.
+    # ptxas -v prints only "ptxas info" lines on a clean compile, so any warning (ours, nvcc's or ptxas')
+    # fails the test, and so does any kernel that spills registers.
     failures = [
         f"{name}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
         for name, proc in results
         if proc.returncode != 0 or "warning" in (proc.stdout + proc.stderr).lower()
+    ]
+    failures += [
+        f"{name}: {spill}"
+        for name, proc in results
+        for spill in spilling_kernels(proc.stdout + proc.stderr)
     ]
     assert not failures, "\n\n".join(failures)
 

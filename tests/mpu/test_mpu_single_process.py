@@ -342,7 +342,7 @@ def test_cuda_tp1_parity_and_checkpoint_replays_cuda_dropout() -> None:
     x0 = torch.randn(4, 2, 8, device="cuda")
     results = []
     for use_checkpoint in (False, True):
-        mpu.model_parallel_cuda_manual_seed(5)
+        mpu.model_parallel_cuda_manual_seed(5, device_type="cuda")  # the run's device
         for p in (*col.parameters(), *row.parameters()):
             p.grad = None
         x = x0.clone().requires_grad_()
