@@ -100,14 +100,14 @@ def test_length_penalty_and_prompt_file_checked_before_loading(tmp_path: Path, c
     out_file.write_text("an earlier run's samples\n")
     empty, latin1 = tmp_path / "empty.txt", tmp_path / "latin1.txt"
     empty.write_bytes(b"")
-    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    latin1.write_bytes("na\xefve\n".encode("latin-1"))
     missing = ["--load", str(tmp_path / "no-ckpt"), "--sample-output-file", str(out_file)]
     rc, _, err = _run(capsys, [*missing, "--sample-input-file", str(empty)])
     assert rc == 2 and err.count("error:") == 1, err
     assert f"--sample-input-file {empty} is empty: it holds no prompts" in err
     rc, _, err = _run(capsys, [*missing, "--sample-input-file", str(latin1)])
     assert rc == 2 and err.count("error:") == 1, err
-    assert f"--sample-input-file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)" in err
+    assert f"--sample-input-file {latin1} is not UTF-8 text (byte 0xef at offset 2)" in err
     assert out_file.read_text() == "an earlier run's samples\n"
 
 
