@@ -90,10 +90,13 @@ def lookup_peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def detect_peak_tflops(override: float | None) -> float | None:
-    """--peak-tflops when given, else the table entry of this process's CUDA device, else None."""
+def detect_peak_tflops(override: float | None, device_type: str) -> float | None:
+    """--peak-tflops when given, else the table entry of this process's CUDA device when the run is on CUDA, else
+    None. A CPU run never asks torch.cuda (a visible GPU would get a CUDA context per rank)."""
     if override is not None:
         return override
+    if device_type != "cuda":
+        return None
     import torch
 
     if not torch.cuda.is_available():

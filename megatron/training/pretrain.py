@@ -253,7 +253,7 @@ def _run(
         tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,
         flops_per_token=flops_per_token(cfg.model, plan.padded_vocab_size),
         world_size=plan.world_size,
-        peak_tflops=detect_peak_tflops(cfg.training.peak_tflops),
+        peak_tflops=detect_peak_tflops(cfg.training.peak_tflops, run.device.type),
     )
     writer, step_log = build_run_logging(cfg, plan, trainer, resume_from=state.iteration)
     test_loss = None

@@ -51,13 +51,15 @@ def _refuse(name):
 # A GPU is visible, and every torch.cuda call that would make a CUDA context raises (and is counted).
 torch.cuda.is_available = lambda: True
 for name in ("_lazy_init", "init", "get_rng_state", "set_rng_state", "manual_seed", "set_device",
-             "current_device", "get_rng_state_all", "set_rng_state_all"):
+             "current_device", "get_rng_state_all", "set_rng_state_all", "get_device_name",
+             "get_device_properties"):
     setattr(torch.cuda, name, _refuse(name))
 
 from megatron import mpu
 from megatron.checkpointing.rng import load_rng_file, save_rng_file
 from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
 from megatron.launch.device import device_type
+from megatron.planning.flops import detect_peak_tflops
 
 dev = device_type("gloo")
 assert dev == "cpu", dev
@@ -75,6 +77,7 @@ data = [{"text": torch.arange(5) + i} for i in range(8)]
 loader = build_pretraining_data_loader(data, 0, layout=BatchLayout(2, 4, 0, 1))
 assert loader.pin_memory is False, loader.pin_memory
 assert next(iter(loader))["text"].shape == (2, 5)
+assert detect_peak_tflops(None, dev) is None  # MFU's peak: the table is for CUDA devices only
 assert not touched, touched
 print("no CUDA call")
 """
