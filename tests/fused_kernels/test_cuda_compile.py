@@ -56,7 +56,7 @@ STUB_HEADERS = {
 # template each launcher instantiates is compiled, as nvcc's device pass would. scripts/setup_env.sh installs
 # the wheels (requirements-cuda12.txt) into .venv/cuda12; TRIDENT_CUDA12 names another such --target dir.
 CUDA12_DIR = Path(os.environ.get("TRIDENT_CUDA12") or Path(sys.prefix) / "cuda12")
-# NVRTC has no host C library: the two host headers the kernels include, reduced to what they use.
+# NVRTC has no host C library: the host headers the kernels include, reduced to what they use.
 NVRTC_STUBS = {
     "cstdint": "typedef signed char int8_t; typedef short int16_t; typedef int int32_t;\n"
     "typedef long long int64_t; typedef unsigned char uint8_t; typedef unsigned short uint16_t;\n"
@@ -65,6 +65,7 @@ NVRTC_STUBS = {
     "namespace std { using ::int32_t; using ::int64_t; using ::uint32_t; using ::uint64_t;\n"
     "using ::uintptr_t; }\n",
     "math.h": "#define INFINITY __int_as_float(0x7f800000)\n#define NAN __int_as_float(0x7fffffff)\n",
+    "float.h": "#define FLT_MAX 3.402823466e+38F\n",
 }
 # The one warning sm_70 always draws (NVRTC has no -Wno-deprecated-gpu-targets); any other fails the test.
 NVRTC_SM70_DEPRECATED = "Architectures prior to '<compute/sm>_75' are deprecated"
