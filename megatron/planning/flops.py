@@ -54,7 +54,7 @@ def layer_params(m: ModelConfig, padded_vocab: int) -> int:
     nq, nkv, ffn = m.num_attention_heads, m.num_query_groups, m.ffn_size
     bias = 1 if m.add_bias_linear else 0
     norm = h * (2 if m.normalization == "layernorm" else 1)
-    qkv = h * (nq + 2 * nkv) * hn + bias * (nq + 2 * nkv) * hn
+    qkv = h * (nq + 2 * nkv) * hn + (1 if m.qkv_bias else 0) * (nq + 2 * nkv) * hn
     proj = nq * hn * h + bias * h
     if m.swiglu:
         mlp = 3 * h * ffn + bias * (2 * ffn + h)
@@ -74,9 +74,11 @@ def layer_params(m: ModelConfig, padded_vocab: int) -> int:
 
 
 def flops_per_token(m: ModelConfig, padded_vocab: int) -> float:
-    """6 N + 12 L h s: forward + backward model FLOPs for one token."""
+    """6 N + 12 L (n hn) s: forward + backward model FLOPs for one token (the attention scores and context use the
+    query width n x hn, which is h unless --kv-channels says otherwise)."""
     n = layer_params(m, padded_vocab)
-    return 6.0 * n + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+    width = m.num_attention_heads * m.head_dim
+    return 6.0 * n + 12.0 * m.num_layers * width * m.seq_length
 
 
 def lookup_peak_tflops(device_name: str | None) -> float | None:

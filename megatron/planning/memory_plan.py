@@ -273,7 +273,8 @@ def layer_activation_bytes(
     experts = 1 if layer is None else experts_of_layer(m, layer)
     # sharded over TP: q, k, v; the attention context; fc1's output and the activation's output
     mlp = s * b * (fc1_out + m.ffn_size) if experts == 1 else 0
-    sharded = a * (qkv + sbh + mlp)
+    context = s * b * n * m.head_dim  # [s, b, n*hn]: h unless --kv-channels differs
+    sharded = a * (qkv + context + mlp)
     whole = a * 4 * sbh  # the two norms' inputs and outputs
     masks = 2 * _mask_bytes(plan) * sbh if m.hidden_dropout > 0 else 0
     sp = plan.sequence_parallel

@@ -75,9 +75,13 @@ def layer_param_tensors(pc: PlannerConfig, tp: int, layer: int = 0) -> tuple[lis
     h, hn = m.hidden_size, m.head_dim
     qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
     norms = [h] * (4 if m.normalization == "layernorm" else 2)
+    if m.qk_layernorm:  # q_layernorm, k_layernorm: [hn] each (+ bias with LayerNorm), replicated
+        norms += [hn] * (4 if m.normalization == "layernorm" else 2)
     dense = [h * qkv_out, m.num_attention_heads * hn * h // tp, *norms]
+    if m.qkv_bias:
+        dense.append(qkv_out)
     if m.add_bias_linear:
-        dense += [qkv_out, h]
+        dense.append(h)
     experts = experts_of_layer(m, layer)
     if experts > 1:
         dense.append(experts * h)  # the gate

@@ -38,7 +38,10 @@ def _plan(*extra: str, world: int = 4) -> tuple[PlannerConfig, RunPlan]:
 def test_param_count_matches_a_built_model() -> None:
     for extra in ([], ["--swiglu", "--normalization", "rmsnorm", "--use-rotary-position-embeddings",
                        "--no-position-embedding", "--disable-bias-linear", "--num-key-value-heads", "2",
-                       "--untie-embeddings-and-output-weights"]):  # fmt: skip
+                       "--untie-embeddings-and-output-weights"],
+                  # issue #31: QKV bias alone, QK-norm (LayerNorm: weight and bias), head dim 24 != 64 / 4
+                  ["--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--kv-channels", "24",
+                   "--use-rotary-position-embeddings", "--no-position-embedding"]):  # fmt: skip
         cfg, plan = _plan(*extra, world=1)
         model = GPTModel(
             cfg.model.__class__(**{**cfg.model.__dict__, "vocab_size": 100}),
