@@ -33,12 +33,14 @@ UNFUSED = [
 
 FAST = ["--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "0"]
 """A larger LR without warmup: the QK-norm weights move enough in 6 iterations that a gradient left partial on each
-TP rank shows (1.4e-3 relative; with the default 2e-3 and warmup it hides below 1e-6)."""
+TP rank shows (1.4e-3 relative; with the default 2e-3 and warmup it hides below 1e-6). Only for the short default
+run: over 10 iterations this LR amplifies reduction-order noise past 1e-5 at any layout (DP 2 ZeRO-3 included), so
+the matrix keeps the parity suite's LR schedule."""
 
 
 def _argv(iters: int, tp: int, pp: int, *extra: str) -> list[str]:
     return [
-        *FEATURES, *TRAIN, *FAST, "--train-iters", str(iters),
+        *FEATURES, *TRAIN, "--train-iters", str(iters),
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra,
     ]  # fmt: skip
 
@@ -49,9 +51,9 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 def test_features_parity_tp2_pp2_zero1() -> None:
-    (one,) = _layouts(1, [_argv(6, 1, 1)], iters=6)
+    (one,) = _layouts(1, [_argv(6, 1, 1, *FAST)], iters=6)
     assert one[-1] < one[0]  # it learns: parity is not vacuous
-    (run,) = _layouts(4, [_argv(6, 2, 2, "--zero-stage", "1")], iters=6)
+    (run,) = _layouts(4, [_argv(6, 2, 2, "--zero-stage", "1", *FAST)], iters=6)
     assert _max_rel(run, one) < RTOL, (run, one)
 
 
