@@ -43,6 +43,8 @@ SHAPE_FIELDS = (
     "add_position_embedding",
     "apply_layernorm_1p",
     "add_bias_linear",
+    "qkv_bias",
+    "qk_layernorm",
     "untie_embeddings_and_output_weights",
     "vocab_size",
 )

@@ -28,6 +28,7 @@ from megatron.config.flags import (
     COMPAT_NO_OPS,
     INVERTED,
     NOT_FLAGS,
+    PARSED,
     RECOMPUTE_ACTIVATIONS,
     field_docs,
 )
@@ -117,7 +118,9 @@ def _field_argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[st
             )
         return flags, {"action": "store_true", "dest": f.name, "default": False}
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
-    if typing.get_origin(base) is Literal:
+    if f.name in PARSED:
+        kwargs.update(type=PARSED[f.name][0], metavar=PARSED[f.name][1])
+    elif typing.get_origin(base) is Literal:
         kwargs["choices"] = list(typing.get_args(base))
         kwargs["type"] = type(kwargs["choices"][0])
     elif typing.get_origin(base) is tuple:

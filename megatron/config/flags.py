@@ -7,7 +7,7 @@ to False is a switch; a ``Literal`` gives the choices; ``tuple[str, ...]`` takes
 ``tuple[int, ...]`` one or more integers (``--num-experts``). A field that is itself a dataclass (``ModelConfig.moe``,
 a ``MoEConfig``) is a group of its own whose fields follow the same rule.
 
-The exceptions, all below: flags that turn a default-True field off (:data:`INVERTED`), extra spellings
+The exceptions, all below: values with a parser of their own (:data:`PARSED`), flags that turn a default-True field off (:data:`INVERTED`), extra spellings
 (:data:`ALIASES`), fields that are not flags (:data:`NOT_FLAGS`), one flag that sets another field's value
 (``--checkpoint-activations``), and Megatron-DeepSpeed flags accepted as deliberate no-ops, each with its reason
 (:data:`COMPAT_NO_OPS`; docs/megatron-deepspeed.md lists them). Megatron-DeepSpeed flags whose feature Trident does not have are known
@@ -16,10 +16,15 @@ by name and refused with their reason (``refused.py``).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import inspect
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from megatron.config.model import parse_window_size
 
 INVERTED: dict[str, str] = {
     "add_bias_linear": "--disable-bias-linear",
@@ -67,6 +72,23 @@ ALIASES: dict[str, tuple[str, ...]] = {
 """Field -> every spelling of its flag (the deepspeed launcher passes ``--local_rank``; ``--deepspeed_config`` is
 DeepSpeed's own spelling; ``--checkpoint-num-layers`` is Megatron's older name; Megatron spells the LR-schedule
 resume switches ``--override-opt_param-scheduler``, the all-dash form is accepted too)."""
+
+
+def _window_size(text: str) -> tuple[int, int]:
+    try:
+        return parse_window_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+_window_size.__name__ = "window size"
+
+
+PARSED: dict[str, tuple[Callable[[str], Any], str]] = {
+    "window_size": (_window_size, "W|L,R"),
+}
+"""Field -> (argparse type, metavar) for a value the type rule cannot parse: ``--window-size`` takes ``W`` or
+``L,R`` in one word (Megatron-LM's spelling of the pair)."""
 
 NOT_FLAGS: frozenset[tuple[str, str]] = frozenset(
     {("ModelConfig", "vocab_size"), ("DataConfig", "extra")}

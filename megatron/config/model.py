@@ -41,6 +41,21 @@ class ModelConfig:
     """Rotary position embeddings (half-split, HF LLaMA convention) instead of learned positions."""
     rotary_position_embeddings_theta: float = 10000.0
     """Base of the rotary frequencies."""
+    use_rope_scaling: bool = False
+    """Llama 3's frequency-dependent RoPE scaling (transformers' rope_type "llama3"): low frequencies divided by
+    --rope-scaling-factor, high ones kept, a smooth blend between."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3 RoPE scaling: the divisor of the low frequencies (needs --use-rope-scaling)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling: wavelengths above original context / this factor are divided by the factor."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling: wavelengths below original context / this factor are kept (must exceed the low
+    one)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """Llama 3 RoPE scaling: the context length the model was first trained at."""
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Linear RoPE scaling (position interpolation; transformers' rope_type "linear"): positions are divided by
+    this factor."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary rotates (the first int(fraction x head dim)); the rest pass
     through unrotated."""
@@ -50,8 +65,17 @@ class ModelConfig:
     """Zero-centered norm weights: the stored weight w starts at 0 and the norm multiplies by (1 + w)."""
     add_bias_linear: bool = True
     """Biases on QKV, the attention output and both MLP linears."""
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even with --disable-bias-linear (Qwen2); the other linears follow
+    --disable-bias-linear."""
+    qk_layernorm: bool = False
+    """Per-head norm of queries and keys over the head dim (Qwen3), after the QKV projection and before RoPE: the
+    --normalization kind and --layernorm-epsilon, one [kv-channels] weight shared by all heads."""
     untie_embeddings_and_output_weights: bool = False
     """A separate output projection instead of the tied word embeddings."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention (left, right): a query at i sees keys i-left .. i (right must be 0, the model is
+    causal); give W or L,R. Hugging Face's sliding_window W is --window-size W-1 (see window_from_hf)."""
     attention_dropout: float = 0.1
     """Dropout on the attention probabilities."""
     hidden_dropout: float = 0.1
@@ -115,6 +139,9 @@ class ModelConfig:
         if isinstance(moe, dict):
             moe = {**moe, "num_experts": tuple(moe.get("num_experts", (1,)))}
             object.__setattr__(self, "moe", MoEConfig(**moe))
+        if self.window_size is not None and not isinstance(self.window_size, tuple):
+            # JSON (checkpoint meta) gives a list
+            object.__setattr__(self, "window_size", tuple(self.window_size))
 
     @property
     def num_query_groups(self) -> int:
@@ -125,6 +152,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Per-head channels hn."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The QKV projection has a bias: every linear has one, or --add-qkv-bias."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def ffn_size(self) -> int:
@@ -147,3 +179,50 @@ class ModelConfig:
     def max_positions(self) -> int:
         """Resolved learned-position table size."""
         return self.max_position_embeddings or self.seq_length
+
+
+def window_from_hf(sliding_window: int) -> tuple[int, int]:
+    """``--window-size`` of a Hugging Face ``sliding_window`` (Mistral, Qwen2).
+
+    Hugging Face's query at ``i`` sees keys ``j`` with ``i - sliding_window < j <= i`` (``sliding_window_overlay``
+    in ``transformers/masking_utils.py``): itself and ``sliding_window - 1`` earlier ones. Ours sees
+    ``i - left <= j <= i``, so ``left = sliding_window - 1``.
+
+    Raises:
+        ValueError: ``sliding_window`` below 1.
+    """
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window ({sliding_window}) must be >= 1 to map to --window-size.")
+    return (sliding_window - 1, 0)
+
+
+def window_to_hf(window_size: tuple[int, int]) -> int:
+    """Hugging Face's ``sliding_window`` of a ``--window-size`` (inverse of :func:`window_from_hf`).
+
+    Raises:
+        ValueError: a window with a right side (Hugging Face's causal models have none) or a negative left.
+    """
+    left, right = window_size
+    if right != 0 or left < 0:
+        raise ValueError(
+            f"--window-size {left},{right} has no Hugging Face sliding_window: that needs right = 0 and left >= 0."
+        )
+    return left + 1
+
+
+def parse_window_size(text: str) -> tuple[int, int]:
+    """``--window-size`` from the command line: ``W`` (= ``W,0``) or ``L,R``.
+
+    Raises:
+        ValueError: anything else (argparse reports it as an invalid value of the flag).
+    """
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        return (values[0], 0)
+    if len(values) == 2:
+        return (values[0], values[1])
+    raise ValueError(f"--window-size takes W or L,R (integers), not {text!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron.config.arguments import TridentConfig
 from megatron.config.batch_rampup import check_rampup
+from megatron.config.features import check_model_features
 from megatron.config.logging_config import check_logging
 from megatron.config.moe_rules import check_moe
 from megatron.config.plan import global_batch_size
@@ -321,4 +322,5 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     check_logging(cfg.logging, optimizer=cfg.training.optimizer, zero_stage=cfg.parallel.zero_stage)
     _check_cpu_optimizer(cfg)
     _check_position_flags(cfg)
+    check_model_features(cfg.model)
     _check_hang_timeout(cfg)

@@ -9,7 +9,8 @@ Which dimension each Megatron parameter is split on (``p`` = TP size, ``r`` = TP
                                                                     shard r = [gate_r; up_r]
     self_attention.dense.weight                   [h, n*hn]         dim 1 (row-parallel)
     mlp.dense_4h_to_h.weight                      [h, ffn]          dim 1 (row-parallel)
-    norms, row-parallel biases, position_embeddings                 replicated
+    norms (q_layernorm, k_layernorm too), row-parallel biases,
+    position_embeddings                                             replicated
 
 ``merge_tp_shards(shard_state_dict(x, p, r) for r in range(p)) == x`` exactly (no arithmetic, only slicing).
 
@@ -55,6 +56,7 @@ def tp_replicated_patterns(num_layers: int) -> list[str]:
     return [
         r".*position_embeddings\.weight$",
         r".*(input_layernorm|post_attention_layernorm|final_layernorm)\.(weight|bias)$",
+        r".*self_attention\.(q_layernorm|k_layernorm)\.(weight|bias)$",
         r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.bias$",
         rf"{num_layers + 2}\.(weight|bias)$",
     ]

@@ -111,6 +111,7 @@ CHECKED_ELSEWHERE = {
     "tensorboard_log_interval", "tensorboard_queue_size", "num_experts", "expert_interval",
     "moe_train_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity", "num_experts_switch",
     "local_rank",  # set by the launcher, not by the user
+    "window_size",  # config/features.py
 }  # fmt: skip
 
 
