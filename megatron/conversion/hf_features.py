@@ -193,7 +193,9 @@ def _qwen_window(cfg: Mapping[str, Any], model: str) -> int | None:
             )
         return None
     if types is None:
-        first = int(cfg.get("max_window_layers", 28))  # layers i >= max_window_layers slide (transformers)
+        first = int(
+            cfg.get("max_window_layers", 28)
+        )  # layers i >= max_window_layers slide (transformers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if len(set(types)) > 1:
         slide = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -214,7 +216,9 @@ def window_fields(cfg: Mapping[str, Any], rules: FamilyRules) -> dict[str, Any]:
     """
     if rules.window is None:
         return {}
-    window = cfg.get("sliding_window") if rules.window == "mistral" else _qwen_window(cfg, rules.name)
+    window = (
+        cfg.get("sliding_window") if rules.window == "mistral" else _qwen_window(cfg, rules.name)
+    )
     if window is None:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -259,7 +263,8 @@ def attention_fields(cfg: Mapping[str, Any], rules: FamilyRules) -> dict[str, An
 
 def export_family(m: ModelConfig, recorded: str | None) -> str:
     """The HF family a dense LLaMA-style ``m`` is exported as: the one its features need (QK-norm: qwen3, QKV bias:
-    qwen2, a window: mistral), else the family the import recorded (``recorded``), else llama.
+    qwen2, a window or a hidden size that is no multiple of the heads: mistral), else the family the import
+    recorded (``recorded``, the meta's ``hf_model_type``), else llama.
 
     Raises:
         ValueError: features no family has together (QK-norm with QKV bias, a window looking ahead).
@@ -278,6 +283,7 @@ def export_family(m: ModelConfig, recorded: str | None) -> str:
         return "qwen3"
     if m.add_qkv_bias:
         return "qwen2"
-    if m.window_size is not None or recorded == "mistral":
+    # HF LlamaConfig refuses hidden_size % heads != 0 even with head_dim given; Mistral takes any head_dim
+    if m.window_size is not None or recorded == "mistral" or m.hidden_size % m.num_attention_heads:
         return "mistral"
     return "llama"
