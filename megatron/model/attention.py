@@ -13,7 +13,16 @@ rank's local output ``[s, b, gp*(r+2)*hn]`` is viewed as ``[s, b, gp, r+2, hn]``
 (``r = 1``) this is Megatron's classic per-head ``[q_h; k_h; v_h]`` interleave. Query head ``i`` uses K/V group
 ``i // r`` (``repeat_interleave`` semantics, as HF ``repeat_kv`` and SDPA's ``enable_gqa``).
 
-Attention is causal. Default path: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU);
+QKV bias (``--add-qkv-bias``, or every linear's bias): one ``[(n + 2g) * hn]`` vector in the same row layout, so
+it splits over TP with the weight. QK-norm (``--qk-layernorm``, Qwen3): ``q_layernorm`` and ``k_layernorm``, each one
+``[hn]`` weight shared by all heads, normalize every query and key head over its ``hn`` channels after the split and
+before RoPE. They are replicated over TP, but each TP rank normalizes its own heads, so each rank's weight gradient
+is a partial sum: it is summed over TP (the norm's ``sequence_parallel`` switch, whose backward all-reduce is the
+same), with or without sequence parallelism.
+
+Attention is causal; ``--window-size L`` (sliding window) lets query ``i`` see keys ``i - L .. i`` only: the
+explicit mask of :func:`window_mask`, used by both paths (SDPA takes it as ``attn_mask``; no kernel here expresses a
+window on its own), skipped when the window reaches back over every key (``L >= S - 1``). Default path: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU);
 ``use_flash_attn=False`` selects an explicit softmax(QK^T/sqrt(hn))V path (fp32 scores and softmax), whose scaled,
 masked softmax is one fused kernel where built (unless ``--no-masked-softmax-fusion``). Attention dropout
 runs under ``get_cuda_rng_tracker().fork()`` (it acts on TP-sharded heads).
@@ -34,6 +43,7 @@ from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.inference import InferenceParams
+from megatron.model.norms import norm_class
 from megatron.model.rotary import apply_rotary_pos_emb
 from megatron.model.ulysses import UlyssesAttention
 from megatron.model.utils import init_seed
@@ -51,6 +61,26 @@ from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
 def _expand_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
     """``[s, b, gp, hn] -> [s, b, gp*repeats, hn]``: each K/V group repeated for its ``repeats`` query heads."""
     return x if repeats == 1 else x.repeat_interleave(repeats, dim=2)
+
+
+def window_mask(s: int, total: int, left: int, device: torch.device) -> torch.Tensor:
+    """Causal sliding-window mask, bool ``[1, 1, s, S]`` (True = masked), for the last ``s`` of ``S = total``
+    positions (``s = S`` in training; the new tokens after the KV cache in generation): query ``i`` (absolute
+    ``S - s + i``) sees keys ``S - s + i - left .. S - s + i``."""
+    q = torch.arange(total - s, total, device=device).view(s, 1)  # [s, 1] absolute query positions
+    k = torch.arange(total, device=device).view(1, total)  # [1, S]
+    return ((k > q) | (k < q - left)).view(1, 1, s, total)  # [s, S] -> [1, 1, s, S]
+
+
+def with_window(
+    mask: torch.Tensor | None, s: int, total: int, left: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``mask`` (None = causal) with the sliding window of ``left`` keys added, or ``mask`` itself when there is
+    no window or it reaches every key."""
+    if left is None or left >= total - 1:
+        return mask
+    window = window_mask(s, total, left, device)
+    return window if mask is None else mask | window  # [b or 1, 1, s, S]
 
 
 def reference_attention(
@@ -125,6 +155,21 @@ def sdpa_attention(
     return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [b, np, s, hn] -> [s, b, np*hn]
 
 
+def _qk_norm(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
+    """A QK-norm over ``[*, hn]``: the model's norm kind and epsilon, weight replicated over TP with its gradient
+    summed over TP (each rank normalizes its own heads; see the module docstring)."""
+    return norm_class(config.normalization)(
+        config.head_dim,
+        eps=config.layernorm_epsilon,
+        apply_layernorm_1p=config.apply_layernorm_1p,
+        sequence_parallel=parallel.tp_size > 1,
+        group=parallel.tp_group,
+        params_dtype=parallel.params_dtype,
+        device=parallel.device,
+        fused=config.persist_layer_norm,
+    )
+
+
 class ParallelAttention(nn.Module):
     """Self-attention block: column-parallel fused QKV, RoPE, core attention, row-parallel output projection.
 
@@ -151,6 +196,7 @@ class ParallelAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.masked_softmax_fusion = config.masked_softmax_fusion
         self.rope_fusion = config.apply_rope_fusion
+        self.window_left = None if config.window_size is None else config.window_size[0]
         self.selective_recompute = config.recompute_granularity == "selective"
         # DeepSpeed-Ulysses: the core attention runs on all tokens and n/N heads (``ulysses.py``); no parameters.
         self.ulysses = None if parallel.sp_group is None else UlyssesAttention(parallel.sp_group)
@@ -163,7 +209,7 @@ class ParallelAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
             (n + 2 * g) * hn,
-            bias=config.add_bias_linear,
+            bias=config.qkv_bias,
             gather_output=False,
             init=WeightInit(
                 init_method_normal(config.init_method_std), seed_of("query_key_value.weight")
@@ -182,6 +228,9 @@ class ParallelAttention(nn.Module):
             skip_bias_add=True,
             tp=parallel.tp_settings,
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (_qk_norm(config, parallel) for _ in range(2))
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, gp*(r+2)*hn] -> q [s, b, np, hn], k [s, b, gp, hn], v [s, b, gp, hn]`` (layout above)."""
@@ -201,6 +250,8 @@ class ParallelAttention(nn.Module):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
+        s, total = q.shape[0], k.shape[0]
+        attention_mask = with_window(attention_mask, s, total, self.window_left, q.device)
         kwargs = {} if self.use_flash_attn else {"fused_softmax": self.masked_softmax_fusion}
         fn = sdpa_attention if self.use_flash_attn else reference_attention
         if p == 0.0:
@@ -243,6 +294,9 @@ class ParallelAttention(nn.Module):
         """
         mixed, _ = self.query_key_value(hidden_states)  # [s(/p), b, h] -> [s, b, gp*(r+2)*hn]
         q, k, v = self.split_qkv(mixed)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q = self.q_layernorm(q)  # [s, b, np, hn], each head over hn
+            k = self.k_layernorm(k)  # [s, b, gp, hn]
         if rotary is not None:
             cos, sin = rotary
             q = apply_rotary_pos_emb(q, cos, sin, fused=self.rope_fusion)

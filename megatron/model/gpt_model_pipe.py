@@ -43,7 +43,7 @@ from megatron.model.language_model import (
 )
 from megatron.model.moe_pipe import add_layer_moe_loss, record_moe_loss, with_moe_loss
 from megatron.model.norms import LayerNorm, RMSNorm
-from megatron.model.rotary import rotary_cos_sin, rotary_dim
+from megatron.model.rotary import model_rotary
 from megatron.model.transformer import ParallelTransformerLayer, checkpoint_chunk, norm_kwargs
 from megatron.model.utils import check_tensor_parallel_shapes, loss_func
 from megatron.mpu.context import ParallelContext
@@ -108,9 +108,7 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     ) -> None:
         super().__init__(config, parallel, layer_number=layer_number)
         self.moe_model = config.moe.is_moe(config.num_layers)
-        self.rope = config.use_rotary_position_embeddings
-        self.head_dim = rotary_dim(config.head_dim, config.rotary_percent)  # rotated channels d
-        self.theta = config.rotary_position_embeddings_theta
+        self.config = config
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
         """``(hidden [s(/p), b, h], position_ids [b, s]) -> (hidden, position_ids)`` (causal attention).
@@ -119,9 +117,7 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
         the layers so far), through the pipeline; layer 0 starts it (``megatron/model/moe_pipe.py``).
         """
         hidden, position_ids, *aux = inputs  # aux: [] or [running MoE loss [1]]
-        rotary = None
-        if self.rope:
-            rotary = rotary_cos_sin(position_ids, self.head_dim, self.theta, hidden.dtype)
+        rotary = model_rotary(self.config, position_ids, hidden.dtype)  # 2 x [s, b, 1, d] or None
         out = super().forward(hidden, rotary, None)
         if not self.moe_model:
             return out, position_ids

@@ -43,7 +43,8 @@ class LayerNorm(nn.Module):
         hidden_size: normalized (last) dim ``h``.
         eps: ``--layernorm-epsilon``.
         apply_layernorm_1p: store ``gamma - 1`` (initialized to 0) and multiply by ``1 + weight``.
-        sequence_parallel: inputs are ``[s/p, b, h]`` slices; grads of weight/bias are summed over TP.
+        sequence_parallel: each TP rank sees different inputs (its ``[s/p, b, h]`` slice under sequence
+            parallelism; its own heads for the attention's QK-norm), so grads of weight/bias are summed over TP.
         group: the TP group those grads are summed over (None = the default one).
         params_dtype, device: of the parameters.
         fused: run the fused kernel where one is built (``--no-persist-layer-norm`` turns it off).

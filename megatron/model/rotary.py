@@ -12,10 +12,25 @@ rotated (with frequencies of a ``d``-dim rotary), the last ``hn - d`` pass throu
 
     x [.., hn] = [ x[.., :d] | x[.., d:] ]  ->  [ rope(x[.., :d]) | x[.., d:] ]
 
+Scaled frequencies (long-context models); scaling only changes ``inv_freq``, so the tables and the fused kernel
+that reads them are the same code either way::
+
+    linear (--rotary-seq-len-interpolation-factor F; HF rope_type "linear"):   inv_freq / F
+        = positions divided by F (HF divides inv_freq, the same angles; we do too, so the bits agree)
+    llama3 (--use-rope-scaling; HF rope_type "llama3"), with factor f, low/high frequency factors l < u and the
+    original context C: per frequency, wavelength w = 2 pi / inv_freq,
+        w < C/u            kept                          (high frequencies: local order)
+        w > C/l            inv_freq / f                  (low frequencies: stretched f-fold)
+        otherwise          (1 - t) inv_freq / f + t inv_freq,   t = (C/w - l) / (u - l)   (a smooth blend)
+
 The tables are computed from ``position_ids`` inside the model (never sent between pipeline stages).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -35,8 +50,66 @@ def rotary_inv_freq(dim: int, theta: float, device: torch.device | None = None) 
     return 1.0 / (theta**exponent)
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary inverse frequencies are rescaled (module docstring)."""
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    """linear: the position divisor F; llama3: the low-frequency divisor f."""
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_scaling(config: ModelConfig) -> RopeScaling | None:
+    """The scaling ``config`` asks for (``--use-rope-scaling`` or ``--rotary-seq-len-interpolation-factor``;
+    validate() refuses both at once), or None."""
+    if config.use_rope_scaling:
+        return RopeScaling(
+            "llama3",
+            config.rope_scaling_factor,
+            config.rope_scaling_low_freq_factor,
+            config.rope_scaling_high_freq_factor,
+            config.rope_scaling_original_max_position_embeddings,
+        )
+    if config.rotary_seq_len_interpolation_factor is not None:
+        return RopeScaling("linear", config.rotary_seq_len_interpolation_factor)
+    return None
+
+
+def _llama3(inv_freq: torch.Tensor, sc: RopeScaling) -> torch.Tensor:
+    """Llama 3's frequency-dependent scaling of ``[d/2]`` fp32 ``inv_freq`` (module docstring; fp32 throughout,
+    the operations in transformers' order so the tables agree to the bit)."""
+    context, low, high = (
+        sc.original_max_position_embeddings,
+        sc.low_freq_factor,
+        sc.high_freq_factor,
+    )
+    wavelength = 2 * math.pi / inv_freq  # [d/2]
+    stretched = torch.where(wavelength > context / low, inv_freq / sc.factor, inv_freq)
+    t = (context / wavelength - low) / (high - low)  # 0 at w = C/l .. 1 at w = C/u
+    blended = (1 - t) * stretched / sc.factor + t * stretched
+    middle = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(middle, blended, stretched)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
+    """``inv_freq`` ``[d/2]`` rescaled by ``scaling`` (unchanged for None)."""
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    return _llama3(inv_freq, scaling)
+
+
 def rotary_cos_sin(
-    position_ids: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor,
+    dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    *,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for ``position_ids``.
 
@@ -45,11 +118,13 @@ def rotary_cos_sin(
         dim: rotated dims per head (even).
         theta: RoPE base (``--rotary-position-embeddings-theta``).
         dtype: dtype of the returned tables (the activations' dtype); computed in fp32 first.
+        scaling: rescaled frequencies (:func:`rope_scaling`), or None.
 
     Returns:
         ``(cos, sin)``, each ``[s, b, 1, d]`` (broadcast over heads).
     """
     inv_freq = rotary_inv_freq(dim, theta, device=position_ids.device)
+    inv_freq = scaled_inv_freq(inv_freq, scaling)  # [d/2]
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [b, s] -> [b, s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d/2] -> [b, s, d]
     emb = emb.transpose(0, 1)[:, :, None, :]  # [b, s, d] -> [s, b, 1, d]
@@ -64,7 +139,8 @@ def model_rotary(
     if not config.use_rotary_position_embeddings:
         return None
     dim = rotary_dim(config.head_dim, config.rotary_percent)
-    return rotary_cos_sin(position_ids, dim, config.rotary_position_embeddings_theta, dtype)
+    theta = config.rotary_position_embeddings_theta
+    return rotary_cos_sin(position_ids, dim, theta, dtype, scaling=rope_scaling(config))
 
 
 def apply_rotary_pos_emb(
