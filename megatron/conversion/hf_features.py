@@ -192,18 +192,19 @@ def _qwen_window(cfg: Mapping[str, Any], model: str) -> int | None:
                 "sliding_window; Trident needs one attention kind for every layer."
             )
         return None
+    source = "layer_types"
     if types is None:
-        first = int(
-            cfg.get("max_window_layers", 28)
-        )  # layers i >= max_window_layers slide (transformers)
+        # transformers: layers i >= max_window_layers slide
+        first = int(cfg.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        source = f"max_window_layers {first}"
     if len(set(types)) > 1:
         slide = [i for i, t in enumerate(types) if t == "sliding_attention"]
         raise ValueError(
             f"{model} config.json slides the window on layers {slide} only (use_sliding_window with "
-            f"max_window_layers {cfg.get('max_window_layers')} / layer_types); Trident's --window-size applies "
-            "to every layer: set max_window_layers to 0 (all) or use_sliding_window to false (none) if the "
-            "model was trained that way."
+            f"{source}); Trident's --window-size applies to every layer, so this model cannot be converted "
+            "(a model trained with the window on all layers or none says so in layer_types / "
+            "max_window_layers)."
         )
     return int(window) if types and types[0] == "sliding_attention" else None
 
