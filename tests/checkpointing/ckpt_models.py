@@ -119,19 +119,43 @@ LLAMA3_ROPE = {
 
 FAMILY_SHAPES = {
     # Llama 3.2-like: tied embeddings, head dim 10 != 48/6, 3 query heads per K/V head, llama3 scaled RoPE
-    "llama": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=10,
-                  tie_word_embeddings=True, rope_parameters={**LLAMA3_ROPE, "rope_theta": 500.0}),
+    "llama": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+        "tie_word_embeddings": True,
+        "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500.0},
+    },
     # Qwen2.5-0.5B-like: QKV bias, tied embeddings, head dim 48/6
-    "qwen2": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    },
     # Qwen3: QK-norm, head dim 12 != 40/6, a window of 5 on every layer, linear RoPE scaling
-    "qwen3": dict(hidden_size=40, num_attention_heads=6, num_key_value_heads=2, head_dim=12,
-                  use_sliding_window=True, sliding_window=5, max_window_layers=0,
-                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+    "qwen3": {
+        "hidden_size": 40,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "max_window_layers": 0,
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+    },
     # Mistral 7B v0.1-like: a window of 5 (shorter than the prompts), head dim 12 != 40/6
-    "mistral": dict(hidden_size=40, num_attention_heads=6, num_key_value_heads=2, head_dim=12,
-                    sliding_window=5, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-}  # fmt: skip
+    "mistral": {
+        "hidden_size": 40,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "sliding_window": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    },
+}
 """Awkward sizes per family: odd query heads per group, GQA, head dim != hidden / heads where the family allows."""
 
 
