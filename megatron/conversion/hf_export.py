@@ -2,13 +2,16 @@
 by comparing logits and greedy decodes of the written directory (loaded with transformers, offline) with the
 checkpoint run in our ``GPTModel``.
 
-GPT-2-style checkpoints become ``GPT2LMHeadModel`` (``hf_gpt2.py``), LLaMA-style ones ``LlamaForCausalLM``
-(``hf_llama.py``), DeepSpeed-MoE ones ``MixtralForCausalLM`` (``hf_mixtral.py``); the weights come through
-``megatron.checkpointing.readers`` (any TP/PP/EP layout, any ZeRO stage).
+GPT-2-style checkpoints become ``GPT2LMHeadModel`` (``hf_gpt2.py``); LLaMA-style ones ``LlamaForCausalLM``,
+``Qwen2ForCausalLM`` (QKV bias), ``Qwen3ForCausalLM`` (QK-norm) or ``MistralForCausalLM`` (a sliding window, or
+imported from Mistral), the family picked by ``hf_features.export_family`` (``hf_llama.py``); DeepSpeed-MoE ones
+``MixtralForCausalLM`` (``hf_mixtral.py``). The weights come through ``megatron.checkpointing.readers`` (any
+TP/PP/EP layout, any ZeRO stage).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,6 +20,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +53,16 @@ logger = logging.getLogger(__name__)
 def is_llama(cfg: ModelConfig) -> bool:
     """LLaMA-style (rmsnorm/SwiGLU/RoPE) vs GPT-2-style architecture."""
     return cfg.swiglu or cfg.normalization == "rmsnorm" or cfg.use_rotary_position_embeddings
+
+
+def hf_exporter(cfg: ModelConfig, meta: dict[str, Any]) -> Callable[..., Any]:
+    """The exporter of a checkpoint's model: Mixtral for MoE, the LLaMA family (LLaMA, Qwen2, Qwen3 or Mistral, by
+    its features and the ``hf_model_type`` the import recorded in ``meta``) for LLaMA-style models, else GPT-2."""
+    if is_mixtral(cfg):
+        return megatron_to_mixtral_hf
+    if is_llama(cfg):
+        return functools.partial(megatron_to_llama_hf, recorded_family=meta.get("hf_model_type"))
+    return megatron_to_gpt2_hf
 
 
 STALE_EXPORT_FILES = (
@@ -166,11 +180,7 @@ def export_to_hf(
         )
     tok_info = (tokenizer.info or meta.get("tokenizer")) if tokenizer.write else None
     bos_token_id, eos_token_id = _config_token_ids(tokenizer, tok_info)
-    if is_mixtral(cfg):
-        export = megatron_to_mixtral_hf
-    else:
-        export = megatron_to_llama_hf if is_llama(cfg) else megatron_to_gpt2_hf
-    hf_sd, hf_cfg = export(
+    hf_sd, hf_cfg = hf_exporter(cfg, meta)(
         full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
     out = Path(out_dir).absolute()

@@ -1,6 +1,7 @@
 """Hugging Face directory -> Trident checkpoint at any TP/PP (and EP), written by a real DeepSpeed engine.
 
-The HF weights are converted to Megatron's full layout (``hf_gpt2``/``hf_llama``/``hf_mixtral``), the vocabulary
+The HF weights are converted to Megatron's full layout (``hf_gpt2``; ``hf_llama`` for LLaMA, Qwen2, Qwen3 and
+Mistral; ``hf_mixtral``), the vocabulary
 padded for the target TP, and written to a temporary safetensors file. Then ``TP x PP`` ranks (``x EP`` for a
 Mixtral: data-parallel size EP) are spawned; each builds the model at the target layout (``GPTModel`` or
 ``GPTModelPipe``), loads its shard (its EP rank's experts) BEFORE ``deepspeed.initialize`` (so ZeRO's fp32 master
@@ -14,6 +15,7 @@ and compares it with the source HF model.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ from megatron.checkpointing.safe_load import load_hf_directory
 from megatron.config import ModelConfig
 from megatron.config.rules import padded_vocab_size
 from megatron.conversion.hf_common import require_size
+from megatron.conversion.hf_features import FAMILIES, REFUSED_MODEL_TYPES
 from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron
 from megatron.conversion.hf_llama import llama_hf_to_megatron
 from megatron.conversion.hf_mixtral import mixtral_hf_to_megatron, verification_config
@@ -58,26 +61,48 @@ from megatron.mpu.context import ParallelContext
 logger = logging.getLogger(__name__)
 
 
+SUPPORTED = "gpt2, llama (rope_type default, llama3, linear), qwen2, qwen3, mistral, mixtral"
+"""The ``model_type`` values :func:`hf_to_full` converts (for messages)."""
+
+
+def hf_converter(
+    kind: Any, hf_dir: str | Path
+) -> Callable[..., tuple[dict[str, torch.Tensor], ModelConfig]]:
+    """The converter of ``config.json``'s ``model_type`` ``kind``.
+
+    Raises:
+        ValueError: ``kind`` is not supported; a known relative (``qwen2_moe``, ...) is named with what it has that
+            Trident cannot express.
+    """
+    if kind == "gpt2":
+        return gpt2_hf_to_megatron
+    if kind == "mixtral":
+        return mixtral_hf_to_megatron
+    if kind in FAMILIES:
+        return functools.partial(llama_hf_to_megatron, model_type=kind)
+    why = REFUSED_MODEL_TYPES.get(kind)
+    if why is not None:
+        raise ValueError(
+            f"{hf_dir}/config.json: model_type {kind!r} is {why}, which Trident cannot express; supported: "
+            f"{SUPPORTED}."
+        )
+    raise ValueError(
+        f"{hf_dir}/config.json: model_type {kind!r} is not supported; convert a directory of one of: "
+        f"{SUPPORTED}."
+    )
+
+
 def hf_to_full(
     hf_dir: str | Path, tp: int, make_vocab_size_divisible_by: int = 128
 ) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """``(full Megatron state dict padded for TP = tp, ModelConfig, HF config dict)`` of a local HF directory.
 
     Raises:
-        ValueError: the model type is not ``gpt2``, ``llama`` or ``mixtral`` (or the converters refuse a variant).
+        ValueError: the model type is not one of :data:`SUPPORTED` (or the converters refuse a variant).
     """
     sd, config = load_hf_directory(hf_dir)
     kind = config.get("model_type")
-    convert = {
-        "gpt2": gpt2_hf_to_megatron,
-        "llama": llama_hf_to_megatron,
-        "mixtral": mixtral_hf_to_megatron,
-    }.get(kind)
-    if convert is None:
-        raise ValueError(
-            f"{hf_dir}/config.json: model_type {kind!r} is not supported; convert a GPT2LMHeadModel "
-            "('gpt2'), LlamaForCausalLM ('llama') or MixtralForCausalLM ('mixtral') directory."
-        )
+    convert = hf_converter(kind, hf_dir)
     try:
         vocab = require_size(config, "vocab_size", str(kind))
         padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tp)
@@ -182,7 +207,7 @@ def import_from_hf(
     progress: Progress = no_progress,
     say: Callable[[str], None] = logger.warning,
 ) -> LogitComparison | None:
-    """Convert a local HF GPT-2/LLaMA/Mixtral directory into a Trident checkpoint for ``layout.tp`` x
+    """Convert a local HF GPT-2/LLaMA/Qwen2/Qwen3/Mistral/Mixtral directory into a Trident checkpoint for ``layout.tp`` x
     ``layout.pp`` ranks (and a Mixtral's experts over ``layout.ep`` expert-parallel ranks: ``tp * pp * ep`` ranks
     write it, data-parallel size ``ep``).
 
@@ -202,14 +227,20 @@ def import_from_hf(
     check_new_save_dir(out_dir, load=hf_dir, load_flag="--hf-dir")
     if layout.tp < 1 or layout.pp < 1:
         raise ValueError(f"--tp ({layout.tp}) and --pp ({layout.pp}) must be >= 1.")
-    full, cfg, _ = hf_to_full(hf_dir, layout.tp)
+    full, cfg, hf_cfg = hf_to_full(hf_dir, layout.tp)
     check_target_layout(cfg, layout)
     check_weights_fit_config(full, cfg, hf_dir)
     if verification is not None:
         check_hf_config_loads(hf_dir)
     progress("converting", 1, 3)
     result = write_verified_checkpoint(
-        StagedWrite(full, cfg, source=str(hf_dir), tokenizer=hf_dir_tokenizer(hf_dir)),
+        StagedWrite(
+            full,
+            cfg,
+            source=str(hf_dir),
+            tokenizer=hf_dir_tokenizer(hf_dir),
+            hf_model_type=hf_cfg.get("model_type"),
+        ),
         out_dir,
         layout=layout,
         verify=None if verification is None else _hf_verifier(hf_dir, cfg, verification.steps),

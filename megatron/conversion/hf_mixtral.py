@@ -220,6 +220,13 @@ def _check_exportable(m: ModelConfig) -> int:
         problems.append(f"--rotary-percent must be 1 (got {m.rotary_percent})")
     if m.add_bias_linear:
         problems.append("--disable-bias-linear must be on")
+    for flag, on in (
+        ("--add-qkv-bias", m.add_qkv_bias),
+        ("--qk-layernorm", m.qk_layernorm),
+        ("--window-size", m.window_size is not None),
+    ):
+        if on:
+            problems.append(f"{flag} must be off (HF Mixtral has no such attention)")
     per_layer = m.moe.experts_per_layer(m.num_layers)
     if len(set(per_layer)) != 1 or per_layer[0] < 2:
         problems.append(

@@ -226,8 +226,7 @@ def write_trident_checkpoint(
     out_dir: str | Path,
     *,
     layout: TargetLayout,
-    source: str,
-    tokenizer: dict[str, str] | None = None,
+    record: dict[str, Any],
     timeout: float = 900.0,
     scratch_beside: Path | None = None,
 ) -> None:
@@ -235,7 +234,8 @@ def write_trident_checkpoint(
     ``layout.tp`` x ``layout.pp`` ranks, the experts of MoE layers split over ``layout.ep`` ranks
     (``tp * pp * ep`` ranks are spawned, data-parallel size ``ep``; the experts are held whole on every TP rank).
 
-    ``source`` and ``tokenizer`` (``megatron.tokenizer.info.tokenizer_info``) are recorded in ``trident_meta.json``.
+    ``record`` is merged into ``trident_meta.json`` (:meth:`StagedWrite.record`: ``converted_from``, ``tokenizer``,
+    ``hf_model_type``).
     The temporary full-weights file goes in ``.<name>.full-weights-*`` beside ``scratch_beside`` (default:
     ``out_dir``; the staged writer names --save, whose staging directory this is).
 
@@ -268,7 +268,7 @@ def write_trident_checkpoint(
             layout.tp,
             layout.pp,
             str(out_dir),
-            {"converted_from": source, **({"tokenizer": tokenizer} if tokenizer else {})},
+            record,
             layout.ep,
             init_process_group=False,
             timeout=timeout,
@@ -315,6 +315,18 @@ class StagedWrite:
     """Recorded in ``trident_meta.json`` as ``converted_from``."""
     tokenizer: dict[str, str] | None = None
     """Recorded in ``trident_meta.json`` (``megatron.tokenizer.info.tokenizer_info``)."""
+    hf_model_type: str | None = None
+    """Recorded in ``trident_meta.json``: the HF family imported (``llama``, ``qwen2``, ...), which the HF export
+    writes back (``hf_features.export_family``)."""
+
+    def record(self) -> dict[str, Any]:
+        """What ``trident_meta.json`` records of the source."""
+        out: dict[str, Any] = {"converted_from": self.source}
+        if self.tokenizer:
+            out["tokenizer"] = self.tokenizer
+        if self.hf_model_type:
+            out["hf_model_type"] = self.hf_model_type
+        return out
 
 
 def write_verified_checkpoint(
@@ -359,8 +371,7 @@ def _write_and_verify(
         what.cfg,
         staging,
         layout=layout,
-        source=what.source,
-        tokenizer=what.tokenizer,
+        record=what.record(),
         scratch_beside=out,
     )
     try:
@@ -416,7 +427,13 @@ def reshard_checkpoint(
     )
 
     result = write_verified_checkpoint(
-        StagedWrite(full, cfg, source=str(src), tokenizer=meta.get("tokenizer")),
+        StagedWrite(
+            full,
+            cfg,
+            source=str(src),
+            tokenizer=meta.get("tokenizer"),
+            hf_model_type=meta.get("hf_model_type"),
+        ),
         dst,
         layout=layout,
         verify=None if verification is None else _same_logits_as(full, cfg, verification.steps),

@@ -105,3 +105,82 @@ def make_mixtral(*, experts: int = 4, tied: bool = False, seed: int = 0, layers:
             elif name.endswith("gate.weight"):
                 p.normal_(0.0, 1.0)
     return model
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+"""Llama 3 RoPE scaling for a 64-position model with head dim 10 and theta 500: of the 5 frequencies (wavelengths
+6.3, 22, 76, 262, 904 tokens) the first is kept (< 32/4), the second blended, the rest divided by 4."""
+
+FAMILY_SHAPES = {
+    # Llama 3.2-like: tied embeddings, head dim 10 != 48/6, 3 query heads per K/V head, llama3 scaled RoPE
+    "llama": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+        "tie_word_embeddings": True,
+        "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500.0},
+    },
+    # Qwen2.5-0.5B-like: QKV bias, tied embeddings, head dim 48/6
+    "qwen2": {
+        "hidden_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    },
+    # Qwen3: QK-norm, head dim 12 != 40/6, a window of 5 on every layer, linear RoPE scaling
+    "qwen3": {
+        "hidden_size": 40,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "max_window_layers": 0,
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+    },
+    # Mistral 7B v0.1-like: a window of 5 (shorter than the prompts), head dim 12 != 40/6
+    "mistral": {
+        "hidden_size": 40,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "sliding_window": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    },
+}
+"""Awkward sizes per family: odd query heads per group, GQA, head dim != hidden / heads where the family allows."""
+
+
+def make_family(kind: str, *, seed: int = 0, layers: int = 2, **overrides):
+    """A tiny random ``*ForCausalLM`` of ``kind`` (llama, qwen2, qwen3, mistral) with :data:`FAMILY_SHAPES`; norm
+    weights and biases are randomized so a swapped norm or bias cannot hide."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=VOCAB,
+        intermediate_size=40,
+        num_hidden_layers=layers,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        initializer_range=INIT_STD,
+        **{**FAMILY_SHAPES[kind], **overrides},
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
