@@ -90,6 +90,16 @@ class MegatronTokenizer(ABC):
         """``[tokenize(t) for t in texts]``, through the library's batch encoder where it has one."""
         return [self.tokenize(t) for t in texts]
 
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Ids a generation prompt starts from: ``prefix_ids`` exactly once (not again when the text already starts
+        with them, e.g. a literal ``<|begin_of_text|>``), then the text's ids; ``[eod]`` for an empty prompt of a
+        tokenizer without a prefix."""
+        ids = self.tokenize(text) if text else []
+        prefix = list(self.prefix_ids)
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids or [self.eod]
+
     @property
     def eos(self) -> int:
         return self.eod
@@ -121,9 +131,9 @@ class MegatronTokenizer(ABC):
 
 def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if not path:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}.")
+        raise TokenizerFileError(f"--tokenizer-type {tokenizer_type} needs {flag}.")
     if not os.path.exists(path):
-        raise FileNotFoundError(
+        raise TokenizerFileMissing(
             f"{flag} {path} does not exist (--tokenizer-type {tokenizer_type})."
         )
     return path
@@ -209,7 +219,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # the Rust error names neither the flag nor the file
-            raise ValueError(
+            raise TokenizerFileError(
                 f"cannot load GPT-2 BPE from --vocab-file {vocab_file} and --merge-file {merge_file}: {e}"
             ) from e
         backend = Tokenizer(model)
@@ -218,7 +228,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         super().__init__(backend)
         eod = backend.token_to_id(GPT2_EOD_TOKEN)
         if eod is None:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN!r} token, which GPT-2 uses as EOD."
             )
         self._eod = eod
@@ -311,12 +321,12 @@ class HFTokenizer(_HFBackedTokenizer):
 
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--tokenizer-model {path}: no tokenizer.json and transformers could not load it: {e}"
             ) from e
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--tokenizer-model {path} is a slow (Python) tokenizer; save it as tokenizer.json first."
             )
         for key in SPECIAL_KEYS:
@@ -427,7 +437,7 @@ def build_tokenizer(
     if kind == "HFTokenizer":
         model = pick("tokenizer_model", tokenizer_model)
         if not model:
-            raise ValueError(
+            raise TokenizerFileError(
                 "--tokenizer-type HFTokenizer needs --tokenizer-model (a local directory or tokenizer.json)."
             )
         return HFTokenizer(model)
