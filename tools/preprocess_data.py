@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             max_line_bytes=args.max_line_bytes,
             execution=Execution(workers=args.workers, log_interval=args.log_interval),
         )
-    except TokenizerFileError as e:  # a tokenizer flag or file: missing, not JSON, an unknown model type
+    except (
+        TokenizerFileError
+    ) as e:  # a tokenizer flag or file: missing, not JSON, an unknown model type
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (

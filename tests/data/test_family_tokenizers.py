@@ -56,7 +56,11 @@ def test_the_probes_catch_a_wrong_regex_or_a_missing_nfc(families: dict[str, Pat
         spec = json.loads((families[kind] / "tokenizer.json").read_text(encoding="utf-8"))
         tok = HFTokenizer(str(families[kind]))
         if edit == "regex":
-            spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+            spec["pre_tokenizer"] = {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "use_regex": True,
+            }
         fast, why = fast_bpe_from_spec(spec)
         assert fast is not None, why
         if edit == "nfc":
@@ -68,7 +72,12 @@ def test_bos_eos_as_the_files_say_and_as_transformers_encodes(families: dict[str
     from transformers import AutoTokenizer
 
     llama, qwen = HFTokenizer(str(families["llama3"])), HFTokenizer(str(families["qwen2"]))
-    assert (llama.bos, llama.eod, llama.prefix_ids, llama.suffix_ids) == (128_000, 128_001, (128_000,), ())
+    assert (llama.bos, llama.eod, llama.prefix_ids, llama.suffix_ids) == (
+        128_000,
+        128_001,
+        (128_000,),
+        (),
+    )
     assert (qwen.bos, qwen.eod, qwen.pad, qwen.prefix_ids) == (None, 151_643, 151_643, ())
     for tok, path in ((llama, families["llama3"]), (qwen, families["qwen2"])):
         theirs = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -79,7 +88,9 @@ def test_bos_eos_as_the_files_say_and_as_transformers_encodes(families: dict[str
     assert TextGenerator.prompt_ids(gen, "Hi") == [128_000, *llama.tokenize("Hi")]  # type: ignore[arg-type]
     assert llama.tokenize_prompt("<|begin_of_text|>Hi") == [128_000, *llama.tokenize("Hi")]
     assert llama.tokenize_prompt("") == [128_000]
-    assert qwen.tokenize_prompt("Hi") == qwen.tokenize("Hi") and qwen.tokenize_prompt("") == [151_643]
+    assert qwen.tokenize_prompt("Hi") == qwen.tokenize("Hi") and qwen.tokenize_prompt("") == [
+        151_643
+    ]
 
 
 def test_preprocess_int32_with_bos_and_eod_reads_back_exactly(
@@ -98,7 +109,9 @@ def test_preprocess_int32_with_bos_and_eod_reads_back_exactly(
     ds = MMapIndexedDataset(f"{out}_text_document")
     assert ds.dtype == np.int32
     reference = Tokenizer.from_file(str(families["llama3"] / "tokenizer.json"))
-    for i, text in enumerate(docs):  # the reference's own encode adds <|begin_of_text|>; then the EOD
+    for i, text in enumerate(
+        docs
+    ):  # the reference's own encode adds <|begin_of_text|>; then the EOD
         want = [*reference.encode(text).ids, 128_001]
         assert want[0] == 128_000 and ds[i].tolist() == want
     assert max(int(ds[i].max()) for i in range(len(docs))) > 65_535
@@ -115,12 +128,17 @@ def _bad_files(root: Path, good: Path) -> list[tuple[list[str], str]]:
     (unknown / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     bad_config = root / "bad-config"
     bad_config.mkdir()
-    (bad_config / "tokenizer.json").write_text(json.dumps(spec | {"model": {**spec["model"], "type": "BPE"}}))
+    (bad_config / "tokenizer.json").write_text(
+        json.dumps(spec | {"model": {**spec["model"], "type": "BPE"}})
+    )
     (bad_config / "tokenizer_config.json").write_text("[1, 2]", encoding="utf-8")
     return [
         ([str(root / "missing")], "does not exist"),
         ([str(not_json)], "tokenizer.json:2: tokenizer.json is not valid JSON"),
-        ([str(unknown)], "model type 'SentencePieceBPE'; a tokenizer.json needs a model of type BPE"),
+        (
+            [str(unknown)],
+            "model type 'SentencePieceBPE'; a tokenizer.json needs a model of type BPE",
+        ),
         ([str(bad_config)], "tokenizer_config.json:1: tokenizer_config.json must be a JSON object"),
     ]
 
