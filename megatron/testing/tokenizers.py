@@ -87,6 +87,14 @@ def llama3_specials() -> list[str]:
     return out
 
 
+def _pydoc_topics() -> list[str]:
+    """The demo corpus's no-download source (``megatron.data.demo_corpus.pydoc_topics``; testing may not import
+    data): the stdlib's pydoc topics by name."""
+    from pydoc_data.topics import topics
+
+    return [t.strip() for _, t in sorted(topics.items()) if len(t.strip()) >= 20]
+
+
 def _train(texts: Iterable[str], pattern: str, nfc: bool, merges: int) -> dict[str, Any]:
     """A byte-level BPE with the family's split and normaliser, trained on ``texts``: its JSON."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -211,14 +219,12 @@ def family_tokenizer(
         texts: training texts; default the pydoc topics.
         merges: how many merges to train (at most; a small corpus may give fewer).
     """
-    from megatron.data.demo_corpus import pydoc_topics
-
     if kind not in FAMILIES:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(FAMILIES)}.")
     regular, _total = FAMILY_SIZES[kind]
     pattern = LLAMA3_PATTERN if kind == "llama3" else QWEN2_PATTERN
     trained = _train(
-        texts if texts is not None else pydoc_topics(), pattern, kind == "qwen2", merges
+        texts if texts is not None else _pydoc_topics(), pattern, kind == "qwen2", merges
     )
     vocab, merge_list = _layout(trained, regular)
     spec = {
