@@ -3,7 +3,8 @@
 Nothing is downloaded: the encoder is built from the files the flags name (``--vocab-file`` / ``--merge-file``, or a
 byte-level BPE ``tokenizer.json`` as ``--tokenizer-model``), the way GPT-2 defines them: ``bytes_to_unicode`` maps
 every byte to a printable character, merge ``k`` makes token rank ``256 + k``, the pre-tokenizer is GPT-2's regular
-expression. ``GPT2BPETokenizer`` and ``HFTokenizer`` use it only when it encodes exactly like their reference (the
+expression, or the regex ``Split`` of a Llama 3 / Qwen2 ``tokenizer.json`` (with Qwen2's NFC applied between the
+added tokens). ``GPT2BPETokenizer`` and ``HFTokenizer`` use it only when it encodes exactly like their reference (the
 Hugging Face ``tokenizers`` encoder): :func:`probe_mismatch` compares both on :data:`PROBE_TEXTS` at start-up, which
 cover the rules where BPE implementations differ (``<|endoftext|>`` inside text, contractions, digits, non-ASCII,
 emoji, leading, trailing and very long whitespace runs, empty text). Without tiktoken, with files it cannot
