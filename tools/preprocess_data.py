@@ -16,8 +16,13 @@ path separator (``data/my-corpus``, not ``data/``).
 GPT2BPETokenizer encodes through tiktoken (built from the given files, offline) when it gives exactly the ids of the
 reference encoder, checked at start-up; the last lines say which encoder ran.
 
+A tokenizer whose own configuration adds ids around a text (Llama 3's ``tokenizer.json`` adds
+``<|begin_of_text|>``) gets them around every document; ``--append-eod`` appends its EOS. Token ids are stored as
+uint16 below a 65,500 vocabulary, else int32 (Llama 3's 128,256, Qwen2.5's 151,665).
+
 Exit codes: 0 ok, 1 bad input or a failed run (one ``error:`` line; nothing written), 2 bad flags (argparse,
---partitions other than 1), 130 interrupted.
+--partitions other than 1) or tokenizer files (a missing flag or file, a tokenizer.json that is not JSON or has an
+unknown model type), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from megatron.data.preprocess import (
     rates,
 )
 from megatron.log import setup_logging
-from megatron.tokenizer import TOKENIZER_TYPES
+from megatron.tokenizer import TOKENIZER_TYPES, TokenizerFileError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             max_line_bytes=args.max_line_bytes,
             execution=Execution(workers=args.workers, log_interval=args.log_interval),
         )
+    except (
+        TokenizerFileError
+    ) as e:  # a tokenizer flag or file: missing, not JSON, an unknown model type
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (
         PreprocessError,
         ValueError,

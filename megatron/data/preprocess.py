@@ -20,7 +20,9 @@ no shared queue, so stopping a worker mid-write cannot hang the run, and a worke
 
 Per document and key, as Megatron-LM: a string value is one sequence, a list of strings is one sequence per
 non-empty string; sequences with no tokens are dropped; with ``append_eod`` the EOD is appended to the document's
-last sequence and counted in its size (the fixed Megatron-LM layout). A document with no tokens has no sequences
+last sequence and counted in its size (the fixed Megatron-LM layout). The ids the tokenizer's own configuration puts
+around a text (``prefix_ids``: Llama 3's BOS; ``suffix_ids``: ``add_eos_token``) go before the document's first and
+after its last sequence, counted the same way (no second EOD when the suffix already ends with it). A document with no tokens has no sequences
 (its ``doc_idx`` entry repeats). Bad lines (invalid JSON/UTF-8, not an object, a missing key, a value that is not a
 string or list of strings, text the tokenizer rejects, a line longer than ``max_line_bytes``: tokenizing takes about
 40 times a line's size in memory) stop the run with ``file:line: reason``, or are skipped and
@@ -113,7 +115,10 @@ class Encoder:
         self.tokenizer = build_tokenizer(**tokenizer_kwargs)
         self.keys = tuple(keys)
         self.max_line_bytes = max_line_bytes
-        self.eod = self.tokenizer.eod if append_eod else None
+        self.prefix = list(self.tokenizer.prefix_ids)
+        self.suffix = list(self.tokenizer.suffix_ids)
+        eod = self.tokenizer.eod if append_eod else None
+        self.eod = None if eod is not None and self.suffix[-1:] == [eod] else eod
         self.dtype = np.dtype(best_fitting_dtype(self.tokenizer.vocab_size))
 
     def _tokenize(
@@ -130,6 +135,20 @@ class Encoder:
                     bad.setdefault(line, f"the tokenizer rejected the text: {e}")
                     out.append([])
             return out
+
+    def _frame(self, ids: list[list[int]], parts: np.ndarray) -> list[list[int]]:
+        """Put the tokenizer's own prefix (Llama 3's BOS) before each document's first non-empty sequence and its
+        suffix after the last (in place); a document without tokens stays empty."""
+        if not (self.prefix or self.suffix):
+            return ids
+        start = 0
+        for n in parts.tolist():
+            filled = [j for j in range(start, start + n) if ids[j]]
+            if filled:
+                ids[filled[0]] = [*self.prefix, *ids[filled[0]]]
+                ids[filled[-1]] = [*ids[filled[-1]], *self.suffix]
+            start += n
+        return ids
 
     def _key_result(self, ids: list[list[int]], parts: np.ndarray) -> KeyResult:
         ndocs = len(parts)
@@ -193,7 +212,7 @@ class Encoder:
         results = {}
         for k, key in enumerate(self.keys):
             parts = np.array([len(values[k]) for _, values in docs], dtype=np.int64)
-            results[key] = self._key_result(encoded[k], parts)
+            results[key] = self._key_result(self._frame(encoded[k], parts), parts)
         return ChunkResult(
             chunk.path,
             len(docs),

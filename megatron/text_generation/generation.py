@@ -264,16 +264,15 @@ class TextGenerator:
         return broadcast_object(obj)
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """The token ids ``prompt`` starts from (an empty prompt: the EOD token).
+        """The token ids ``prompt`` starts from: the tokenizer's own prefix exactly once (Llama 3's
+        ``<|begin_of_text|>``), then the prompt's ids (an empty prompt without a prefix: the EOD token).
 
         Raises:
             ValueError: the tokenizer rejects the prompt (for a checkpoint without a recorded tokenizer, the
                 message says prompts are token ids and how to pass a tokenizer instead).
         """
-        if not prompt:
-            return [self.tokenizer.eod]
         try:
-            return self.tokenizer.tokenize(prompt)
+            return self.tokenizer.tokenize_prompt(prompt)
         except ValueError as e:
             word = next((w for w in prompt.split() if not _is_int(w)), None)
             if not self.tokenizer_fallback or word is None:

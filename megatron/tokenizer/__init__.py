@@ -1,5 +1,6 @@
 """Tokenizers (GPT-2 BPE, SentencePiece, local Hugging Face, Null) behind one interface; vocab padding."""
 
+from megatron.tokenizer.hf_config import TokenizerFileError
 from megatron.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     GPT2BPETokenizer,
@@ -17,6 +18,7 @@ __all__ = [
     "HFTokenizer",
     "MegatronTokenizer",
     "NullTokenizer",
+    "TokenizerFileError",
     "build_tokenizer",
     "encoding_fingerprint",
     "vocab_size_with_padding",

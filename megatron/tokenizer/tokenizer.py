@@ -3,7 +3,9 @@
 Every tokenizer shares one interface (:class:`MegatronTokenizer`): ``tokenize(text) -> list[int]``,
 ``tokenize_batch(texts)`` (the library's batch encoder, used by preprocessing), ``detokenize(ids)``, and the ids
 ``vocab_size``, ``eod``, ``bos``, ``pad`` (``None`` where the vocabulary has no such token). No special tokens are
-added by ``tokenize``: preprocessing appends ``eod`` itself (``--append-eod``).
+added by ``tokenize``: preprocessing appends ``eod`` itself (``--append-eod``), and puts ``prefix_ids`` /
+``suffix_ids`` around every document: the ids the tokenizer's own configuration adds (an ``HFTokenizer``'s
+``add_bos_token`` or post-processor: Llama 3's ``<|begin_of_text|>``; none for the others).
 
 Differences from Megatron, on purpose:
 
@@ -29,8 +31,19 @@ from megatron.config.rules import padded_vocab_size
 from megatron.tokenizer.fast_bpe import (
     FastBPE,
     build_fast_bpe,
-    fast_bpe_from_tokenizer_json,
+    fast_bpe_from_spec,
     probe_mismatch,
+)
+from megatron.tokenizer.hf_config import (
+    SPECIAL_KEYS,
+    WELL_KNOWN,
+    TokenizerConfig,
+    TokenizerFileError,
+    TokenizerFileMissing,
+    added_ids,
+    load_json,
+    read_tokenizer_config,
+    special_ids,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +90,16 @@ class MegatronTokenizer(ABC):
         """``[tokenize(t) for t in texts]``, through the library's batch encoder where it has one."""
         return [self.tokenize(t) for t in texts]
 
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Ids a generation prompt starts from: ``prefix_ids`` exactly once (not again when the text already starts
+        with them, e.g. a literal ``<|begin_of_text|>``), then the text's ids; ``[eod]`` for an empty prompt of a
+        tokenizer without a prefix."""
+        ids = self.tokenize(text) if text else []
+        prefix = list(self.prefix_ids)
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids or [self.eod]
+
     @property
     def eos(self) -> int:
         return self.eod
@@ -91,6 +114,12 @@ class MegatronTokenizer(ABC):
         """Padding id, or None when the vocabulary has none."""
         return None
 
+    prefix_ids: tuple[int, ...] = ()
+    """Ids the tokenizer's own configuration puts before every text (Llama 3's ``<|begin_of_text|>``); preprocessing
+    starts each document with them and a generation prompt starts with them exactly once."""
+    suffix_ids: tuple[int, ...] = ()
+    """Ids its configuration puts after every text (``add_eos_token``); preprocessing ends each document with them."""
+
     @property
     def vocab(self) -> dict[str, int]:
         raise NotImplementedError(f"{self.name} has no string vocabulary.")
@@ -102,9 +131,9 @@ class MegatronTokenizer(ABC):
 
 def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if not path:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}.")
+        raise TokenizerFileError(f"--tokenizer-type {tokenizer_type} needs {flag}.")
     if not os.path.exists(path):
-        raise FileNotFoundError(
+        raise TokenizerFileMissing(
             f"{flag} {path} does not exist (--tokenizer-type {tokenizer_type})."
         )
     return path
@@ -190,7 +219,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # the Rust error names neither the flag nor the file
-            raise ValueError(
+            raise TokenizerFileError(
                 f"cannot load GPT-2 BPE from --vocab-file {vocab_file} and --merge-file {merge_file}: {e}"
             ) from e
         backend = Tokenizer(model)
@@ -199,7 +228,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         super().__init__(backend)
         eod = backend.token_to_id(GPT2_EOD_TOKEN)
         if eod is None:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN!r} token, which GPT-2 uses as EOD."
             )
         self._eod = eod
@@ -218,95 +247,91 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         return self._eod  # GPT-2's bos_token is <|endoftext|> as well
 
 
-def _special_from_config(directory: str) -> dict[str, str]:
-    """bos/eos/pad token strings from tokenizer_config.json and special_tokens_map.json, when present."""
-    found: dict[str, str] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        for key in ("bos_token", "eos_token", "pad_token"):
-            value = data.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
-                found[key] = value
-    return found
+_MODEL_TYPES = ("BPE", "Unigram", "WordLevel", "WordPiece")
 
 
-_DEFAULT_SPECIALS = {
-    "eos_token": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"),
-    "bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
-    "pad_token": ("<pad>", "[PAD]", "<|pad|>"),
-}
+def _load_spec(json_path: str) -> dict[str, Any]:
+    """The parsed tokenizer.json, checked to hold a model type the tokenizers library has."""
+    spec = load_json(json_path, "tokenizer.json")
+    model = spec.get("model")
+    kind = model.get("type") if isinstance(model, dict) else None
+    if kind not in _MODEL_TYPES:
+        found = f"model type {kind!r}" if kind else "no model"
+        raise TokenizerFileError(
+            f"{json_path}: {found}; a tokenizer.json needs a model of type {', '.join(_MODEL_TYPES)} "
+            "(pass the tokenizer.json that transformers' save_pretrained writes)."
+        )
+    return spec
+
+
+def _from_file(json_path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(json_path)
+    except Exception as e:  # the Rust error names no file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerFileError(
+            f"{json_path}: the tokenizers library cannot load it ({reason}); pass a tokenizer.json written by "
+            "tokenizers or transformers."
+        ) from None
 
 
 class HFTokenizer(_HFBackedTokenizer):
     """A Hugging Face fast tokenizer from local files (``--tokenizer-model`` = directory or tokenizer.json).
 
-    Special tokens come from ``tokenizer_config.json`` / ``special_tokens_map.json`` beside the file, else from
-    well-known names present in the vocabulary (``</s>``, ``<|endoftext|>``, ``<s>``, ``<pad>``, ...).
+    Special tokens and the ids put around a text (``prefix_ids``, ``suffix_ids``: Llama 3's
+    ``<|begin_of_text|>``) follow the tokenizer's own files as transformers reads them (``hf_config.py``).
 
     Raises:
-        FileNotFoundError: the path does not exist (the hub is never contacted).
+        TokenizerFileError: the path does not exist (the hub is never contacted; also a FileNotFoundError), a file
+            is not JSON, or the model type is unknown.
         ValueError: the directory holds no loadable tokenizer.
     """
 
     name = "HFTokenizer"
 
     def __init__(self, path: str, *, fast: bool = True) -> None:
-        from tokenizers import Tokenizer
-
         if not os.path.exists(path):
-            raise FileNotFoundError(
+            raise TokenizerFileMissing(
                 f"--tokenizer-model {path} does not exist. HFTokenizer loads local files only (no model hub): "
                 "pass a directory holding tokenizer.json, or the tokenizer.json itself."
             )
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        specials = _special_from_config(directory)
+        config = read_tokenizer_config(directory)
         if os.path.isfile(json_path):
-            backend = Tokenizer.from_file(json_path)
+            spec = _load_spec(json_path)
+            backend = _from_file(json_path)
         else:
-            backend = self._from_transformers(path, specials)
+            backend = self._from_transformers(path, config)
+            spec = json.loads(backend.to_str())
         super().__init__(backend)
-        if not fast:
-            self._try_tiktoken((None, "fast=False"))
-        elif os.path.isfile(json_path):
-            self._try_tiktoken(fast_bpe_from_tokenizer_json(json_path))
-        else:
-            self._try_tiktoken((None, "no tokenizer.json"))
+        self._try_tiktoken(fast_bpe_from_spec(spec) if fast else (None, "fast=False"))
         self._path = path
-        ids = {}
-        for key, candidates in _DEFAULT_SPECIALS.items():
-            token = specials.get(key)
-            ids[key] = (
-                self._id(token)
-                if token
-                else next((i for i in (self._id(c) for c in candidates) if i is not None), None)
-            )
+        ids = special_ids(config, self._id)
         self._eos, self._bos, self._pad = ids["eos_token"], ids["bos_token"], ids["pad_token"]
+        before, after = added_ids(config, spec, ids)
+        self.prefix_ids, self.suffix_ids = tuple(before), tuple(after)
 
     @staticmethod
-    def _from_transformers(path: str, specials: dict[str, str]) -> Any:
+    def _from_transformers(path: str, config: TokenizerConfig) -> Any:
         try:
             from transformers import AutoTokenizer
 
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--tokenizer-model {path}: no tokenizer.json and transformers could not load it: {e}"
             ) from e
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"--tokenizer-model {path} is a slow (Python) tokenizer; save it as tokenizer.json first."
             )
-        for key in ("bos_token", "eos_token", "pad_token"):
-            if getattr(hf, key, None) and key not in specials:
-                specials[key] = str(getattr(hf, key))
+        for key in SPECIAL_KEYS:
+            if getattr(hf, key, None) and key not in config.tokens:
+                config.tokens[key] = str(getattr(hf, key))
         return backend
 
     @property
@@ -318,7 +343,7 @@ class HFTokenizer(_HFBackedTokenizer):
         if self._eos is None:
             raise ValueError(
                 f"the HF tokenizer at {self._path} has no EOS token (none configured and none of "
-                f"{', '.join(_DEFAULT_SPECIALS['eos_token'])} in its vocabulary); set eos_token in its "
+                f"{', '.join(WELL_KNOWN['eos_token'])} in its vocabulary); set eos_token in its "
                 "tokenizer_config.json or drop --append-eod."
             )
         return self._eos
@@ -412,7 +437,7 @@ def build_tokenizer(
     if kind == "HFTokenizer":
         model = pick("tokenizer_model", tokenizer_model)
         if not model:
-            raise ValueError(
+            raise TokenizerFileError(
                 "--tokenizer-type HFTokenizer needs --tokenizer-model (a local directory or tokenizer.json)."
             )
         return HFTokenizer(model)
