@@ -68,6 +68,13 @@ ALIASES: dict[str, tuple[str, ...]] = {
 DeepSpeed's own spelling; ``--checkpoint-num-layers`` is Megatron's older name; Megatron spells the LR-schedule
 resume switches ``--override-opt_param-scheduler``, the all-dash form is accepted too)."""
 
+
+def field_flags(name: str) -> tuple[str, ...]:
+    """Every spelling of the flag of field ``name``: ``--field-name`` by the rule, or its :data:`ALIASES` (a bool
+    field in :data:`INVERTED` is turned off by that switch instead)."""
+    return ALIASES.get(name, ("--" + name.replace("_", "-"),))
+
+
 NOT_FLAGS: frozenset[tuple[str, str]] = frozenset(
     {("ModelConfig", "vocab_size"), ("DataConfig", "extra")}
 )
