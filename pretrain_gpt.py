@@ -19,6 +19,7 @@ import sys
 import traceback
 
 from megatron.config import TridentConfig, parse_args
+from megatron.config.checkpoint_args import CheckpointModel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     (argparse's one line and exit 2) instead of after several seconds of imports.
     """
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, read_checkpoint_model=_read_checkpoint_model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2  # EXIT_CONFIG_ERROR of megatron/launch/exit_codes.py (importing it would import torch first)
@@ -39,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, or a second Ctrl-C)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _read_checkpoint_model(load: str, load_tag: str | None, universal: bool) -> CheckpointModel:
+    """--use-checkpoint-args: the --load checkpoint's model record (imported here, so only that flag pays for it)."""
+    from megatron.checkpointing.model_args import read_checkpoint_model
+
+    return read_checkpoint_model(load, load_tag, universal)
 
 
 def _main(cfg: TridentConfig) -> int:

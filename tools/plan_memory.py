@@ -16,6 +16,7 @@ import math
 import os
 import sys
 
+from megatron.checkpointing.model_args import read_checkpoint_model
 from megatron.config import parse_args
 from megatron.planning.memory_plan import GPU_MEMORY_GB, capacity_of, format_fit, format_plan
 from megatron.planning.planner_config import PlannerConfig
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-gb", type=_memory_gb, default=None, help="device memory in GB to fit")
     try:
         own, rest = p.parse_known_args(argv)
-        cfg = parse_args(rest)
+        cfg = parse_args(rest, read_checkpoint_model=read_checkpoint_model)
         par = cfg.parallel
         world = _world_size(
             own.world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron.config.checkpoint import CheckpointConfig
+from megatron.config.checkpoint_args import ModelReader, checkpoint_model_for
 from megatron.config.data import DataConfig
 from megatron.config.flags import (
-    ALIASES,
     CHECKPOINT_ACTIVATIONS,
     COMPAT_NO_OPS,
     INVERTED,
@@ -31,6 +32,7 @@ from megatron.config.flags import (
     PARSED,
     RECOMPUTE_ACTIVATIONS,
     field_docs,
+    field_flags,
 )
 from megatron.config.logging_config import LoggingConfig
 from megatron.config.model import ModelConfig
@@ -107,7 +109,7 @@ def _unwrap_optional(hint: Any) -> Any:
 
 def _field_argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any]]:
     """(option strings, ``add_argument`` keywords) of the flag of field ``f`` (see ``flags.py`` for the rule)."""
-    flags = list(ALIASES.get(f.name, ("--" + f.name.replace("_", "-"),)))
+    flags = list(field_flags(f.name))
     base = _unwrap_optional(hint)
     if base is bool:
         if f.name in INVERTED:
@@ -246,6 +248,18 @@ def config_from_namespace(a: argparse.Namespace) -> TridentConfig:
     return TridentConfig(**sections)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TridentConfig:
-    """Parse Megatron-spelled flags into a :class:`TridentConfig`. Unknown flags raise ValueError."""
-    return config_from_namespace(build_parser().parse_args(argv))
+def parse_args(
+    argv: Sequence[str] | None = None, *, read_checkpoint_model: ModelReader | None = None
+) -> TridentConfig:
+    """Parse Megatron-spelled flags into a :class:`TridentConfig`. Unknown flags raise ValueError.
+
+    With ``--use-checkpoint-args`` the model's architecture comes from the --load checkpoint, read by
+    ``read_checkpoint_model`` (the entry point passes it: config reads no checkpoint; see ``checkpoint_args.py``),
+    before the config is built.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    a = parser.parse_args(args)
+    if a.use_checkpoint_args:
+        checkpoint_model_for(a, parser, args, read_checkpoint_model)
+    return config_from_namespace(a)

@@ -27,6 +27,10 @@ class CheckpointConfig:
     """Load weights, optimizer, LR schedule and RNG but restart at iteration 0 with 0 consumed samples/tokens."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
+    use_checkpoint_args: bool = False
+    """Take the model's architecture flags from the --load checkpoint's trident_meta.json (its --seq-length too
+    unless given); an explicit model flag that disagrees with the checkpoint is an error (Megatron lets the
+    checkpoint win silently)."""
     universal_checkpoint: bool = False
     """Load a DeepSpeed universal checkpoint (any TP/PP/DP; from tools/checkpoint/to_universal)."""
     verify_checkpoint_checksums: bool = True

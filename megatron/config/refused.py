@@ -250,11 +250,6 @@ REFUSED: tuple[RefusedFlag, ...] = (
         "drop the flag; tools/checkpoint converts to a weights-only format",
     ),
     _r(
-        "--use-checkpoint-args",
-        "taking model flags from the checkpoint is not built",
-        "pass the model flags; a checkpoint whose shape differs from them is an error",
-    ),
-    _r(
         "--kill-switch-file",
         "the kill-switch file is not built",
         "send SIGTERM (saves a checkpoint and exits) or use --exit-duration-in-mins",

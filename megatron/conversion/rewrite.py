@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.model_args import write_model_args
 from megatron.checkpointing.pointers import ITERATION_FILE, LATEST_FILE
 from megatron.checkpointing.readers import (
     Progress,
@@ -236,6 +237,7 @@ def write_trident_checkpoint(
 
     ``record`` is merged into ``trident_meta.json`` (:meth:`StagedWrite.record`: ``converted_from``, ``tokenizer``,
     ``hf_model_type``).
+    The model's flags go in ``out_dir/model_args.sh`` (``megatron.checkpointing.model_args``).
     The temporary full-weights file goes in ``.<name>.full-weights-*`` beside ``scratch_beside`` (default:
     ``out_dir``; the staged writer names --save, whose staging directory this is).
 
@@ -273,6 +275,8 @@ def write_trident_checkpoint(
             init_process_group=False,
             timeout=timeout,
         )
+    # The flags of the model just saved, beside 'latest' (published with it).
+    write_model_args(out_dir)
 
 
 def unverified_dir(save: str | Path) -> Path:

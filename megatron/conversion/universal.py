@@ -6,7 +6,8 @@
 - adds the other naming scheme for every parameter folder under ``zero/`` (symlinks): ``GPTModel`` (PP = 1) names
   ``language_model.encoder.layers.0...`` and ``GPTModelPipe`` (PP > 1) names ``2...`` / ``tied_modules.embed...``,
   so a PP = 1 checkpoint resumes at PP > 1 and back;
-- writes ``trident_meta.json`` (``"universal": true``) and moves ``latest_universal`` atomically.
+- writes ``trident_meta.json`` (``"universal": true``) and moves ``latest_universal`` atomically;
+- writes the model's flags beside it (``model_args.sh``, ``megatron.checkpointing.model_args``).
 
 Training then resumes with ``--load DIR --universal-checkpoint`` (``latest_universal``, or --load-tag).
 """
@@ -25,6 +26,7 @@ from megatron.checkpointing.checksums import (
     verify_checkpoint_files,
 )
 from megatron.checkpointing.meta import META_FILE, model_config_from_dict, read_meta
+from megatron.checkpointing.model_args import write_model_args
 from megatron.checkpointing.pointers import LATEST_UNIVERSAL_FILE, atomic_write, find_tag
 from megatron.checkpointing.safe_load import load_weights_only
 from megatron.deepspeed_internals import ds_to_universal, zero_checkpoint_classes
@@ -163,4 +165,5 @@ def convert_to_universal(
     meta[CHECKSUMS_KEY] = checksums_of_tree(out, skip=[META_FILE])
     atomic_write(out / META_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
+    write_model_args(root, out_tag)
     return out_tag
