@@ -90,6 +90,7 @@ PARSED: dict[str, tuple[Callable[[str], Any], str]] = {
 """Field -> (argparse type, metavar) for a value the type rule cannot parse: ``--window-size`` takes ``W`` or
 ``L,R`` in one word (Megatron-LM's spelling of the pair)."""
 
+
 def field_flags(name: str) -> tuple[str, ...]:
     """Every spelling of the flag of field ``name``: ``--field-name`` by the rule, or its :data:`ALIASES` (a bool
     field in :data:`INVERTED` is turned off by that switch instead)."""
