@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.config.flags import INVERTED, NOT_FLAGS, field_flags
+from megatron.config.flags import INVERTED, NOT_FLAGS, PARSED, field_flags
 from megatron.config.model import ModelConfig
 
 RUN_FIELDS: dict[str, str] = {
@@ -153,6 +153,8 @@ def _flag_text(name: str, value: Any) -> list[str]:
     """The flag (and value words) that sets field ``name`` to ``value``; [] when the default already does."""
     if isinstance(value, bool):
         return [INVERTED[name] if name in INVERTED else field_flags(name)[0]]
+    if name in PARSED:  # one word the flag's own parser reads back (--window-size L,R)
+        return [field_flags(name)[0], ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     words = value if isinstance(value, tuple) else (value,)
     return [field_flags(name)[0], *(repr(w) if isinstance(w, float) else str(w) for w in words)]
 
@@ -160,13 +162,16 @@ def _flag_text(name: str, value: Any) -> list[str]:
 def model_flags(model: ModelConfig) -> list[str]:
     """The command line that gives ``model``'s architecture: every architecture field of ``ModelConfig`` with a
     value (None: derived, left out), switches only when not at their default, fields of nested dataclasses
-    (``--num-experts``...) only when not at their default. ``--seq-length`` is left to the launch script.
+    (``--num-experts``...) only when not at their default. ``--seq-length`` is left to the launch script; a
+    learned position table's size is given as ``--max-position-embeddings`` (it is a weight shape).
 
     ``parse_args(model_flags(m))`` has the architecture fields of ``m`` (tests check the round trip)."""
     argv: list[str] = []
     for mf in checkpoint_fields():
         value = mf.value(model)
-        if mf.name in DEFAULT_FIELDS or value is None:
+        if mf.name == "max_position_embeddings" and _learned_positions(model):
+            value = model.max_positions
+        if mf.name == "seq_length" or value is None:
             continue
         if (isinstance(value, bool) or mf.parent) and value == mf.default:
             continue
@@ -233,9 +238,13 @@ def apply_checkpoint_model(a: argparse.Namespace, given: set[str], saved: Checkp
             with both values and ``saved.source``.
     """
     theirs_cfg = _saved_config(saved.model)
+    record = dict(saved.model)
+    if _learned_positions(theirs_cfg):
+        # the table's rows are a weight shape: fixed, whatever --seq-length this run trains at
+        record["max_position_embeddings"] = theirs_cfg.max_positions
     conflicts = []
     for mf in checkpoint_fields():
-        theirs = mf.saved(saved.model)
+        theirs = mf.saved(record)
         if mf.name not in given:
             setattr(a, mf.name, list(theirs) if isinstance(theirs, tuple) else theirs)
             continue
