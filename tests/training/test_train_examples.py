@@ -44,6 +44,8 @@ def test_examples_exist() -> None:
         "ds_pretrain_gpt_ulysses_long_seq.sh",
         # Megatron-DeepSpeed-style Mixtral-like MoE script (DeepSpeed-MoE, expert parallelism).
         "ds_pretrain_mixtral_moe.sh",
+        # HF -> Trident -> continued pretraining (--use-checkpoint-args) -> HF (issue 31)
+        "continue_pretraining_llama3.sh",
     } <= names
 
 
