@@ -29,8 +29,8 @@ class CheckpointConfig:
     """Load weights only and start at iteration 0."""
     use_checkpoint_args: bool = False
     """Take the model's architecture flags from the --load checkpoint's trident_meta.json (its --seq-length too
-    unless given); an explicit model flag that disagrees with the checkpoint is an error (Megatron lets the
-    checkpoint win silently)."""
+    unless given); an explicit model flag that disagrees with the checkpoint is an error (Megatron settles it
+    silently)."""
     universal_checkpoint: bool = False
     """Load a DeepSpeed universal checkpoint (any TP/PP/DP; from tools/checkpoint/to_universal)."""
     verify_checkpoint_checksums: bool = True

@@ -14,8 +14,10 @@ A field added to ``ModelConfig`` later is an architecture field unless listed he
 taken from (and checked against) the checkpoint without touching this file.
 
 The checkpoint's value replaces the flag's default; a model flag given explicitly with another value stops the
-run with one line naming the flag, both values and the meta file (Megatron lets the checkpoint win silently; a
-launch script that says ``--num-layers 32`` beside a 24-layer checkpoint is a mistake worth hearing about).
+run with one line naming the flag, both values and the meta file. (Megatron's ``load_args_from_checkpoint`` takes a
+fixed list of about twenty fields and settles a disagreement silently: the explicit flag wins for some, the
+checkpoint for others. A launch script that says ``--num-layers 32`` beside a 24-layer checkpoint is a mistake
+worth hearing about.)
 
 ``config`` imports no other package, so it reads no checkpoint itself: the entry point passes a
 :data:`ModelReader` (``pretrain_gpt.py``: ``megatron.checkpointing.model_args.read_checkpoint_model``, which
@@ -154,7 +156,10 @@ def _flag_text(name: str, value: Any) -> list[str]:
     if isinstance(value, bool):
         return [INVERTED[name] if name in INVERTED else field_flags(name)[0]]
     if name in PARSED:  # one word the flag's own parser reads back (--window-size L,R)
-        return [field_flags(name)[0], ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+        return [
+            field_flags(name)[0],
+            ",".join(map(str, value)) if isinstance(value, tuple) else str(value),
+        ]
     words = value if isinstance(value, tuple) else (value,)
     return [field_flags(name)[0], *(repr(w) if isinstance(w, float) else str(w) for w in words)]
 

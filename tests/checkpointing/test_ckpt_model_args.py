@@ -29,7 +29,9 @@ MODEL = ModelConfig(
 )  # fmt: skip
 
 
-def _checkpoint(root: Path, tag: str = "global_step0", model: object = MODEL, pointer: str = "latest") -> Path:
+def _checkpoint(
+    root: Path, tag: str = "global_step0", model: object = MODEL, pointer: str = "latest"
+) -> Path:
     (root / tag).mkdir(parents=True)
     meta: dict[str, object] = {"version": 1, "iteration": 0, "converted_from": "hf dir 'x y'"}
     if model is not None:

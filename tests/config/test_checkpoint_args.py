@@ -20,7 +20,7 @@ from megatron.config.checkpoint_args import (
 )
 from megatron.config.moe import MoEConfig
 
-LLAMA = dict(normalization="rmsnorm", swiglu=True, use_rotary_position_embeddings=True)
+LLAMA = {"normalization": "rmsnorm", "swiglu": True, "use_rotary_position_embeddings": True}
 LLAMA.update(add_position_embedding=False, add_bias_linear=False)
 MODELS = {
     # GPT-2: learned positions, the table (None: the training length) is a weight shape
@@ -129,7 +129,8 @@ def test_sequence_and_position_rules() -> None:
         ["--use-checkpoint-args", "--load", "ck", "--seq-length", "128"],
         read_checkpoint_model=_reader(gpt2),
     )
-    with pytest.raises(ValueError, match=r"--seq-length \(128\) exceeds --max-position-embeddings \(96\)"):
+    too_long = r"--seq-length \(128\) exceeds --max-position-embeddings \(96\)"
+    with pytest.raises(ValueError, match=too_long):
         validate(cfg, world_size=1)
 
 

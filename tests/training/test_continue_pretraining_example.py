@@ -44,7 +44,8 @@ def _tiny_llama3(hf_dir: Path) -> torch.nn.Module:
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(hf_dir)
-    family_tokenizer("llama3", hf_dir, merges=300)  # the tokenizer beside the weights, as on the hub
+    # the tokenizer beside the weights, as on the hub
+    family_tokenizer("llama3", hf_dir, merges=300)
     return model
 
 
@@ -74,10 +75,13 @@ def test_continue_pretraining_llama3_example(tmp_path: Path) -> None:
     assert p.returncode == 0, log[-6000:]
     # 1. converted at TP 2 and verified; its flags beside it, the Llama 3 RoPE and head dim among them
     assert (out / "converted" / "latest").read_text().strip() == "global_step0"
-    assert len(list((out / "converted" / "global_step0").glob("mp_rank_0[01]_model_states.pt"))) == 2
-    flags = (out / "converted" / "model_args.sh").read_text()
-    for flag in ("--use-rope-scaling", "--rope-scaling-factor 4.0", "--num-key-value-heads 2", "--kv-channels 8"):
+    assert (
+        len(list((out / "converted" / "global_step0").glob("mp_rank_0[01]_model_states.pt"))) == 2
+    )
+    flags = (out / "converted" / "model_args.sh").read_text().split("MODEL_ARGS=(")[1]
+    for flag in ("--use-rope-scaling", "--rope-scaling-factor 4.0", "--num-key-value-heads 2"):
         assert flag in flags, flags
+    assert "--kv-channels 8" in flags and "--seq-length" not in flags, flags
     # 2. the corpus tokenized with the model's tokenizer: int32 ids above 65,535, BOS first as Llama 3's config says
     data = MMapIndexedDataset(str(out / "data" / "corpus_text_document"))
     ids = data.get(0)
@@ -88,11 +92,13 @@ def test_continue_pretraining_llama3_example(tmp_path: Path) -> None:
     train = [r for r in train if "lm_loss" in r]
     assert [r["iteration"] for r in train] == [1, 2, 3]
     assert all(math.isfinite(r["lm_loss"]) for r in train)
-    assert "converted/global_step0 (iteration 0, --finetune: weights only, iteration 0)" in log, log[-6000:]
+    loaded = "converted/global_step0 (iteration 0, --finetune: weights only, iteration 0)"
+    assert loaded in log, log[-6000:]
     # 4. both converters verified their output themselves
     assert log.count("-> OK") == 2, log[-6000:]
     exported = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
-    assert AutoConfig.from_pretrained(out / "hf").rope_scaling == AutoConfig.from_pretrained(hf_dir).rope_scaling
+    rope = AutoConfig.from_pretrained(out / "hf").rope_scaling
+    assert rope == AutoConfig.from_pretrained(hf_dir).rope_scaling
     assert (out / "hf" / "tokenizer.json").is_file()
     prompt = torch.from_numpy(data.get(1)[:16].astype("int64"))[None]
     with torch.no_grad():
