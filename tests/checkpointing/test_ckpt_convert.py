@@ -98,6 +98,7 @@ def test_round_trip_llama_gqa_tp2_then_reshard(tmp_path: Path, capsys) -> None:
     assert "max |dlogit| = 0.000e+00" in capsys.readouterr().out
     meta = json.loads((dst / "global_step0" / "trident_meta.json").read_text())
     assert (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) == (1, 2)
+    assert "(global_step0, converted from " in (dst / "model_args.sh").read_text()
     assert sorted(p.name for p in (dst / "global_step0").glob("layer_*"))[0].startswith("layer_01")
     assert reshard.main(["--load", str(ck), "--save", str(dst), "--tp", "1", "--pp", "9"]) == 2
     assert "--pp (9) exceeds the model's 2 layers" in capsys.readouterr().err

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_models import LLAMA3_ROPE, VOCAB, make_family
 
+from megatron.checkpointing.meta import model_config_from_meta
 from megatron.checkpointing.readers import build_megatron_model
+from megatron.config import parse_args
+from megatron.config.checkpoint_args import checkpoint_fields
 from megatron.config.model import ModelConfig
 from megatron.conversion.hf_features import export_family
 from megatron.conversion.hf_import import hf_converter
@@ -219,6 +223,20 @@ def _generate_at(ckpt: str, tp: int, pp: int, prompt: str, n: int) -> tuple[list
     return out.tokens, out.log_probs
 
 
+def _model_args_give_the_model(path: Path, cfg: ModelConfig) -> None:
+    """The converter's model_args.sh, expanded by bash, parses back to the checkpoint's model."""
+    words = subprocess.run(
+        ["bash", "-c", 'source "$0" && printf "%s\\0" "${MODEL_ARGS[@]}"', str(path)],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout.decode()
+    got = parse_args([*words.split("\0")[:-1], "--seq-length", str(cfg.seq_length)]).model
+    assert [mf.value(got) for mf in checkpoint_fields()] == [
+        mf.value(cfg) for mf in checkpoint_fields()
+    ]
+
+
 def _round_trip_and_generate(kind: str, hf, tmp_path: Path, capsys) -> None:
     """HF -> Trident at TP = 2 x PP = 2 (verified by the tool) -> HF (verified) against the original, and greedy
     generation at TP = 2 x PP = 2 against transformers' ``generate`` (prompt of 9 > the window of 5)."""
@@ -231,6 +249,7 @@ def _round_trip_and_generate(kind: str, hf, tmp_path: Path, capsys) -> None:
     assert "-> OK" in capsys.readouterr().out
     meta = json.loads((ck / "global_step0" / "trident_meta.json").read_text())
     assert meta["hf_model_type"] == kind
+    _model_args_give_the_model(ck / "model_args.sh", model_config_from_meta(meta))
     assert trident_to_hf.main(["--load", str(ck), "--out", str(back), "--no-progress"]) == 0
     assert "-> OK" in capsys.readouterr().out
     assert json.loads((back / "config.json").read_text())["model_type"] == kind

@@ -147,6 +147,7 @@ def test_import_nested_tp2_and_pipeline_checkpoints(trained: Path, tmp_path: Pat
     argv = ["--load", str(tmp_path / "mds_gpt"), "--save", str(tmp_path / "out"), "--no-progress"]
     assert megatron_deepspeed_to_trident.main(argv) == 0
     assert "greedy agreement = 1.000 -> OK" in capsys.readouterr().out
+    assert "MODEL_ARGS=(" in (tmp_path / "out" / "model_args.sh").read_text()
     back, back_cfg, _ = read_checkpoint_weights(tmp_path / "out")
     assert back_cfg.vocab_size == 300
     for key in ref_gpt:  # padding rows differ (TP 2 -> TP 1 padding): compare the true vocabulary

@@ -19,6 +19,7 @@ from megatron.checkpointing.model_args import (
     write_model_args,
 )
 from megatron.config import ModelConfig, parse_args
+from tools import plan_memory
 
 MODEL = ModelConfig(
     num_layers=3, hidden_size=40, num_attention_heads=6, num_key_value_heads=2, kv_channels=12,
@@ -51,22 +52,46 @@ def test_reads_the_model_record_of_the_tag_a_load_uses(tmp_path: Path) -> None:
     assert read_checkpoint_model(str(root), "global_step7", False).model["num_layers"] == 5
 
 
-def test_model_args_sh_parses_back_to_the_checkpoints_model(tmp_path: Path) -> None:
-    root = _checkpoint(tmp_path / "ck dir")
-    path = write_model_args(root)
-    assert path == root / MODEL_ARGS_FILE
-    text = path.read_text()
-    assert "global_step0, converted from hf dir 'x y'" in text and "--window-size 4,0" in text
+def _model_args(path: Path) -> list[str]:
+    """``MODEL_ARGS`` of a ``model_args.sh``, expanded by bash as a launch script would."""
     out = subprocess.run(
         ["bash", "-c", 'source "$0" && printf "%s\\0" "${MODEL_ARGS[@]}"', str(path)],
         capture_output=True,
         check=True,
         timeout=30,
     ).stdout.decode()
-    got = parse_args([*out.split("\0")[:-1], "--seq-length", str(MODEL.seq_length)]).model
+    return out.split("\0")[:-1]
+
+
+def test_model_args_sh_parses_back_to_the_checkpoints_model(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path / "ck dir")
+    path = write_model_args(root)
+    assert path == root / MODEL_ARGS_FILE
+    text = path.read_text()
+    assert "global_step0, converted from hf dir 'x y'" in text and "--window-size 4,0" in text
+    got = parse_args([*_model_args(path), "--seq-length", str(MODEL.seq_length)]).model
     assert dataclasses.replace(got, vocab_size=MODEL.vocab_size) == MODEL
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         write_model_args(tmp_path)
+
+
+def test_plan_memory_plans_the_checkpoints_model(tmp_path: Path, capsys) -> None:
+    """tools/plan_memory.py --use-checkpoint-args plans the model model_args.sh spells out, not the defaults."""
+    root = _checkpoint(tmp_path / "ck")
+    run = ["--world-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "101"]
+    run += ["--micro-batch-size", "1", "--train-iters", "10", "--seq-length", "128"]
+    assert plan_memory.main(["--use-checkpoint-args", "--load", str(root), *run]) == 0
+    taken = capsys.readouterr().out
+    assert plan_memory.main([*_model_args(write_model_args(root)), *run]) == 0
+    assert capsys.readouterr().out == taken
+    assert plan_memory.main(run) == 0
+    assert capsys.readouterr().out != taken
+    assert plan_memory.main(["--use-checkpoint-args", "--load", str(root), *run, "--swiglu"]) == 0
+    assert (
+        plan_memory.main(["--use-checkpoint-args", "--load", str(root), *run, "--num-layers", "2"])
+        == 2
+    )
+    assert "--num-layers 2 (checkpoint: 3) disagrees" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,7 @@ def test_universal_resume_other_layouts(tmp_path: Path, capsys) -> None:
     ref = run_distributed(_reference, 2, ck, init_process_group=False, timeout=300)[0]
     assert to_universal.main(["--load", ck, "--tag", f"global_step{SAVED_AT}"]) == 0
     assert "global_step2_universal" in capsys.readouterr().out
+    assert "(global_step2_universal)" in (tmp_path / "ckpt" / "model_args.sh").read_text()
     results = run_distributed(
         _resume, 2, ck, [(1, 1), (1, 2)], init_process_group=False, timeout=600
     )
