@@ -19,7 +19,7 @@ Data: ``--mock-data`` at the model's vocabulary 101 (deterministic per sample, a
 512-token tokenizer, which would force a vocabulary without padding at any TP here.
 
 Everything is ``-m slow``: 12 conversions (one per family and checkpoint layout: TP 1, TP 2, TP 2 x PP 2) and 3
-training spawns (1, 2 and 4 ranks, each training every family's runs of its world size one after the other); 130 s
+training spawns (1, 2 and 4 ranks, each training every family's runs of its world size one after the other); 130-240 s
 on a 2-core box. Measured: every layout within 2e-7 of the one-rank run, every first loss within 2e-7 of
 transformers'. Dropping the TP sum of the QK-norm weights' gradients moves Qwen3 at TP 2 + SP by 4e-4; dropping
 Mistral's ``--window-size`` moves its first loss by 1.4e-3. Nothing runs in the default suite: one family at one
