@@ -93,6 +93,7 @@ def _train_zero_stages(root: str, vocab_file: str, merge_file: str) -> None:
     pretrain(parse_args([*FLAGS, *tok, *bf16]))
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_exports_like_zero1_with_tokenizer(tmp_path: Path, capsys) -> None:
     from transformers import AutoTokenizer
 

@@ -456,6 +456,7 @@ def _check_generation(model, ck: Path) -> None:
     assert cmp.max_abs_dlogit <= 5e-5 and cmp.greedy_agreement == 1.0, cmp
 
 
+@pytest.mark.slow
 def test_mixtral_ep2_tp2_round_trip_and_resume(mixtral, tmp_path: Path, capsys) -> None:
     ck = _round_trip(mixtral, tmp_path, 2, 1, 2, capsys)
     _check_generation(mixtral, ck)

@@ -71,6 +71,7 @@ def _rel(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
 
 
+@pytest.mark.slow
 def test_zero3_resume_and_finetune_across_stages_and_dp(tmp_path: Path) -> None:
     saved = run_distributed(
         _save_and_resume, 2, str(tmp_path), init_process_group=False, timeout=600

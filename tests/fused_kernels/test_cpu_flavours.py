@@ -65,7 +65,11 @@ def test_the_built_extension_is_the_recorded_flavour() -> None:
     assert loader.host_runs(recorded)
 
 
-@pytest.mark.parametrize("flavour", OTHER_FLAVOURS)
+@pytest.mark.parametrize(
+    "flavour",
+    # One other flavour in the default suite; the rest under -m slow.
+    [pytest.param(f, marks=[pytest.mark.slow] if i else []) for i, f in enumerate(OTHER_FLAVOURS)],
+)
 def test_other_flavours_compile(flavour: str, tmp_path: Path) -> None:
     """softmax.cpp and norms.cpp (through vec_io.h) hold the hand-written intrinsics, one block per flavour: each
     must compile."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron.model.presets import GPT2_FLAGS, LLAMA_FLAGS
 from megatron.testing import run_distributed
 
@@ -79,6 +81,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_gpt2_kernels_on_off_and_tp2(tmp_path: Path) -> None:
     on = _losses(tmp_path / "on", GPT2_FLAGS, [])
     off = _losses(tmp_path / "off", GPT2_FLAGS, NO_FUSION)

@@ -93,6 +93,7 @@ def _train(argvs: list[list[str]]) -> list[list[float]]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_switch_mlp_same_losses_at_tp2_and_pp2() -> None:
     layouts = [
         [],

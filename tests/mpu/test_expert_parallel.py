@@ -84,6 +84,7 @@ def _deepspeed_groups(cases: list[tuple[int, int, int, bool]]) -> list[tuple[lis
 CASES = [(1, 1, 4, False), (2, 1, 2, False), (2, 1, 2, True), (1, 2, 2, False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [4])
 def test_groups_equal_what_deepspeed_builds(world: int) -> None:
     """World 4: EP 4 at TP 1; TP 2 x EP 2 whole and TP-split experts; PP 2 x EP 2."""

@@ -50,6 +50,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_features_parity_tp2_pp2_zero1() -> None:
     (one,) = _layouts(1, [_argv(6, 1, 1, *FAST)], iters=6)
     assert one[-1] < one[0]  # it learns: parity is not vacuous

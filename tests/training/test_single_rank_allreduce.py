@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import pytest
+
 from megatron.testing import run_distributed
 
 
@@ -64,6 +66,7 @@ def _two_ranks() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_single_rank_allreduce_skipped_with_identical_numbers() -> None:
     runs = run_distributed(_one_rank, 1, init_process_group=False, timeout=300)[0]
     assert runs["skipped"]["allreduce"] is False
