@@ -394,7 +394,7 @@ def test_interrupted_run_leaves_no_output(tmp_path: Path) -> None:
             and not (tmp_path / "o_text_document.idx").exists()
         )
         if sig == signal.SIGTERM:
-            assert rc == 130 and "interrupted: no output written" in err
+            assert rc == 130 and "interrupted: no output written" in err, (rc, err)
             assert _files(tmp_path) == []  # the temporary .bin was removed too
         else:
             assert rc == -signal.SIGKILL
