@@ -42,9 +42,11 @@ from torch import nn
 from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
+from megatron.model.context_parallel import context_attention
 from megatron.model.inference import InferenceParams
 from megatron.model.norms import norm_class
 from megatron.model.rotary import apply_rotary_pos_emb
+from megatron.model.token_layout import PackedDocuments
 from megatron.model.ulysses import UlyssesAttention
 from megatron.model.utils import init_seed
 from megatron.mpu.context import ParallelContext
@@ -200,6 +202,9 @@ class ParallelAttention(nn.Module):
         self.selective_recompute = config.recompute_granularity == "selective"
         # DeepSpeed-Ulysses: the core attention runs on all tokens and n/N heads (``ulysses.py``); no parameters.
         self.ulysses = None if parallel.sp_group is None else UlyssesAttention(parallel.sp_group)
+        self.cp_group = (
+            parallel.cp_group
+        )  # context parallelism: K/V exchanged over it (``context_parallel.py``)
 
         def seed_of(suffix: str) -> int | None:
             return init_seed(
@@ -259,18 +264,35 @@ class ParallelAttention(nn.Module):
         with get_cuda_rng_tracker().fork():
             return fn(q, k, v, attention_mask=attention_mask, dropout_p=p, **kwargs)
 
+    def _layout_core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | PackedDocuments | None,
+    ) -> torch.Tensor:
+        """Core attention under context parallelism or packed documents (``context_parallel.py``): no dense mask."""
+        documents = attention_mask if isinstance(attention_mask, PackedDocuments) else None
+        return context_attention(
+            q, k, v, documents=documents, group=self.cp_group, window_left=self.window_left
+        )
+
     def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | PackedDocuments | None,
     ) -> torch.Tensor:
         """The core attention ``[s, b, np*hn]``; under Ulysses over the whole sequence via all-to-alls."""
+        by_layout = self.cp_group is not None or isinstance(attention_mask, PackedDocuments)
+        core = self._layout_core if by_layout else self._core
         if self.ulysses is None:
+            if isinstance(attention_mask, PackedDocuments) or by_layout:
+                return self._layout_core(q, k, v, attention_mask)
             return self._core(q, k, v, attention_mask)
         # [s/N, b, np, hn] -> [s/N, b, np*hn]: all-to-all, core attention over s, all-to-all back
-        return self.ulysses(self._core, q, k, v, attention_mask)
+        return self.ulysses(core, q, k, v, attention_mask)
 
     def forward(
         self,

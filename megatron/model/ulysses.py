@@ -26,10 +26,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron.model.token_layout import PackedDocuments
 from megatron.mpu.parallel_state import ProcessGroup
 
 CoreAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | PackedDocuments | None], torch.Tensor
 ]
 """``core(q [s, b, np', hn], k, v [s, b, gp', hn], mask) -> ctx [s, b, np'*hn]`` (``ParallelAttention._core``)."""
 
@@ -47,7 +48,7 @@ class _LocalAttention(nn.Module):
         v: torch.Tensor,
         *,
         core: CoreAttention,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | PackedDocuments | None,
     ) -> torch.Tensor:
         s, b, heads, hn = q.shape
         ctx = core(q, k, v, attention_mask)  # [s, b, np/N*hn]
@@ -86,7 +87,7 @@ class UlyssesAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | PackedDocuments | None,
     ) -> torch.Tensor:
         """``core`` attention of this rank's slice over the whole sequence.
 

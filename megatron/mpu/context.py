@@ -75,6 +75,9 @@ class ParallelContext:
     """Column-parallel linears overlap the input-grad all-reduce with the weight-grad matmul (``mpu/layers.py``)."""
     sp_group: ProcessGroup | None = None
     """DeepSpeed-Ulysses group: attention all-to-alls its heads over it (``model/ulysses.py``); None: no Ulysses."""
+    cp_group: ProcessGroup | None = None
+    """Context-parallel group (``--context-parallel-size``): attention exchanges K/V over it
+    (``model/context_parallel.py``); None: no context parallelism."""
 
     expert_parallel_size: int = 1
     """DeepSpeed-MoE expert-parallel degree ``ep``: an MoE layer holds ``E/ep`` of its experts on this rank."""
