@@ -149,6 +149,23 @@ def test_packed_batch_equals_documents_alone_pp1(cfg: ModelConfig) -> None:
     assert _rel(dense_loss, per_token.detach()) <= TOL
 
 
+def test_attention_dropout_keeps_the_dense_mask_at_pp1() -> None:
+    """The document-id attention has no dropout: --attention-dropout > 0 (the default 0.1) keeps the dense mask."""
+    from megatron.config import parse_args, validate
+    from megatron.training.data_iterators import dense_document_mask
+    from tests.badinput.cases import TINY_FLAGS
+
+    packed = [*TINY_FLAGS, "--reset-attention-mask"]
+    assert dense_document_mask(parse_args(packed))
+    assert not dense_document_mask(parse_args([*packed, "--attention-dropout", "0"]))
+    batch = BatchRecipe(RECIPE.data, EOD, dense_mask=True).make(_text(DOCS[0], torch.Generator()))
+    assert "document_ids" not in batch and batch["attention_mask"].shape == (2, 1, S, S)
+    pp2 = [*packed, "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(ValueError, match=r"needs --attention-dropout 0 \(got 0.1\)"):
+        validate(parse_args(pp2), world_size=2)
+    validate(parse_args([*pp2, "--attention-dropout", "0"]), world_size=2)
+
+
 # ---------------------------------------------------------------- PP 2: DeepSpeed's PipelineEngine
 
 
