@@ -10,8 +10,6 @@ its reasoning too: layouts differ only in the order of fp32 reductions (about 1e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -29,7 +27,8 @@ def packed_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     rng = np.random.default_rng(0)
     builder = make_builder(prefix + ".bin", vocab_size=VOCAB + 1)
     for n in rng.integers(1, 25, 600):
-        builder.add_item(np.append(rng.integers(0, VOCAB, n - 1), VOCAB))  # the EOD closes the document
+        # n - 1 random tokens, then the EOD that closes the document
+        builder.add_item(np.append(rng.integers(0, VOCAB, n - 1), VOCAB))
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
@@ -68,3 +67,19 @@ def test_packed_documents_pp2_and_ulysses_match_pp1(packed_data: str) -> None:
         "gpt2 pp2": _max_rel(gpt2_pp2, gpt2_pp1),
     }
     assert all(d < RTOL for d in diffs.values()), diffs
+
+
+@pytest.mark.slow
+def test_packed_documents_moe_pp2_matches_pp1(packed_data: str) -> None:
+    """An MoE model's pipe tuple carries both the document ids and the running MoE loss (LM + MoE loss compared)."""
+    from tests.training.test_moe_train import _argv as moe_argv
+    from tests.training.test_moe_train import _layouts as moe_layouts
+
+    def argv(pp: int) -> list[str]:
+        flags = [a for a in moe_argv(2, pp=pp) if a != "--mock-data"]
+        data = ["--data-path", packed_data, "--split", "100,0,0", "--vocab-size", str(VOCAB)]
+        return [*flags, *data, "--train-iters", str(ITERS), "--reset-attention-mask"]
+
+    (pp1,) = moe_layouts(1, [argv(1)], iters=ITERS)
+    (pp2,) = moe_layouts(2, [argv(2)], iters=ITERS)
+    assert _max_rel(pp2, pp1) < RTOL, _max_rel(pp2, pp1)
