@@ -30,7 +30,7 @@ from megatron.model import GPTModel, loss_func
 from megatron.model.token_layout import PackedDocuments
 from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
-from megatron.training.data_iterators import BatchRecipe
+from megatron.training.data_iterators import BatchRecipe, _micro_batches
 from megatron.training.step import model_attention_mask
 
 V, EOD, S, SEED = 64, 0, 16, 5
@@ -132,6 +132,11 @@ def test_packed_batch_equals_documents_alone_pp1(cfg: ModelConfig) -> None:
     assert batch["position_ids"][1].tolist() == [0, *range(10), *range(5)]
     mask = model_attention_mask(batch)
     assert isinstance(mask, PackedDocuments) and mask.ids is batch["document_ids"]
+    # the training iterator under DeepSpeed-Ulysses (rank 1 of 2): tokens sliced, the ids of the whole sequence
+    text = _text(DOCS[0], torch.Generator().manual_seed(3))
+    (sliced,) = _micro_batches([{"text": text}], RECIPE, device=torch.device("cpu"), ulysses=(1, 2))
+    assert sorted(sliced) == ["document_ids", "labels", "loss_mask", "position_ids", "tokens"]
+    assert sliced["tokens"].shape == (2, S // 2) and sliced["document_ids"].shape == (2, S)
 
     ref, ref_losses = _reference(cfg, gas=1)
     model = GPTModel(cfg, ParallelContext(seed=SEED))
