@@ -1,6 +1,7 @@
 """Packed-document training (``--reset-attention-mask --reset-position-ids``) is layout-independent: the losses of
-a few iterations at PP 2 (document ids carried through DeepSpeed's pipeline) and under DeepSpeed-Ulysses (ids kept
-whole) equal those at PP 1, within 1e-5 relative.
+a few iterations at PP 2 (document ids carried through DeepSpeed's pipeline, with recomputation), under
+DeepSpeed-Ulysses (ids kept whole), ZeRO-3 and TP 2 + sequence parallelism equal those at PP 1 (DP 2), within 1e-5
+relative.
 
 Every run is ``megatron.training.pretrain(cfg)`` on spawned gloo ranks with the real engines, on a dataset of
 short documents (1 to 24 tokens, each closed by its EOD) built in the test's directory, so every 32-token sample
@@ -45,14 +46,16 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_packed_documents_pp2_and_ulysses_match_pp1(packed_data: str) -> None:
+def test_packed_documents_layouts_match_pp1(packed_data: str) -> None:
     flags = ("--reset-attention-mask", "--reset-position-ids")
-    pp1, pp2, ulysses, unpacked, gpt2_pp1, gpt2_pp2 = _layouts(
+    pp1, pp2, ulysses, zero3, tp2, unpacked, gpt2_pp1, gpt2_pp2 = _layouts(
         2,
         [
             _packed("llama", packed_data, 1, 1, *flags),  # DP 2
-            _packed("llama", packed_data, 1, 2, *flags),
+            _packed("llama", packed_data, 1, 2, *flags, "--recompute-granularity", "full"),
             _packed("llama", packed_data, 1, 1, *flags, "--ds-sequence-parallel-size", "2"),
+            _packed("llama", packed_data, 1, 1, *flags, "--zero-stage", "3"),
+            _packed("llama", packed_data, 2, 1, *flags, "--sequence-parallel"),
             _packed("llama", packed_data, 1, 1),  # the same samples, attending across documents
             _packed("gpt2", packed_data, 1, 1, *flags),
             _packed("gpt2", packed_data, 1, 2, *flags),  # tied embeddings across the stages
@@ -64,6 +67,8 @@ def test_packed_documents_pp2_and_ulysses_match_pp1(packed_data: str) -> None:
     diffs = {
         "llama pp2": _max_rel(pp2, pp1),
         "llama ulysses2": _max_rel(ulysses, pp1),
+        "llama zero3": _max_rel(zero3, pp1),
+        "llama tp2 sp": _max_rel(tp2, pp1),
         "gpt2 pp2": _max_rel(gpt2_pp2, gpt2_pp1),
     }
     assert all(d < RTOL for d in diffs.values()), diffs
