@@ -71,6 +71,18 @@ def _check_recompute(cfg: TridentConfig) -> None:
         )
 
 
+def _check_packed_documents(cfg: TridentConfig) -> None:
+    """--reset-attention-mask at PP > 1 carries document ids through the pipeline (no dense mask); their attention
+    has no dropout, so --attention-dropout must be 0 there (PP = 1 keeps the dense-mask path with dropout)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.data.reset_attention_mask and pp > 1 and cfg.model.attention_dropout > 0:
+        raise ValueError(
+            f"--reset-attention-mask at --pipeline-model-parallel-size {pp} needs --attention-dropout 0 "
+            f"(got {cfg.model.attention_dropout}): the pipeline carries document ids, whose attention has no "
+            "dropout; set --attention-dropout 0, or use --pipeline-model-parallel-size 1 (dense mask, dropout)."
+        )
+
+
 _DS_CHECKPOINTING_OPTIONS = (
     ("partition_activations", "--partition-activations"),
     ("contiguous_checkpointing", "--contiguous-checkpointing"),
@@ -310,6 +322,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_positive(cfg)
     _check_model(cfg)
     _check_recompute(cfg)
+    _check_packed_documents(cfg)
     _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
     check_ulysses(cfg, world_size)

@@ -107,8 +107,8 @@ def slice_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
     """DeepSpeed-Ulysses: rank ``rank`` of ``size`` keeps positions ``rank*s/size .. (rank+1)*s/size - 1``.
 
     Every ``[b, s]`` tensor (tokens, labels, loss mask, position ids) is sliced, so the position ids stay GLOBAL
-    (RoPE and the learned table see the true positions); the ``[b or 1, 1, s, s]`` attention mask is kept whole
-    (attention runs over the gathered sequence).
+    (RoPE and the learned table see the true positions); the ``[b or 1, 1, s, s]`` attention mask and the packed
+    documents' ``document_ids [b, s]`` are kept whole (attention runs over the gathered sequence).
 
     Raises:
         ValueError: ``s`` is not divisible by ``size`` (validate() checks --seq-length; the curriculum's lengths
@@ -125,6 +125,7 @@ def slice_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
     lo, hi = rank * (s // size), (rank + 1) * (s // size)
     out = {}
     for key, value in batch.items():
-        # [b, s] -> [b, s/N]; the mask stays [b or 1, 1, s, s]
-        out[key] = value if key == "attention_mask" else value[:, lo:hi].contiguous()
+        # [b, s] -> [b, s/N]; the mask stays [b or 1, 1, s, s], the document ids [b, s]
+        whole = key in ("attention_mask", "document_ids")
+        out[key] = value if whole else value[:, lo:hi].contiguous()
     return out

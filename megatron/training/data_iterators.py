@@ -11,6 +11,7 @@ valid = (train iters // eval interval + 1) x eval iters x G; test = eval iters x
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,10 +23,13 @@ from megatron.config import DataConfig, RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, slice_sequence
 from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
+from megatron.log import log_rank_0
+from megatron.model.token_layout import document_ids
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.initialize import Distributed
 
 Batch = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 def check_data_flags(cfg: TridentConfig) -> None:
@@ -63,11 +67,6 @@ def check_data_flags(cfg: TridentConfig) -> None:
         )
     _check_data_files(cfg)
     _check_index_files(cfg)
-    if d.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            "--reset-attention-mask needs per-sample attention masks, which the pipeline engine does not "
-            "carry; drop the flag or use --pipeline-model-parallel-size 1."
-        )
 
 
 def _check_data_files(cfg: TridentConfig) -> None:
@@ -245,11 +244,46 @@ class LossTokenCount:
         return value
 
 
+@dataclass(frozen=True)
+class BatchRecipe:
+    """How the samples of a micro-batch become model inputs (Megatron's ``get_batch`` minus the broadcast)."""
+
+    data: DataConfig
+    """--reset-position-ids, --reset-attention-mask, --eod-mask-loss."""
+    eod: int
+    """The tokenizer's end-of-document id."""
+    dense_mask: bool = False
+    """Packed documents as the dense ``[b, 1, s, s]`` mask (see :func:`dense_document_mask`), not document ids."""
+
+    def make(self, text: torch.Tensor) -> Batch:
+        """``text [b, s + 1]`` -> tokens, labels, loss_mask, position_ids ``[b, s]``; with --reset-attention-mask
+        also ``document_ids [b, s]`` (``model.token_layout.document_ids``; the model attends through
+        ``PackedDocuments``, no ``[s, s]`` tensor), or the dense ``attention_mask`` when ``dense_mask``."""
+        d = self.data
+        batch = prepare_gpt_batch(
+            text,
+            eod=self.eod,
+            reset_position_ids=d.reset_position_ids,
+            reset_attention_mask=d.reset_attention_mask,
+            eod_mask_loss=d.eod_mask_loss,
+            skip_mask=not self.dense_mask,
+        )
+        out = {k: v for k, v in batch.items() if v is not None}
+        if d.reset_attention_mask and not self.dense_mask:
+            out["document_ids"] = document_ids(out["tokens"], self.eod)  # [b, s] int64
+        return out
+
+
+def dense_document_mask(cfg: TridentConfig) -> bool:
+    """True where packed documents keep the dense ``[b, 1, s, s]`` mask: --reset-attention-mask with
+    --attention-dropout > 0 (the document-id attention has no dropout; at PP > 1 ``validate()`` refuses it)."""
+    return cfg.data.reset_attention_mask and cfg.model.attention_dropout > 0
+
+
 def _micro_batches(
     loader: Any,
-    d: DataConfig,
+    recipe: BatchRecipe,
     *,
-    eod: int,
     device: torch.device,
     ulysses: tuple[int, int],
     seqlen: CurrentSeqlen | None = None,
@@ -259,15 +293,7 @@ def _micro_batches(
     loss tokens of every micro-batch yielded (training only)."""
     sp_rank, sp_size = ulysses
     for raw in loader:
-        batch = prepare_gpt_batch(
-            raw["text"],
-            eod=eod,
-            reset_position_ids=d.reset_position_ids,
-            reset_attention_mask=d.reset_attention_mask,
-            eod_mask_loss=d.eod_mask_loss,
-            skip_mask=not d.reset_attention_mask,
-        )
-        batch = {k: v for k, v in batch.items() if v is not None}
+        batch = recipe.make(raw["text"])
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
         batch = slice_sequence(batch, sp_rank, sp_size)  # DeepSpeed-Ulysses: this rank's s/N tokens
@@ -277,8 +303,10 @@ def _micro_batches(
 
 
 def _pipe_batches(micro: Iterator[Batch]) -> Iterator[Any]:
+    """Pipe tuples ``((tokens, position_ids[, document_ids]), (labels, loss_mask))`` (``gpt_model_pipe.py``)."""
     for b in micro:
-        yield (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+        docs = (b["document_ids"],) if "document_ids" in b else ()
+        yield (b["tokens"], b["position_ids"], *docs), (b["labels"], b["loss_mask"])
 
 
 @dataclass
@@ -342,7 +370,15 @@ def build_iterators(
         valid_ds, consumed_valid_samples, dataloader_type="single", **common
     )
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
-    eod = tokenizer.eod
+    recipe = BatchRecipe(cfg.data, tokenizer.eod, dense_document_mask(cfg))
+    if recipe.dense_mask:
+        log_rank_0(
+            logger,
+            "--reset-attention-mask with --attention-dropout %s: packed documents use the dense [b, 1, s, s] "
+            "mask (the document-id path has no attention dropout; --attention-dropout 0 selects it)",
+            cfg.model.attention_dropout,
+            level=logging.WARNING,
+        )
     ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
 
     seqlen = CurrentSeqlen()
@@ -355,8 +391,7 @@ def build_iterators(
             return None
         micro = _micro_batches(
             loader,
-            cfg.data,
-            eod=eod,
+            recipe,
             device=run.device,
             ulysses=ulysses,
             seqlen=cut,

@@ -7,8 +7,11 @@ Two engines (see ``ds_config`` for the choice):
   gradients over DP), ``engine.step()`` (the update happens at the accumulation boundary). The reported loss is the
   mean over micro-batches, averaged over the data-parallel group.
 * PP > 1, DeepSpeed ``PipelineEngine`` around ``GPTModelPipe``: ``engine.train_batch(iterator)`` pulls ``gas``
-  micro-batches ``((input_ids, position_ids), (labels, loss_mask))`` on the first/last stages, runs 1F1B, and returns
-  the loss already averaged over micro-batches and DP and broadcast to every stage.
+  micro-batches ``((input_ids, position_ids[, document_ids]), (labels, loss_mask))`` on the first/last stages, runs
+  1F1B, and returns the loss already averaged over micro-batches and DP and broadcast to every stage.
+
+Packed documents (``--reset-attention-mask``): a batch carries ``document_ids [b, S]`` and the model gets
+``PackedDocuments(ids)`` as its ``attention_mask`` (at PP > 1 the ids travel in the pipe tuple); no ``[s, s]`` mask.
 
 DeepSpeed-Ulysses (PP = 1 only): each rank holds ``s/N`` tokens of every sample; the micro-batch loss is the mean
 over the WHOLE sequence (sum and token count reduced over the Ulysses group in ``loss_func``), and DeepSpeed sums
@@ -28,6 +31,7 @@ import torch
 
 from megatron.deepspeed_internals import loss_scale
 from megatron.model.moe import clear_moe_state, moe_aux_loss
+from megatron.model.token_layout import PackedDocuments
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
 from megatron.mpu.parallel_state import ParallelState, ProcessGroup, group_world_size
@@ -81,11 +85,18 @@ class StepGroups:
         )
 
 
+def model_attention_mask(batch: Batch) -> torch.Tensor | PackedDocuments | None:
+    """The model's ``attention_mask`` for ``batch``: packed documents (``document_ids [b, S]``, whole under
+    Ulysses) as :class:`PackedDocuments`, else the dense mask the batch carries, else None (causal)."""
+    ids = batch.get("document_ids")
+    return PackedDocuments(ids) if ids is not None else batch.get("attention_mask")
+
+
 def _forward_loss(engine: Any, batch: Batch, groups: StepGroups) -> torch.Tensor:
     per_token = engine(
         batch["tokens"],
         batch["position_ids"],
-        attention_mask=batch.get("attention_mask"),
+        attention_mask=model_attention_mask(batch),
         labels=batch["labels"],
     )  # [b, s] fp32 ([b, s/N] under DeepSpeed-Ulysses)
     return loss_func(per_token, batch["loss_mask"], sequence_parallel_group=groups.ulysses)
