@@ -17,6 +17,7 @@ its own layout from the checkpoint, which records no CP size); a KV cache under 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from megatron.config.parallel import ParallelConfig
@@ -97,9 +98,13 @@ def check_context_parallel(cfg: TridentConfig, world_size: int) -> None:
     )
     if world_size % (tp * pp * sp * cp):
         model = tp * pp * sp
+        fits = [
+            c
+            for c in (divisors(world_size // model) if world_size % model == 0 else [1])
+            if cfg.model.seq_length % sequence_multiple(replace(p, context_parallel_size=c)) == 0
+        ]
         raise ValueError(
             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
             f"--pipeline-model-parallel-size ({pp}) x --ds-sequence-parallel-size ({sp}) x {_FLAG} ({cp}) = "
-            f"{model * cp}; launch a multiple of {model * cp} processes, or use {_FLAG} "
-            f"{choice_list(divisors(world_size // model) if world_size % model == 0 else [1])}."
+            f"{model * cp}; launch a multiple of {model * cp} processes, or use {_FLAG} {choice_list(fits)}."
         )
