@@ -108,7 +108,9 @@ WHOLE_SEQUENCE_KEYS = frozenset({"attention_mask", "document_ids"})
 ``[b, S]`` document ids of packed documents (each rank takes its own tokens' ids by position)."""
 
 
-def take_positions(batch: dict[str, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
+def take_positions(
+    batch: dict[str, torch.Tensor], positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Keep the tokens at ``positions`` (``[s']`` int64 indices into the sequence) of every ``[b, s]`` tensor.
 
     Tokens, labels, loss mask, position ids and any other per-token ``[b, s]`` entry are gathered, so the position

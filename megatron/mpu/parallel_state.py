@@ -166,7 +166,11 @@ def validate_degrees(
                 "pass 1 to disable that kind of parallelism."
             )
     if world_size % (tp * pp * sp * cp) != 0:
-        what = "tensor x pipeline" + (" x context" if cp != 1 else "") + (" x sequence" if sp != 1 else "")
+        what = (
+            "tensor x pipeline"
+            + (" x context" if cp != 1 else "")
+            + (" x sequence" if sp != 1 else "")
+        )
         raise ValueError(
             f"invalid parallel degrees ({values}): the world size must be divisible by "
             f"{what} = {tp * pp * sp * cp} (data-parallel size = world / ({what})); "

@@ -195,7 +195,11 @@ def _state_bytes(
     """
     stage = plan.zero_stage
     # ZeRO shards over DeepSpeed's sequence-data-parallel group: DP x CP x Ulysses (checkpointing.rules)
-    n = plan.data_parallel_size * plan.context_parallel_size * pc.ds_sequence_parallel_size if n is None else n
+    n = (
+        plan.data_parallel_size * plan.context_parallel_size * pc.ds_sequence_parallel_size
+        if n is None
+        else n
+    )
     bucket_psi = psi if bucket_psi is None else bucket_psi
     pb = 4 if plan.precision == "fp32" else 2
     sgd = pc.optimizer == "sgd"

@@ -286,7 +286,9 @@ class SequenceSplit:
             )
         mine = load_balanced_positions(seq_length, self.cp_size, self.cp_rank)  # [S/cp]
         n = mine.numel() // self.sp_size
-        return mine[self.sp_rank * n : (self.sp_rank + 1) * n]  # [S/cp] -> [S/(cp*sp)], contiguous inside
+        return mine[
+            self.sp_rank * n : (self.sp_rank + 1) * n
+        ]  # [S/cp] -> [S/(cp*sp)], contiguous inside
 
     def apply(self, batch: Batch) -> Batch:
         """``batch`` with only this rank's tokens of every ``[b, s]`` tensor (the same batch when not split)."""

@@ -42,12 +42,44 @@ def test_rank_grid_two_level_worked_example() -> None:
     g = rank_grid(16, 2, 1, ds_sequence_parallel_size=2, context_parallel_size=2)
     assert g.data_parallel_size == 2 and g.context_parallel_size == 2
     assert g.tensor_model_parallel == [[2 * i, 2 * i + 1] for i in range(8)]
-    assert g.sequence_parallel == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
-    assert g.context_parallel == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
-    assert g.context_sequence_parallel == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g.sequence_parallel == [
+        [0, 2],
+        [1, 3],
+        [4, 6],
+        [5, 7],
+        [8, 10],
+        [9, 11],
+        [12, 14],
+        [13, 15],
+    ]
+    assert g.context_parallel == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+        [8, 12],
+        [9, 13],
+        [10, 14],
+        [11, 15],
+    ]
+    assert g.context_sequence_parallel == [
+        [0, 2, 4, 6],
+        [1, 3, 5, 7],
+        [8, 10, 12, 14],
+        [9, 11, 13, 15],
+    ]
     assert g.data_parallel == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
     assert g.sequence_data_parallel == [list(range(0, 16, 2)), list(range(1, 16, 2))]
-    assert g.model_parallel == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g.model_parallel == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+        [8, 9],
+        [10, 11],
+        [12, 13],
+        [14, 15],
+    ]
 
 
 def test_rank_grid_cp_with_pipeline() -> None:
@@ -66,7 +98,9 @@ def test_rank_grid_cp_with_pipeline() -> None:
 
 def test_validate_degrees_names_context() -> None:
     assert validate_degrees(8, 2, 1, context_parallel_size=2) == 2
-    with pytest.raises(ValueError, match=r"--context-parallel-size 4\).*tensor x pipeline x context = 8"):
+    with pytest.raises(
+        ValueError, match=r"--context-parallel-size 4\).*tensor x pipeline x context = 8"
+    ):
         validate_degrees(4, 2, 1, context_parallel_size=4)
     with pytest.raises(ValueError, match=r"the context size must be a positive integer"):
         validate_degrees(4, 1, 1, context_parallel_size=0)
@@ -151,14 +185,30 @@ def test_valid_layouts_pass() -> None:
             r"--ds-sequence-parallel-size \(2\) = 8",
         ),
         (
-            [CP, "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "28"],
+            [
+                CP,
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--seq-length",
+                "28",
+            ],
             4,
             r"x --tensor-model-parallel-size \(2\) under --sequence-parallel = 8",
         ),
         ([CP, "2", "--attention-dropout", "0.1"], 2, r"has no dropout; pass --attention-dropout 0"),
         ([CP, "2", "--num-experts", "2"], 2, r"MoE is not built with context parallelism"),
-        ([CP, "2", "--reset-attention-mask"], 2, r"--reset-attention-mask with --context-parallel-size"),
-        ([CP, "4"], 6, r"world size \(6\) must be divisible by .*--context-parallel-size \(4\) = 4.*1 or 2"),
+        (
+            [CP, "2", "--reset-attention-mask"],
+            2,
+            r"--reset-attention-mask with --context-parallel-size",
+        ),
+        (
+            [CP, "4"],
+            6,
+            r"world size \(6\) must be divisible by .*--context-parallel-size \(4\) = 4.*1 or 2",
+        ),
         ([CP, "0"], 4, r"--context-parallel-size \(0\) must be a positive integer"),
     ],
 )
@@ -209,7 +259,9 @@ def test_context_parallel_parity_default() -> None:
             _argv("llama", 1, 1, CP, "2", "--zero-stage", "3"),
         ],
     )
-    assert gpt2[-1] < gpt2[0] - 0.05 and llama[-1] < llama[0] - 0.05  # it learns: parity is not vacuous
+    assert (
+        gpt2[-1] < gpt2[0] - 0.05 and llama[-1] < llama[0] - 0.05
+    )  # it learns: parity is not vacuous
     diffs = {"gpt2 cp2": _max_rel(gpt2_cp, gpt2), "llama cp2 zero3": _max_rel(llama_cp, llama)}
     print(diffs)
     assert all(d < RTOL for d in diffs.values()), diffs
@@ -261,7 +313,9 @@ def _train_and_save(tmp: str) -> dict[str, list[float]]:
     resumed = pretrain(parse_args([*cp2, "--load", f"{tmp}/cp2"])).losses
     cp1 = _argv("gpt2", 1, 1, *RESUME, "--load", f"{tmp}/cp2")  # CP 1 x DP 2
     dp2 = pretrain(parse_args(cp1)).losses
-    pretrain(parse_args([*_argv("gpt2", 1, 1, *RESUME), "--train-iters", "3", "--save", f"{tmp}/cp1"]))
+    pretrain(
+        parse_args([*_argv("gpt2", 1, 1, *RESUME), "--train-iters", "3", "--save", f"{tmp}/cp1"])
+    )
     return {"full": full, "resumed": resumed, "cp1 dp2": dp2}
 
 
@@ -283,10 +337,16 @@ def test_context_parallel_resume_and_generate(tmp_path: Path) -> None:
     r = run_distributed(_train_and_save, 2, str(tmp_path), init_process_group=False, timeout=900)[0]
     assert r["resumed"] == r["full"][3:], r
     others = {"cp1 dp2": r["cp1 dp2"]}
-    others["cp4"] = run_distributed(_resume_at, 4, str(tmp_path), 4, init_process_group=False, timeout=900)[0]
-    others["cp1"] = run_distributed(_resume_at, 1, str(tmp_path), 1, init_process_group=False, timeout=900)[0]
+    others["cp4"] = run_distributed(
+        _resume_at, 4, str(tmp_path), 4, init_process_group=False, timeout=900
+    )[0]
+    others["cp1"] = run_distributed(
+        _resume_at, 1, str(tmp_path), 1, init_process_group=False, timeout=900
+    )[0]
     for name, losses in others.items():
-        assert len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, r["full"][3:])) < RTOL, (name, r)
+        assert (
+            len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, r["full"][3:])) < RTOL
+        ), (name, r)
     tokens = {}
     for name in ("cp2", "cp1"):
         gen = TextGenerator.from_checkpoint(tmp_path / name, device="cpu")
@@ -301,5 +361,8 @@ def test_context_parallel_resume_and_generate(tmp_path: Path) -> None:
         tokens[name] = out
     assert tokens["cp2"].tokens == tokens["cp1"].tokens and len(tokens["cp2"].tokens) == 8
     torch.testing.assert_close(
-        torch.tensor(tokens["cp2"].log_probs), torch.tensor(tokens["cp1"].log_probs), rtol=1e-4, atol=1e-5
+        torch.tensor(tokens["cp2"].log_probs),
+        torch.tensor(tokens["cp1"].log_probs),
+        rtol=1e-4,
+        atol=1e-5,
     )
