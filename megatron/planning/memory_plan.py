@@ -481,8 +481,9 @@ def _gib(n: float) -> str:
 def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
     """The planner's report, one line per item (the CLI prints it; ``pretrain`` logs it)."""
     lines = [
-        f"memory plan: TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} x DP "
-        f"{plan.data_parallel_size}, ZeRO-{plan.zero_stage}, {plan.precision}, micro-batch "
+        f"memory plan: TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} x "
+        + (f"CP {plan.context_parallel_size} x " if plan.context_parallel_size > 1 else "")
+        + f"DP {plan.data_parallel_size}, ZeRO-{plan.zero_stage}, {plan.precision}, micro-batch "
         f"{plan.micro_batch_size}, {plan.gradient_accumulation_steps} micro-batches per step"
     ]
     for st in mp.stages:

@@ -220,6 +220,7 @@ def test_refused_layouts(extra: list[str], world: int, match: str) -> None:
 def test_pipeline_batch_and_planner_count_cp() -> None:
     """The pipeline grid counts CP ranks as DP (DeepSpeed's batch x cp); the planner divides activations by cp."""
     from megatron.config import RunPlan
+    from megatron.planning.collectives import collective_bytes
     from megatron.planning.memory_plan import pipeline_buffer_bytes, stage_activation_bytes
     from megatron.planning.planner_config import PlannerConfig
     from megatron.training.ds_config import build_ds_config
@@ -236,7 +237,13 @@ def test_pipeline_batch_and_planner_count_cp() -> None:
     ds = build_ds_config(cfg, plan)
     assert ds["train_batch_size"] == 2 * plan.global_batch_size
     assert ds["gradient_accumulation_steps"] == plan.gradient_accumulation_steps
+    # the K/V of the whole sequence per layer, forward and backward: 32 tokens x 2 x 8 heads x 8 channels x 4 B
+    assert (
+        collective_bytes(pc, plan)["cp"]
+        == 2 * 1 * (4 * 32 * 2 * 8 * 8) * plan.gradient_accumulation_steps
+    )
     _, plan1, pc1 = plan_of(1, 2)
+    assert "cp" not in collective_bytes(pc1, plan1)
     for stage in (0, 1):
         whole = stage_activation_bytes(pc1, plan1, stage, 1)
         assert stage_activation_bytes(pc, plan, stage, 1) == whole // 2
