@@ -18,6 +18,19 @@ from megatron.planning.params import (
 from megatron.planning.planner_config import PlannerConfig
 
 
+def _context_parallel_bytes(pc: PlannerConfig, plan: RunPlan, layers: int) -> int:
+    """Attention's K/V of the whole sequence ``[S, b, 2 g/t, hn]`` per layer: forward, backward (and the
+    recomputed forward), every micro-batch."""
+    m = pc.model
+    a = 4 if plan.precision == "fp32" else 2
+    groups = m.num_query_groups // plan.tensor_model_parallel_size
+    kv = a * m.seq_length * plan.micro_batch_size * 2 * groups * m.head_dim
+    passes = (
+        3 if m.recompute_granularity == "full" else 2
+    )  # forward, (recomputed forward,) backward
+    return passes * layers * kv * plan.gradient_accumulation_steps
+
+
 def collective_bytes(
     pc: PlannerConfig,
     plan: RunPlan,
@@ -48,11 +61,7 @@ def collective_bytes(
     layers = layers_of_stage(m.num_layers, pp, 0)
     out: dict[str, int] = {"tp": 0, "sp": 0, "pp": 0, "dp": 0}
     if cp > 1:
-        kv = a * m.seq_length * plan.micro_batch_size * 2 * (m.num_query_groups // t) * m.head_dim
-        passes = (
-            3 if m.recompute_granularity == "full" else 2
-        )  # forward, (recomputed forward,) backward
-        out["cp"] = passes * layers * kv * mb
+        out["cp"] = _context_parallel_bytes(pc, plan, layers)
     if pipe_partitioned is None:
         pipe_partitioned = not plan.sequence_parallel
     if t > 1 and plan.sequence_parallel:
