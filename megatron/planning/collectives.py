@@ -18,9 +18,11 @@ from megatron.planning.params import (
 from megatron.planning.planner_config import PlannerConfig
 
 
-def _context_parallel_bytes(pc: PlannerConfig, plan: RunPlan, layers: int) -> int:
-    """Attention's K/V of the whole sequence ``[S, b, 2 g/t, hn]`` per layer: forward, backward (and the
-    recomputed forward), every micro-batch."""
+def _context_parallel_bytes(pc: PlannerConfig, plan: RunPlan, layers: int) -> dict[str, int]:
+    """``{"cp": bytes}``: attention's K/V of the whole sequence ``[S, b, 2 g/t, hn]`` per layer, forward, backward
+    (and the recomputed forward), every micro-batch; ``{}`` without context parallelism."""
+    if plan.context_parallel_size == 1:
+        return {}
     m = pc.model
     a = 4 if plan.precision == "fp32" else 2
     groups = m.num_query_groups // plan.tensor_model_parallel_size
@@ -28,7 +30,7 @@ def _context_parallel_bytes(pc: PlannerConfig, plan: RunPlan, layers: int) -> in
     passes = (
         3 if m.recompute_granularity == "full" else 2
     )  # forward, (recomputed forward,) backward
-    return passes * layers * kv * plan.gradient_accumulation_steps
+    return {"cp": passes * layers * kv * plan.gradient_accumulation_steps}
 
 
 def collective_bytes(
@@ -60,8 +62,7 @@ def collective_bytes(
     sbh_bytes = a * (m.seq_length // cp) * plan.micro_batch_size * m.hidden_size
     layers = layers_of_stage(m.num_layers, pp, 0)
     out: dict[str, int] = {"tp": 0, "sp": 0, "pp": 0, "dp": 0}
-    if cp > 1:
-        out["cp"] = _context_parallel_bytes(pc, plan, layers)
+    out.update(_context_parallel_bytes(pc, plan, layers))  # {"cp": ...} under CP
     if pipe_partitioned is None:
         pipe_partitioned = not plan.sequence_parallel
     if t > 1 and plan.sequence_parallel:
