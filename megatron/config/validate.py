@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron.config.arguments import TridentConfig
 from megatron.config.batch_rampup import check_rampup
+from megatron.config.context_parallel import check_context_parallel
 from megatron.config.features import check_model_features
 from megatron.config.logging_config import check_logging
 from megatron.config.moe_rules import check_moe
@@ -326,6 +327,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
     check_ulysses(cfg, world_size)
+    check_context_parallel(cfg, world_size)
     check_moe(cfg, world_size)
     _check_batch(cfg, world_size)
     check_run_length(cfg, global_batch_size(cfg, world_size))

@@ -329,10 +329,11 @@ class ParallelAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin, fused=self.rope_fusion)
             k = apply_rotary_pos_emb(k, cos, sin, fused=self.rope_fusion)
         if inference_params is not None:
-            if self.ulysses is not None:
+            if self.ulysses is not None or self.cp_group is not None:
                 raise RuntimeError(
-                    "generation with a KV cache is not supported under --ds-sequence-parallel-size > 1; "
-                    "build the model for generation without DeepSpeed-Ulysses"
+                    "generation with a KV cache is not supported under --ds-sequence-parallel-size > 1 or "
+                    "--context-parallel-size > 1; build the model for generation without them (CP = 1: "
+                    "megatron/text_generation loads any checkpoint so)"
                 )
             attention_mask = inference_params.attention_mask(q.shape[0], q.device)
             k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]

@@ -219,6 +219,8 @@ def pipe_loss_fn(
     group: ProcessGroup | None = None,
     fused: bool = False,
     moe_losses: list[torch.Tensor] | None = None,
+    sequence_group: ProcessGroup | None = None,
+    context_parallel_size: int = 1,
 ) -> torch.Tensor:
     """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy (+ an MoE model's MoE term,
     appended to ``moe_losses`` for the log).
@@ -229,6 +231,8 @@ def pipe_loss_fn(
         group: the TP group the vocabulary is split over (``GPTModelPipe`` binds its context's).
         fused: the fused cross-entropy kernels where built (``--cross-entropy-loss-fusion``); they write the
             gradient over ``logits``.
+        sequence_group, context_parallel_size: context parallelism (``loss_func``): the loss is the mean over the
+            whole sequence, split over ``sequence_group``; the pipe carries this rank's ``[s/cp, b, h]`` tokens.
     """
     if isinstance(logits, tuple):  # an MoE model: (logits, moe_loss [1])
         logits, moe_loss = logits
@@ -239,7 +243,12 @@ def pipe_loss_fn(
     per_token = vocab_parallel_cross_entropy(
         logits, labels.transpose(0, 1).contiguous(), group=group, local_kernels=kernels
     )  # [s, b]
-    return loss_func(per_token.transpose(0, 1), loss_mask)  # [s, b] -> [b, s] -> scalar
+    return loss_func(
+        per_token.transpose(0, 1),
+        loss_mask,
+        sequence_parallel_group=sequence_group,
+        context_parallel_size=context_parallel_size,
+    )  # [s, b] -> [b, s] -> scalar
 
 
 def _checkpoint_chunk(
@@ -346,6 +355,8 @@ class GPTModelPipe(PipelineModule):
                 group=parallel.tp_group,
                 fused=config.cross_entropy_loss_fusion,
                 moe_losses=moe_losses,
+                sequence_group=parallel.sequence_group,
+                context_parallel_size=parallel.cp_size,
             ),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,

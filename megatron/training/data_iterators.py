@@ -5,6 +5,11 @@ from the same files). The sampler (``megatron.data.samplers``) keys the order to
 ``k`` is sample positions ``[k*G, (k+1)*G)`` whatever the DP size, so every layout trains on the same samples in
 the same steps.
 
+Context parallelism and DeepSpeed-Ulysses: the ranks splitting one sequence (one DP index) read the same
+micro-batch and keep their own tokens of every ``[b, s]`` tensor (:class:`SequenceSplit`): CP rank ``r`` of ``N``
+chunks ``r`` and ``2N-1-r`` of ``2N`` (``model/token_layout.py``), Ulysses rank ``u`` of ``sp`` the ``u``-th
+contiguous ``1/sp`` of those. The position ids are gathered with the tokens, so they stay global.
+
 Sample counts are Megatron's (``megatron.data.builders.get_train_valid_test_num_samples``): train = train iters x G;
 valid = (train iters // eval interval + 1) x eval iters x G; test = eval iters x G.
 """
@@ -20,11 +25,12 @@ from typing import Any
 import torch
 
 from megatron.config import DataConfig, RunPlan, TridentConfig
-from megatron.data.batch import prepare_gpt_batch, slice_sequence
+from megatron.data.batch import prepare_gpt_batch, take_positions
 from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
 from megatron.log import log_rank_0
-from megatron.model.token_layout import document_ids
+from megatron.model.token_layout import document_ids, load_balanced_positions
+from megatron.mpu.parallel_state import ParallelState
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.initialize import Distributed
 
@@ -280,23 +286,66 @@ def dense_document_mask(cfg: TridentConfig) -> bool:
     return cfg.data.reset_attention_mask and cfg.model.attention_dropout > 0
 
 
+class SequenceSplit:
+    """Which tokens of every sequence this rank keeps (see the module docstring)."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    @classmethod
+    def of(cls, state: ParallelState) -> SequenceSplit:
+        """This rank's place in its context-parallel and Ulysses groups."""
+        return cls(
+            cp_rank=state.get_context_parallel_rank(),
+            cp_size=state.get_context_parallel_world_size(),
+            sp_rank=state.get_sequence_parallel_rank(),
+            sp_size=state.get_sequence_parallel_world_size(),
+        )
+
+    def positions(self, seq_length: int) -> torch.Tensor:
+        """``[S / (cp * sp)]`` int64: the positions this rank keeps of a sequence of ``seq_length`` tokens.
+
+        Raises:
+            ValueError: ``seq_length`` does not split (validate() checks --seq-length and the curriculum's lengths).
+        """
+        chunks = 2 * self.cp_size if self.cp_size > 1 else 1
+        if seq_length % (chunks * self.sp_size):
+            raise ValueError(
+                f"sequence length {seq_length} is not divisible by {chunks} chunks x "
+                f"--ds-sequence-parallel-size ({self.sp_size}) (--context-parallel-size {self.cp_size}); every "
+                "rank must hold the same number of tokens."
+            )
+        mine = load_balanced_positions(seq_length, self.cp_size, self.cp_rank)  # [S/cp]
+        n = mine.numel() // self.sp_size
+        return mine[
+            self.sp_rank * n : (self.sp_rank + 1) * n
+        ]  # [S/cp] -> [S/(cp*sp)], contiguous inside
+
+    def apply(self, batch: Batch) -> Batch:
+        """``batch`` with only this rank's tokens of every ``[b, s]`` tensor (the same batch when not split)."""
+        if self.cp_size * self.sp_size == 1:
+            return batch
+        return take_positions(batch, self.positions(batch["tokens"].shape[1]))
+
+
 def _micro_batches(
     loader: Any,
     recipe: BatchRecipe,
     *,
     device: torch.device,
-    ulysses: tuple[int, int],
+    split: SequenceSplit,
     seqlen: CurrentSeqlen | None = None,
     loss_tokens: LossTokenCount | None = None,
 ) -> Iterator[Batch]:
-    """``ulysses``: (this rank's index in its Ulysses group, the group's size); ``loss_tokens``: counts the
-    loss tokens of every micro-batch yielded (training only)."""
-    sp_rank, sp_size = ulysses
+    """``split``: this rank's tokens of each sequence; ``loss_tokens``: counts the loss tokens of every
+    micro-batch yielded (training only)."""
     for raw in loader:
         batch = recipe.make(raw["text"])
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
-        batch = slice_sequence(batch, sp_rank, sp_size)  # DeepSpeed-Ulysses: this rank's s/N tokens
+        batch = split.apply(batch)  # CP x Ulysses: this rank's s/(cp*sp) tokens
         if loss_tokens is not None:
             loss_tokens.value += int(batch["loss_mask"].count_nonzero())
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -334,7 +383,7 @@ def build_iterators(
     """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank.
 
     Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise; on ``run.device``, sliced
-    over this rank's DP and Ulysses groups of ``run.state``.
+    over this rank's DP, CP and Ulysses groups of ``run.state``.
     """
     state = run.state
     gbs = plan.global_batch_size
@@ -379,7 +428,7 @@ def build_iterators(
             cfg.model.attention_dropout,
             level=logging.WARNING,
         )
-    ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
+    split = SequenceSplit.of(state)
 
     seqlen = CurrentSeqlen()
     loss_tokens = LossTokenCount()
@@ -393,7 +442,7 @@ def build_iterators(
             loader,
             recipe,
             device=run.device,
-            ulysses=ulysses,
+            split=split,
             seqlen=cut,
             loss_tokens=tokens,
         )
