@@ -286,6 +286,7 @@ def dense_document_mask(cfg: TridentConfig) -> bool:
     return cfg.data.reset_attention_mask and cfg.model.attention_dropout > 0
 
 
+@dataclass(frozen=True)
 class SequenceSplit:
     """Which tokens of every sequence this rank keeps (see the module docstring)."""
 

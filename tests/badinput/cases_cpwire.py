@@ -1,5 +1,6 @@
 """Bad inputs of context parallelism (``--context-parallel-size``): each refused in one line before any process
-group exists (about 3-5 s each); the other refusals (MoE, world size, Ulysses and TP multiples) are unit-tested in ``tests/training/test_context_parallel.py``, which keeps the suite short."""
+group exists (about 3-5 s each); the other refusals (MoE, world size, Ulysses and TP multiples) are unit-tested
+in ``tests/training/test_context_parallel.py``, which keeps the suite short."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ masked mean over the packed tokens, the packed gradient equals the sum of the pe
 
 PP 1: ``GPTModel`` in this process (GPT-2 learned positions + tied embeddings; LLaMA RoPE + GQA); the same batch
 with the dense mask of ``get_ltor_masks_and_position_ids`` gives the same losses (the old path, kept for attention
-dropout). PP 2: ``GPTModelPipe`` under DeepSpeed's real ``PipelineEngine`` (gloo, 2 ranks, ZeRO-1), the document ids
+dropout). CP 2: ``GPTModel`` with a context-parallel group of 2 spawned gloo ranks, each fed its load-balanced
+quarter-chunks (documents cross the chunk boundaries), the whole sequence's ids on both ranks; per-token losses
+put back in order, gradients summed over the two ranks. PP 2: ``GPTModelPipe`` under DeepSpeed's real ``PipelineEngine`` (gloo, 2 ranks, ZeRO-1), the document ids
 carried in the pipe tuple; per-token losses read from the last stage's logits, gradients from one SGD step
 (``grad = (w - w') / lr``, as ``test_model_pipe.py``).
 
@@ -30,7 +32,7 @@ from megatron.model import GPTModel, loss_func
 from megatron.model.token_layout import PackedDocuments
 from megatron.mpu.context import ParallelContext
 from megatron.testing import run_distributed
-from megatron.training.data_iterators import BatchRecipe, _micro_batches
+from megatron.training.data_iterators import BatchRecipe, SequenceSplit, _micro_batches
 from megatron.training.step import model_attention_mask
 
 V, EOD, S, SEED = 64, 0, 16, 5
@@ -134,7 +136,8 @@ def test_packed_batch_equals_documents_alone_pp1(cfg: ModelConfig) -> None:
     assert isinstance(mask, PackedDocuments) and mask.ids is batch["document_ids"]
     # the training iterator under DeepSpeed-Ulysses (rank 1 of 2): tokens sliced, the ids of the whole sequence
     text = _text(DOCS[0], torch.Generator().manual_seed(3))
-    (sliced,) = _micro_batches([{"text": text}], RECIPE, device=torch.device("cpu"), ulysses=(1, 2))
+    ulysses = SequenceSplit(sp_rank=1, sp_size=2)
+    (sliced,) = _micro_batches([{"text": text}], RECIPE, device=torch.device("cpu"), split=ulysses)
     assert sorted(sliced) == ["document_ids", "labels", "loss_mask", "position_ids", "tokens"]
     assert sliced["tokens"].shape == (2, S // 2) and sliced["document_ids"].shape == (2, S)
 
@@ -271,3 +274,48 @@ def test_packed_batch_equals_documents_alone_pp2_gpt2() -> None:
     # GPT-2: learned positions and the word embeddings tied across the first and the last stage
     results = run_distributed(_pipe_worker, 2, [(GPT2, 0)], timeout=300)
     _check_pipe(GPT2, [r[0] for r in results])
+
+
+def _cp_worker(cfg: ModelConfig) -> dict:
+    import torch.distributed as dist
+
+    from megatron.mpu import parallel_state
+
+    state = parallel_state.initialize_model_parallel(context_parallel_size=2)
+    rank = state.get_context_parallel_rank()
+    groups = {
+        "tp_group": state.get_tensor_model_parallel_group(),
+        "cp_group": state.get_context_parallel_group(),
+    }
+    model = GPTModel(cfg, ParallelContext(seed=SEED, **groups))
+    batch = _batches()[0]
+    split = SequenceSplit(cp_rank=rank, cp_size=2)
+    mine = split.apply(batch)  # [b, S/2] of every per-token tensor; document_ids stay [b, S]
+    per_token = model(
+        mine["tokens"], mine["position_ids"], model_attention_mask(mine), labels=mine["labels"]
+    )
+    # this rank's share of the packed batch's masked mean; the gradient is the sum of the shares
+    (per_token * mine["loss_mask"]).sum().div(batch["loss_mask"].sum()).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad.numpy()
+    parallel_state.destroy_model_parallel()
+    return {
+        "positions": split.positions(S).tolist(),
+        "per_token": per_token.detach().numpy(),
+        "grads": grads,
+    }
+
+
+def test_packed_batch_equals_documents_alone_cp2() -> None:
+    results = run_distributed(_cp_worker, 2, LLAMA, timeout=120)
+    ref, (ref_losses,) = _reference(LLAMA, gas=1)
+    per_token = torch.zeros_like(ref_losses)
+    for res in results:
+        per_token[:, res["positions"]] = torch.from_numpy(res["per_token"])
+    assert sorted(results[0]["positions"] + results[1]["positions"]) == list(range(S))
+    assert _rel(per_token, ref_losses) <= TOL
+    for name, want in ref.named_parameters():
+        assert _rel(torch.from_numpy(results[0]["grads"][name]), want.grad) <= TOL, name

@@ -1,6 +1,7 @@
 """Packed-document training (``--reset-attention-mask --reset-position-ids``) is layout-independent: the losses of
 a few iterations at PP 2 (document ids carried through DeepSpeed's pipeline, with recomputation), under
-DeepSpeed-Ulysses (ids kept whole), ZeRO-3 and TP 2 + sequence parallelism equal those at PP 1 (DP 2), within 1e-5
+DeepSpeed-Ulysses (ids kept whole), ZeRO-3, TP 2 + sequence parallelism and context parallelism 2 (documents
+crossing the load-balanced chunks) equal those at PP 1 (DP 2), within 1e-5
 relative.
 
 Every run is ``megatron.training.pretrain(cfg)`` on spawned gloo ranks with the real engines, on a dataset of
@@ -48,7 +49,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.slow
 def test_packed_documents_layouts_match_pp1(packed_data: str) -> None:
     flags = ("--reset-attention-mask", "--reset-position-ids")
-    pp1, pp2, ulysses, zero3, tp2, unpacked, gpt2_pp1, gpt2_pp2 = _layouts(
+    pp1, pp2, ulysses, zero3, tp2, cp2, unpacked, gpt2_pp1, gpt2_pp2 = _layouts(
         2,
         [
             _packed("llama", packed_data, 1, 1, *flags),  # DP 2
@@ -56,6 +57,7 @@ def test_packed_documents_layouts_match_pp1(packed_data: str) -> None:
             _packed("llama", packed_data, 1, 1, *flags, "--ds-sequence-parallel-size", "2"),
             _packed("llama", packed_data, 1, 1, *flags, "--zero-stage", "3"),
             _packed("llama", packed_data, 2, 1, *flags, "--sequence-parallel"),
+            _packed("llama", packed_data, 1, 1, *flags, "--context-parallel-size", "2"),
             _packed("llama", packed_data, 1, 1),  # the same samples, attending across documents
             _packed("gpt2", packed_data, 1, 1, *flags),
             _packed("gpt2", packed_data, 1, 2, *flags),  # tied embeddings across the stages
@@ -69,6 +71,7 @@ def test_packed_documents_layouts_match_pp1(packed_data: str) -> None:
         "llama ulysses2": _max_rel(ulysses, pp1),
         "llama zero3": _max_rel(zero3, pp1),
         "llama tp2 sp": _max_rel(tp2, pp1),
+        "llama cp2": _max_rel(cp2, pp1),
         "gpt2 pp2": _max_rel(gpt2_pp2, gpt2_pp1),
     }
     assert all(d < RTOL for d in diffs.values()), diffs
