@@ -181,7 +181,7 @@ def _group_q(x: torch.Tensor, gp: int) -> torch.Tensor:
 def _ungroup_q(x: torch.Tensor) -> torch.Tensor:
     """``[b, gp, s, r, hn] -> [s, b, np, hn]``."""
     b, gp, s, r, hn = x.shape
-    return x.permute(2, 0, 1, 3, 4).reshape(s, b, gp * r, hn)
+    return x.permute(2, 0, 1, 3, 4).contiguous().view(s, b, gp * r, hn)
 
 
 def _group_kv(x: torch.Tensor) -> torch.Tensor:
@@ -374,7 +374,7 @@ class _BlockAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         s, b, heads, hn = q.shape
         out, lse = block_forward(q, k, v, plan)
-        context = out.to(q.dtype).view(s, b, heads * hn)  # [s, b, np, hn] -> [s, b, np*hn]
+        context = out.to(q.dtype).reshape(s, b, heads * hn)  # [s, b, np, hn] -> [s, b, np*hn]
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, context, lse)
         return context

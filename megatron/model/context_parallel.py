@@ -139,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         s, b, heads, hn = q.shape
         out, lse = _ring_forward(q, k.contiguous(), v.contiguous(), ring)
-        context = out.to(q.dtype).view(s, b, heads * hn)  # [s, b, np, hn] -> [s, b, np*hn]
+        context = out.to(q.dtype).reshape(s, b, heads * hn)  # [s, b, np, hn] -> [s, b, np*hn]
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, context, lse)
         return context
