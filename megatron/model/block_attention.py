@@ -24,9 +24,10 @@ Forward (:func:`block_forward`), per query tile, over its visible key tiles, in 
     out = acc / l,  lse = m + log l         (a row that sees nothing: out 0, lse -inf, never NaN)
 
 Backward (:func:`block_backward`), flash-attention style: each tile's probabilities are recomputed from q, k and
-the saved ``lse`` (``P = exp(S - lse)``), with ``D = rowsum(dout * out)`` (:func:`softmax_delta`)::
+the saved ``lse`` (``P = exp(S - lse)``); ``dO`` is the output's gradient, ``D = rowsum(dO * out)``
+(:func:`softmax_delta`)::
 
-    dv += P^T dout     dP = dout v^T     dS = P * (dP - D)     dq += dS k / sqrt(hn)     dk += dS^T q / sqrt(hn)
+    dv += P^T dO     dP = dO v^T     dS = P * (dP - D)     dq += dS k / sqrt(hn)     dk += dS^T q / sqrt(hn)
 
 The tile functions work on one K/V block: the ring (``model/context_parallel.py``) calls them per block with the
 final ``lse`` and ``D`` in backward and joins the blocks' forward results with :func:`merge_blocks`. For one block
@@ -47,7 +48,8 @@ from megatron.model.token_layout import TokenLayout
 DEFAULT_TILE_SIZE = 512
 """Tokens per query and key tile: a ``[b, gp, 512*r, 512]`` fp32 score tile (8 MiB at ``b = 1, np = 8``)."""
 
-_NONE, _PART, _FULL = 0, 1, 2  # a tile pair: nothing visible, some pairs visible (mask), every pair visible
+# what a query tile sees of a key tile: nothing, some pairs (a mask is built), every pair
+_NONE, _PART, _FULL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,11 @@ def _tile_bounds(positions: torch.Tensor, tile_size: int) -> list[tuple[int, int
 
 def _tiles(layout: TokenLayout, tile_size: int) -> _Tiles:
     bounds = _tile_bounds(layout.positions, tile_size)
-    starts = torch.tensor([a for a, _ in bounds], dtype=torch.long, device=layout.positions.device)
-    ends = torch.tensor([e - 1 for _, e in bounds], dtype=torch.long, device=layout.positions.device)
-    first = layout.positions.index_select(0, starts).tolist()  # a run is ascending: its first is the lowest
+    device = layout.positions.device
+    starts = torch.tensor([a for a, _ in bounds], dtype=torch.long, device=device)
+    ends = torch.tensor([e - 1 for _, e in bounds], dtype=torch.long, device=device)
+    # a tile lies in a run of consecutive positions: its first token is the lowest, its last the highest
+    first = layout.positions.index_select(0, starts).tolist()
     last = layout.positions.index_select(0, ends).tolist()
     doc_lo = doc_hi = None
     if layout.documents is not None and bounds:
@@ -110,8 +114,8 @@ def _classify(q: _Tiles, i: int, k: _Tiles, j: int, window_left: int | None) -> 
     """What query tile ``i`` sees of key tile ``j``: ``_NONE``, ``_PART`` or ``_FULL``."""
     if k.first[j] > q.last[i]:  # every key after every query
         return _NONE
-    if window_left is not None and q.first[i] - k.last[j] > window_left:  # every key beyond the window
-        return _NONE
+    if window_left is not None and q.first[i] - k.last[j] > window_left:
+        return _NONE  # every key beyond the window
     apart, one = _documents_apart(q, i, k, j)
     if apart:
         return _NONE
@@ -234,7 +238,8 @@ def _forward_row(
         c, d = plan.kv_tiles[j]
         scores = _scores(q2, k[:, :, c:d], plan, i, j, full, scale)  # [b, gp, tq*r, tk]
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row without keys yet: exp(-inf) = 0
+        # a row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp(-inf) = 0, never NaN
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
         probs = torch.exp(scores - m_safe)
         alpha = torch.exp(m - m_safe)
         total = total * alpha + probs.sum(dim=-1, keepdim=True)
@@ -282,10 +287,10 @@ def merge_blocks(
 # --- backward ----------------------------------------------------------------------------------------------
 
 
-def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``D = rowsum(dout * out)`` ``[b, np, s]`` fp32 of the final output ``out`` and its gradient (``[s, b, np,
+def softmax_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``D = rowsum(grad_out * out)`` ``[b, np, s]`` fp32 of the final output ``out`` and its gradient (``[s, b, np,
     hn]``): the softmax backward's row term, the same for every block."""
-    return (dout.float() * out.float()).sum(dim=-1).permute(1, 2, 0)  # [s, b, np] -> [b, np, s]
+    return (grad_out.float() * out.float()).sum(dim=-1).permute(1, 2, 0)  # [s, b, np] -> [b, np, s]
 
 
 @dataclass(frozen=True)
@@ -293,7 +298,7 @@ class _Backward:
     """One block's backward operands (grouped, fp32) and its key gradient accumulators."""
 
     q: torch.Tensor  # [b, gp, s, r, hn]
-    dout: torch.Tensor  # [b, gp, s, r, hn]
+    grad_out: torch.Tensor  # [b, gp, s, r, hn]
     lse: torch.Tensor  # [b, gp, s, r], 0 where -inf (such a row's scores are all -inf: P = 0)
     delta: torch.Tensor  # [b, gp, s, r]
     k: torch.Tensor  # [b, gp, s_k, hn]
@@ -309,7 +314,7 @@ def _backward_row(g: _Backward, plan: TilePlan, i: int) -> torch.Tensor:
     b, gp, _, r, hn = g.q.shape
     rows = (e - a) * r
     q = g.q[:, :, a:e].reshape(b, gp, rows, hn)  # [b, gp, tq, r, hn] -> [b, gp, tq*r, hn]
-    dout = g.dout[:, :, a:e].reshape(b, gp, rows, hn)
+    grad_out = g.grad_out[:, :, a:e].reshape(b, gp, rows, hn)
     lse = g.lse[:, :, a:e].reshape(b, gp, rows, 1)
     delta = g.delta[:, :, a:e].reshape(b, gp, rows, 1)
     dq = torch.zeros_like(q)
@@ -317,15 +322,16 @@ def _backward_row(g: _Backward, plan: TilePlan, i: int) -> torch.Tensor:
         c, d = plan.kv_tiles[j]
         k, v = g.k[:, :, c:d], g.v[:, :, c:d]  # [b, gp, tk, hn]
         probs = torch.exp(_scores(q, k, plan, i, j, full, g.scale) - lse)  # [b, gp, tq*r, tk]
-        g.dv[:, :, c:d] += torch.matmul(probs.transpose(-1, -2), dout)  # [b, gp, tk, tq*r] x [.., tq*r, hn]
-        dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta)  # [b, gp, tq*r, tk]
+        # [b, gp, tk, tq*r] x [b, gp, tq*r, hn] -> [b, gp, tk, hn]
+        g.dv[:, :, c:d] += torch.matmul(probs.transpose(-1, -2), grad_out)
+        dscores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)  # [b, gp, tq*r, tk]
         dq += torch.matmul(dscores, k)  # [b, gp, tq*r, tk] x [b, gp, tk, hn]
         g.dk[:, :, c:d] += torch.matmul(dscores.transpose(-1, -2), q)  # -> [b, gp, tk, hn]
     return (dq * g.scale).view(b, gp, e - a, r, hn)
 
 
 def block_backward(
-    dout: torch.Tensor,
+    grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -336,7 +342,7 @@ def block_backward(
     """Gradients of the attention over one block, given the FINAL output's ``lse`` and ``delta``.
 
     Args:
-        dout: ``[s, b, np, hn]`` gradient of the final context; q: ``[s, b, np, hn]``; k, v: ``[s_k, b, gp, hn]``.
+        grad_out: ``[s, b, np, hn]`` gradient of the final context; q: ``[s, b, np, hn]``; k, v: ``[s_k, b, gp, hn]``.
         lse: ``[b, np, s]`` the final log-sum-exp (over every block); delta: ``[b, np, s]`` :func:`softmax_delta`.
         plan: the block's tiles (:func:`plan_tiles` of the query and key layouts).
     Returns:
@@ -347,7 +353,7 @@ def block_backward(
     kg = _group_kv(k)
     g = _Backward(
         q=_group_q(q, gp),
-        dout=_group_q(dout, gp),
+        grad_out=_group_q(grad_out, gp),
         lse=_group_rows(lse.masked_fill(lse == float("-inf"), 0.0), gp),
         delta=_group_rows(delta, gp),
         k=kg,
@@ -384,9 +390,9 @@ class _BlockAttention(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, context, lse = ctx.saved_tensors
-        dout = grad.reshape(q.shape)  # [s, b, np*hn] -> [s, b, np, hn]
-        delta = softmax_delta(dout, context.view(q.shape))
-        dq, dk, dv = block_backward(dout, q, k, v, lse, delta, ctx.plan)
+        grad_out = grad.reshape(q.shape)  # [s, b, np*hn] -> [s, b, np, hn]
+        delta = softmax_delta(grad_out, context.view(q.shape))
+        dq, dk, dv = block_backward(grad_out, q, k, v, lse, delta, ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

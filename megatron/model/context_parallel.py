@@ -14,7 +14,7 @@ while each rank attends its own queries to the block it holds, and the blocks' r
         (out, lse) = merge((out, lse), (out_j, lse_j))          lse = log(e^lse + e^lse_j), outs weighted
         wait for the exchange
 
-Backward: ``D = rowsum(dout * out)`` once; the K/V blocks travel the ring again, each with its fp32 ``dK``/``dV``
+Backward: ``D = rowsum(grad_out * out)`` once; the K/V blocks travel the ring again, each with its fp32 ``dK``/``dV``
 accumulator one step behind: at step ``t`` a rank computes block ``j``'s share (dq is local), adds the accumulator
 that arrives from rank ``r-1`` (sent there after its own share, so the transfer overlaps this step's compute) and
 sends the sum on to rank ``r+1``. After the last step the accumulator of every block has visited every rank and
@@ -43,7 +43,8 @@ from megatron.model.token_layout import PackedDocuments, TokenLayout, rank_layou
 from megatron.mpu.mappings import RingExchange, ring_exchange_async
 from megatron.mpu.parallel_state import ProcessGroup
 
-_KV_TAG, _GRAD_TAG = 0, 2  # gloo tags of the K/V and the dK/dV exchanges (two tensors each), in flight together
+# gloo tags of the K/V and the dK/dV exchanges (two tensors each), which are in flight together
+_KV_TAG, _GRAD_TAG = 0, 2
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _ring_forward(
 
 
 def _ring_backward(  # noqa: PLR0913 (the saved forward tensors, the incoming gradient and the ring)
-    dout: torch.Tensor,
+    grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -104,10 +105,10 @@ def _ring_backward(  # noqa: PLR0913 (the saved forward tensors, the incoming gr
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` fp32 of this rank's tokens (``[s, b, np, hn]``, ``[s, b, gp, hn]`` x2)."""
     mine = ring.layout(ring.rank, q.device)
-    delta = softmax_delta(dout, out)  # [b, np, s]
+    delta = softmax_delta(grad_out, out)  # [b, np, s]
     dq = torch.zeros(q.shape, device=q.device)
     kv = [k, v]
-    grads = RingExchange([], [], [])  # the accumulators of the block in hand, from rank r-1 (none at step 0)
+    grads = RingExchange([], [], [])  # dK, dV of the block in hand, from rank r-1 (none at step 0)
     for step in range(ring.size):
         last = step == ring.size - 1
         exchange = None if last else ring_exchange_async(kv, ring.group, _KV_TAG)
@@ -120,7 +121,9 @@ def _ring_backward(  # noqa: PLR0913 (the saved forward tensors, the incoming gr
         if plan.empty:  # nothing of this block seen: a zero share (the accumulator still travels)
             share = [torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)]
         else:
-            block_dq, block_dk, block_dv = block_backward(dout, q, kv[0], kv[1], lse, delta, plan)
+            block_dq, block_dk, block_dv = block_backward(
+                grad_out, q, kv[0], kv[1], lse, delta, plan
+            )
             dq += block_dq
             share = [block_dk, block_dv]
         if step > 0:  # add the shares of the ranks this block visited before
@@ -149,9 +152,9 @@ class _RingAttention(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, context, lse = ctx.saved_tensors
-        dout = grad.reshape(q.shape)  # [s, b, np*hn] -> [s, b, np, hn]
+        grad_out = grad.reshape(q.shape)  # [s, b, np*hn] -> [s, b, np, hn]
         out = context.view(q.shape)
-        dq, dk, dv = _ring_backward(dout, q, k.contiguous(), v.contiguous(), out, lse, ctx.ring)
+        dq, dk, dv = _ring_backward(grad_out, q, k.contiguous(), v.contiguous(), out, lse, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -170,9 +173,7 @@ def ring_attention(  # noqa: PLR0913 (context_attention's arguments plus the til
     seq_length = q.shape[0] * n
     if n == 1:
         mine = rank_layout(seq_length, 1, 0, documents, q.device)
-        return block_attention(
-            q, k, v, mine, mine, window_left=window_left, tile_size=tile_size
-        )
+        return block_attention(q, k, v, mine, mine, window_left=window_left, tile_size=tile_size)
     ring = _Ring(group, n, r, seq_length, documents, window_left, tile_size)
     return _RingAttention.apply(q, k, v, ring)
 

@@ -2,10 +2,11 @@
 
 Tolerances: fp32 inputs agree with ``reference_layout_attention`` (also fp32 math) within 1e-5 absolute (outputs
 and gradients are O(1); the tiles sum the same terms in another order, so differences are a few fp32 ulps). bf16
-inputs are compared with the oracle run on the same bf16 values in fp32: the output differs by its bf16 rounding
-(relative 2^-8), so 2e-2 absolute for O(1) values. The ring runs gloo world 2 (default) and world 4 (slow), one
-spawn each, every case checked inside: output, dq, dk, dv of each rank's load-balanced shard against the oracle
-over the whole sequence at that rank's positions, and the bytes each rank sends (the K/V heads only).
+inputs are compared with the oracle run on the same bf16 values in fp32: results differ by their bf16 rounding
+(relative 2^-8 each, a few roundings deep), so 1e-2 relative to the largest value. The ring runs gloo world 2
+(default) and world 4 (slow), one spawn each, every case checked inside: output, dq, dk, dv of each rank's
+load-balanced shard against the oracle over the whole sequence at that rank's positions, and the bytes each rank
+sends (the K/V heads only).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ def _qkv(
     q = torch.randn(s, b, heads, hn, generator=g)
     k = torch.randn(s_k, b, groups, hn, generator=g)
     v = torch.randn(s_k, b, groups, hn, generator=g)
-    dout = torch.randn(s, b, heads * hn, generator=g)
-    return q, k, v, dout
+    grad_out = torch.randn(s, b, heads * hn, generator=g)
+    return q, k, v, grad_out
 
 
-def _grads(fn, q, k, v, dout) -> list[torch.Tensor]:  # noqa: ANN001
+def _grads(fn, q, k, v, grad_out) -> list[torch.Tensor]:  # noqa: ANN001
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves)
-    out.backward(dout)
+    out.backward(grad_out)
     return [out.detach(), *(x.grad for x in leaves)]
 
 
@@ -69,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_block_attention_matches_the_dense_oracle(name: str) -> None:
     heads, groups, window, docs, tile = CASES[name]
-    q, k, v, dout = _qkv(37, 37, heads, groups)
+    q, k, v, grad_out = _qkv(37, 37, heads, groups)
     layout = TokenLayout.contiguous(37, q.device, docs)
 
     def ours(q, k, v):  # noqa: ANN001, ANN202
@@ -78,7 +79,7 @@ def test_block_attention_matches_the_dense_oracle(name: str) -> None:
     def oracle(q, k, v):  # noqa: ANN001, ANN202
         return reference_layout_attention(q, k, v, layout, layout, window_left=window)[0]
 
-    errors = _max_errors(_grads(ours, q, k, v, dout), _grads(oracle, q, k, v, dout))
+    errors = _max_errors(_grads(ours, q, k, v, grad_out), _grads(oracle, q, k, v, grad_out))
     assert max(errors) < FP32_TOL, dict(zip(("out", "dq", "dk", "dv"), errors, strict=True))
     plan = plan_tiles(layout, layout, window_left=window, tile_size=tile)
     _, lse = block_forward(q, k, v, plan)
@@ -92,7 +93,7 @@ def oracle_lse(q, k, v, q_layout, kv_layout, window):  # noqa: ANN001, ANN201
 def test_queries_that_see_nothing_and_the_merge_of_blocks() -> None:
     # queries of CP rank 0 of 2 (positions 0..7, 24..31) over keys of rank 1 (8..23): the first 8 see nothing
     q_layout, kv_layout = (rank_layout(32, 2, r, None, torch.device("cpu")) for r in (0, 1))
-    q, k, v, dout = _qkv(16, 16, 4, 2)
+    q, k, v, grad_out = _qkv(16, 16, 4, 2)
     plan = plan_tiles(q_layout, kv_layout, tile_size=3)
     out, lse = block_forward(q, k, v, plan)
     want_out, want_lse = reference_layout_attention(q, k, v, q_layout, kv_layout)
@@ -101,7 +102,11 @@ def test_queries_that_see_nothing_and_the_merge_of_blocks() -> None:
     assert torch.allclose(out.reshape(16, 2, -1), want_out, atol=FP32_TOL)
     assert torch.allclose(lse[:, :, 8:], want_lse[:, :, 8:], atol=FP32_TOL)
     grads = _grads(
-        lambda q, k, v: block_attention(q, k, v, q_layout, kv_layout, tile_size=3), q, k, v, dout
+        lambda q, k, v: block_attention(q, k, v, q_layout, kv_layout, tile_size=3),
+        q,
+        k,
+        v,
+        grad_out,
     )
     assert all(torch.isfinite(x).all() for x in grads)
     assert grads[1][:8].abs().max().item() == 0.0  # no key seen: no query gradient
@@ -119,15 +124,19 @@ def test_queries_that_see_nothing_and_the_merge_of_blocks() -> None:
 
 
 def test_bf16_inputs_give_bf16_outputs_close_to_the_oracle() -> None:
-    q, k, v, dout = (x.bfloat16() for x in _qkv(37, 37, 4, 2))
+    q, k, v, grad_out = (x.bfloat16() for x in _qkv(37, 37, 4, 2))
     layout = TokenLayout.contiguous(37, q.device, DOCS)
-    got = _grads(lambda q, k, v: block_attention(q, k, v, layout, layout, tile_size=8), q, k, v, dout)
+    got = _grads(
+        lambda q, k, v: block_attention(q, k, v, layout, layout, tile_size=8), q, k, v, grad_out
+    )
     assert all(x.dtype == torch.bfloat16 for x in got)
     want = _grads(
         lambda q, k, v: reference_layout_attention(q, k, v, layout, layout)[0],
-        *(x.float() for x in (q, k, v, dout)),
+        *(x.float() for x in (q, k, v, grad_out)),
     )
-    assert max(_max_errors(got, want)) < 2e-2
+    scale = [x.abs().max().item() for x in want]
+    relative = [err / top for err, top in zip(_max_errors(got, want), scale, strict=True)]
+    assert max(relative) < 1e-2, relative  # seen: 3e-3 (bf16 roundings)
 
 
 def test_tile_plan_skips_what_nobody_sees_and_masks_only_partial_tiles() -> None:
@@ -192,9 +201,9 @@ def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool,
     from megatron.mpu.mappings import observe_collectives
 
     n, r = dist.get_world_size(), dist.get_rank()
-    q, k, v, dout = _qkv(seq_length, seq_length, heads, groups, seed=7)
+    q, k, v, grad_out = _qkv(seq_length, seq_length, heads, groups, seed=7)
     docs = None
-    if use_docs:  # sorted random ids: documents of random lengths, crossing chunk and tile boundaries
+    if use_docs:  # sorted random ids: documents of random lengths across chunk and tile boundaries
         ids = torch.randint(0, 6, (2, seq_length), generator=torch.Generator().manual_seed(1))
         docs = PackedDocuments(torch.sort(ids, dim=1).values)
     whole = rank_layout(seq_length, 1, 0, docs, q.device)
@@ -203,17 +212,21 @@ def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool,
         q,
         k,
         v,
-        dout,
+        grad_out,
     )
     mine = load_balanced_positions(seq_length, n, r)
     sent: list[int] = []
-    with observe_collectives(lambda op, nbytes, group: sent.append(nbytes) if op == "send" else None):
+
+    def count(op: str, nbytes: int, group: object) -> None:
+        sent.extend([nbytes] if op == "send" else [])
+
+    with observe_collectives(count):
         if tile is None:  # the public entry point, default tiles
             got = _grads(
                 lambda q, k, v: context_attention(
                     q, k, v, documents=docs, group=dist.group.WORLD, window_left=window
                 ),
-                *(x[mine] for x in (q, k, v, dout)),
+                *(x[mine] for x in (q, k, v, grad_out)),
             )
         else:
             got = _grads(
@@ -226,7 +239,7 @@ def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool,
                     window_left=window,
                     tile_size=tile,
                 ),
-                *(x[mine] for x in (q, k, v, dout)),
+                *(x[mine] for x in (q, k, v, grad_out)),
             )
     kv_bytes = k[mine].nbytes  # one rank's K (or V): gp heads, fp32
     return {
