@@ -23,10 +23,12 @@ what the attention adds to a layer's activations); ``peak`` the peak RSS rise ov
 after a ``/proc/self/clear_refs`` reset): the attention's whole working set, transient buffers included. To make
 that a measure of tensors rather than of the allocator, each process first sets glibc's mmap threshold to 64 KiB
 (every tensor buffer is mapped when allocated and unmapped when freed, so freed memory is not kept resident and
-reused unseen) and runs one unmeasured 512-token forward + backward (BLAS, allocator and gloo set-up); the reset
-comes once the inputs exist. Repeated runs then agree within 1 %, and the peak grows linearly with the sequence on
-the block path (24.7 / 40.9 / 80.3 MiB at 4k / 8k / 16k tokens, 2 heads). Each path runs in a fresh process.
-And the forward and backward wall times (``OMP_NUM_THREADS`` as set, 1 in our runs; on a shared machine they vary).
+reused unseen); the reset comes once the inputs exist. Repeated runs then agree within 1 %, and the peak grows
+linearly with the sequence on the block path (16.7 / 24.9 / 41.1 / 73.9 MiB at 4k / 8k / 16k / 32k tokens, 2
+heads). And the forward and backward wall times, of a run before that one (page faults on every mapping slow the
+memory run down; ``OMP_NUM_THREADS`` as set, 1 in our runs; on a shared machine they vary). Every process first
+runs one unmeasured 512-token forward + backward (BLAS, allocator and gloo set-up); each path of part 1 runs in a
+fresh process.
 
 Measured on this machine (2 shared cores, OMP_NUM_THREADS=1): see ``docs/context-parallelism.md``, section "The
 ring exchange".
@@ -126,6 +128,16 @@ def _measure(fn: Any, q: Any, k: Any, v: Any, grad_out: Any) -> dict[str, Any]:
     }
 
 
+def _timed_then_measured(fn: Any, inputs: Any) -> dict[str, Any]:
+    """Two runs of :func:`_measure`: the times of the first (the allocator as it is), the memory of the second
+    (every buffer mapped on its own, which costs time in page faults)."""
+    timed = _measure(fn, *inputs)
+    _map_every_buffer()
+    row = _measure(fn, *inputs)
+    row.update(forward_s=timed["forward_s"], backward_s=timed["backward_s"])
+    return row
+
+
 def _packed_fn(path: str, tokens: Any) -> Any:
     """``fn(q, k, v) -> [s, b, np*hn]``: the attention of ``path`` over the packed ``tokens [1, s]``."""
     from megatron.data.batch import get_ltor_masks_and_position_ids
@@ -145,13 +157,10 @@ def _packed_path(
     path: str, seq_length: int, heads: int, head_dim: int, seed: int
 ) -> dict[str, Any]:
     """One path of part 1 in this (fresh) process: the measurements and a sample of the results."""
-    _map_every_buffer()
-    small = _packed_tokens(
-        WARM_UP, seed
-    )  # the BLAS and allocator set-up, once, before the measurement
+    small = _packed_tokens(WARM_UP, seed)  # the BLAS and allocator set-up, once, before measuring
     _measure(_packed_fn(path, small), *_inputs(WARM_UP, heads, head_dim, seed))
     tokens = _packed_tokens(seq_length, seed)
-    row = _measure(_packed_fn(path, tokens), *_inputs(seq_length, heads, head_dim, seed))
+    row = _timed_then_measured(_packed_fn(path, tokens), _inputs(seq_length, heads, head_dim, seed))
     row.update(path=path, documents=int((tokens == EOD).sum()) + 1)
     # a sample of rows to compare the paths (the whole would be large), as numpy: torch tensors sent back share
     # file descriptors that die with this process
@@ -190,7 +199,6 @@ def _ring_rank(
     seq_length: int, heads: int, kv_heads: int, head_dim: int, seed: int
 ) -> dict[str, Any]:
     """One rank of part 2: its load-balanced shard through the ring (the world is the CP group)."""
-    _map_every_buffer()
     import torch.distributed as dist
 
     from megatron.model.context_parallel import context_attention
@@ -211,7 +219,7 @@ def _ring_rank(
     _measure(fn, *shard(WARM_UP))  # the BLAS, allocator and gloo connections set up, once
     inputs = shard(seq_length)
     dist.barrier()
-    row = _measure(fn, *inputs)
+    row = _timed_then_measured(fn, inputs)
     del row["out"], row["grads"]
     row.update(rank=r, tokens=int(inputs[0].shape[0]))
     return row

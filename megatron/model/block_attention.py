@@ -173,36 +173,40 @@ def plan_tiles(
     return TilePlan(q_layout, kv_layout, window_left, q.bounds, k.bounds, pairs)
 
 
-# --- layouts of the operands -------------------------------------------------------------------------------
+# --- tiles of the operands (each converted to fp32 when used: no whole-sequence copy) ------------------------
 
 
-def _group_q(x: torch.Tensor, gp: int) -> torch.Tensor:
-    """``[s, b, np, hn] -> [b, gp, s, r, hn]`` fp32: the query heads of each K/V group side by side."""
-    s, b, heads, hn = x.shape
-    return x.view(s, b, gp, heads // gp, hn).permute(1, 2, 0, 3, 4).float().contiguous()
+def _query_tile(x: torch.Tensor, a: int, e: int, gp: int) -> torch.Tensor:
+    """Query rows ``a .. e-1`` of ``x [s, b, np, hn]`` as ``[b, gp, tq*r, hn]`` fp32: the ``r`` query heads of a
+    K/V group folded into the tile's rows (row ``t*r + i``: token ``t``, head ``i`` of the group)."""
+    tile = x[a:e].unflatten(2, (gp, -1))  # [tq, b, np, hn] -> [tq, b, gp, r, hn]
+    tq, b, _, r, hn = tile.shape
+    return tile.permute(1, 2, 0, 3, 4).reshape(b, gp, tq * r, hn).float()  # -> [b, gp, tq*r, hn]
 
 
-def _ungroup_q(x: torch.Tensor) -> torch.Tensor:
-    """``[b, gp, s, r, hn] -> [s, b, np, hn]``."""
-    b, gp, s, r, hn = x.shape
-    return x.permute(2, 0, 1, 3, 4).contiguous().view(s, b, gp * r, hn)
+def _put_query_tile(out: torch.Tensor, a: int, e: int, tile: torch.Tensor) -> None:
+    """Write ``tile [b, gp, tq*r, hn]`` into rows ``a .. e-1`` of ``out [s, b, np, hn]``."""
+    b, gp, _, hn = tile.shape
+    grouped = tile.view(b, gp, e - a, -1, hn)  # [b, gp, tq*r, hn] -> [b, gp, tq, r, hn]
+    out[a:e] = grouped.permute(2, 0, 1, 3, 4).reshape(e - a, b, -1, hn)  # -> [tq, b, np, hn]
 
 
-def _group_kv(x: torch.Tensor) -> torch.Tensor:
-    """``[s_k, b, gp, hn] -> [b, gp, s_k, hn]`` fp32."""
-    return x.permute(1, 2, 0, 3).float().contiguous()
+def _key_tile(x: torch.Tensor, c: int, d: int) -> torch.Tensor:
+    """Key rows ``c .. d-1`` of ``x [s_k, b, gp, hn]`` as ``[b, gp, tk, hn]`` fp32."""
+    return x[c:d].permute(1, 2, 0, 3).float()
 
 
-def _group_rows(x: torch.Tensor, gp: int) -> torch.Tensor:
-    """A per-row statistic ``[b, np, s] -> [b, gp, s, r]``."""
-    b, heads, s = x.shape
-    return x.view(b, gp, heads // gp, s).transpose(2, 3)
+def _row_stat_tile(x: torch.Tensor, a: int, e: int, gp: int) -> torch.Tensor:
+    """A per-query statistic ``x [b, np, s]`` for rows ``a .. e-1`` as ``[b, gp, tq*r, 1]`` (the tile's rows)."""
+    b = x.shape[0]
+    tile = x[:, :, a:e].unflatten(1, (gp, -1)).transpose(2, 3)  # [b, np, tq] -> [b, gp, tq, r]
+    return tile.reshape(b, gp, -1, 1)
 
 
-def _ungroup_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[b, gp, s, r] -> [b, np, s]``."""
-    b, gp, s, r = x.shape
-    return x.transpose(2, 3).reshape(b, gp * r, s)
+def _put_row_stat_tile(x: torch.Tensor, a: int, e: int, tile: torch.Tensor) -> None:
+    """Write ``tile [b, gp, tq*r, 1]`` into ``x [b, np, s]`` at rows ``a .. e-1``."""
+    b, gp = tile.shape[:2]
+    x[:, :, a:e] = tile.view(b, gp, e - a, -1).transpose(2, 3).reshape(b, -1, e - a)
 
 
 def _scores(
@@ -225,29 +229,28 @@ def _scores(
 
 
 def _forward_row(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TilePlan, i: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TilePlan, i: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax of query tile ``i`` (``q [b, gp, tq, r, hn]``) over its visible key tiles of ``k``, ``v``
-    (``[b, gp, s_k, hn]``): ``(out [b, gp, tq, r, hn], lse [b, gp, tq, r])``."""
-    b, gp, tq, r, hn = q.shape
-    q2 = q.reshape(b, gp, tq * r, hn)  # [b, gp, tq, r, hn] -> [b, gp, tq*r, hn] (a view)
-    m = torch.full((b, gp, tq * r, 1), float("-inf"), device=q.device)
-    total = torch.zeros((b, gp, tq * r, 1), device=q.device)
-    acc = torch.zeros_like(q2)
+    """Online softmax of query tile ``i`` (``q [b, gp, tq*r, hn]`` fp32) over its visible key tiles of ``k``,
+    ``v`` (``[s_k, b, gp, hn]``): ``(out [b, gp, tq*r, hn], lse [b, gp, tq*r, 1])``."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    m = torch.full((*q.shape[:3], 1), float("-inf"), device=q.device)  # [b, gp, tq*r, 1]
+    total = torch.zeros_like(m)
+    acc = torch.zeros_like(q)
     for j, full in plan.pairs[i]:
         c, d = plan.kv_tiles[j]
-        scores = _scores(q2, k[:, :, c:d], plan, i, j, full, scale)  # [b, gp, tq*r, tk]
+        scores = _scores(q, _key_tile(k, c, d), plan, i, j, full, scale)  # [b, gp, tq*r, tk]
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         # a row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp(-inf) = 0, never NaN
         m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
         probs = torch.exp(scores - m_safe)
         alpha = torch.exp(m - m_safe)
         total = total * alpha + probs.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(probs, v[:, :, c:d])  # [b, gp, tq*r, tk] x [b, gp, tk, hn]
+        # [b, gp, tq*r, tk] x [b, gp, tk, hn] -> [b, gp, tq*r, hn]
+        acc = acc * alpha + torch.matmul(probs, _key_tile(v, c, d))
         m = m_new
     lse = m + torch.log(total)  # -inf + log 0 = -inf for a row that saw nothing
-    out = acc / total.masked_fill(total == 0.0, 1.0)
-    return out.view(b, gp, tq, r, hn), lse.view(b, gp, tq, r)
+    return acc / total.masked_fill(total == 0.0, 1.0), lse
 
 
 def block_forward(
@@ -260,28 +263,29 @@ def block_forward(
         query's log-sum-exp of its visible scaled scores (``out`` 0 and ``lse`` -inf where it sees none), as
         :func:`~megatron.model.token_layout.reference_layout_attention` gives them.
     """
-    s, b, heads, hn = q.shape
+    s, b, heads, _ = q.shape
     gp = k.shape[2]
-    qg, kg, vg = _group_q(q, gp), _group_kv(k), _group_kv(v)
-    out = torch.zeros_like(qg)  # [b, gp, s, r, hn]
-    lse = torch.full(qg.shape[:4], float("-inf"), device=q.device)  # [b, gp, s, r]
-    scale = 1.0 / math.sqrt(hn)
+    out = torch.zeros(q.shape, device=q.device)
+    lse = torch.full((b, heads, s), float("-inf"), device=q.device)
     for i, (a, e) in enumerate(plan.q_tiles):
         if plan.pairs[i]:
-            out[:, :, a:e], lse[:, :, a:e] = _forward_row(qg[:, :, a:e], kg, vg, plan, i, scale)
-    return _ungroup_q(out), _ungroup_rows(lse)
+            tile_out, tile_lse = _forward_row(_query_tile(q, a, e, gp), k, v, plan, i)
+            _put_query_tile(out, a, e, tile_out)
+            _put_row_stat_tile(lse, a, e, tile_lse)
+    return out, lse
 
 
 def merge_blocks(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The online-softmax merge of two blocks' results (``out [s, b, np, hn]`` fp32, ``lse [b, np, s]``): the
-    attention over both blocks' keys. ``lse = log(e^lse + e^block_lse)``, each ``out`` weighted by its share."""
+    attention over both blocks' keys. ``lse = log(e^lse + e^block_lse)``, each ``out`` weighted by its share.
+    ``out`` is updated in place and ``block_out`` scaled in place (both consumed); returns ``(out, merged lse)``."""
     merged = torch.logaddexp(lse, block_lse)  # [b, np, s]
     safe = merged.masked_fill(merged == float("-inf"), 0.0)  # neither block seen: both weights 0
     w_old = torch.exp(lse - safe).permute(2, 0, 1).unsqueeze(-1)  # [b, np, s] -> [s, b, np, 1]
     w_new = torch.exp(block_lse - safe).permute(2, 0, 1).unsqueeze(-1)
-    return out * w_old + block_out * w_new, merged
+    return out.mul_(w_old).add_(block_out.mul_(w_new)), merged
 
 
 # --- backward ----------------------------------------------------------------------------------------------
@@ -295,42 +299,43 @@ def softmax_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Backward:
-    """One block's backward operands (grouped, fp32) and its key gradient accumulators."""
+    """One block's backward operands (as given: tiles are taken from them) and its gradient buffers (fp32)."""
 
-    q: torch.Tensor  # [b, gp, s, r, hn]
-    grad_out: torch.Tensor  # [b, gp, s, r, hn]
-    lse: torch.Tensor  # [b, gp, s, r], 0 where -inf (such a row's scores are all -inf: P = 0)
-    delta: torch.Tensor  # [b, gp, s, r]
-    k: torch.Tensor  # [b, gp, s_k, hn]
-    v: torch.Tensor  # [b, gp, s_k, hn]
-    dk: torch.Tensor  # [b, gp, s_k, hn], unscaled
-    dv: torch.Tensor  # [b, gp, s_k, hn]
-    scale: float
+    q: torch.Tensor  # [s, b, np, hn]
+    grad_out: torch.Tensor  # [s, b, np, hn]
+    lse: torch.Tensor  # [b, np, s], 0 where -inf (such a row's scores are all -inf: P = 0)
+    delta: torch.Tensor  # [b, np, s]
+    k: torch.Tensor  # [s_k, b, gp, hn]
+    v: torch.Tensor  # [s_k, b, gp, hn]
+    dq: torch.Tensor  # [s, b, np, hn]
+    dk: torch.Tensor  # [s_k, b, gp, hn], scaled at the end
+    dv: torch.Tensor  # [s_k, b, gp, hn]
 
 
-def _backward_row(g: _Backward, plan: TilePlan, i: int) -> torch.Tensor:
-    """Query tile ``i``'s gradient ``[b, gp, tq, r, hn]``; adds its share to ``g.dk`` and ``g.dv``."""
+def _backward_row(g: _Backward, plan: TilePlan, i: int) -> None:
+    """Query tile ``i``'s share of the gradients, added to ``g.dq``, ``g.dk`` (unscaled) and ``g.dv``."""
     a, e = plan.q_tiles[i]
-    b, gp, _, r, hn = g.q.shape
-    rows = (e - a) * r
-    q = g.q[:, :, a:e].reshape(b, gp, rows, hn)  # [b, gp, tq, r, hn] -> [b, gp, tq*r, hn]
-    grad_out = g.grad_out[:, :, a:e].reshape(b, gp, rows, hn)
-    lse = g.lse[:, :, a:e].reshape(b, gp, rows, 1)
-    delta = g.delta[:, :, a:e].reshape(b, gp, rows, 1)
+    gp = g.k.shape[2]
+    scale = 1.0 / math.sqrt(g.q.shape[-1])
+    q = _query_tile(g.q, a, e, gp)  # [b, gp, tq*r, hn]
+    grad_out = _query_tile(g.grad_out, a, e, gp)
+    lse = _row_stat_tile(g.lse, a, e, gp)  # [b, gp, tq*r, 1]
+    delta = _row_stat_tile(g.delta, a, e, gp)
     dq = torch.zeros_like(q)
     for j, full in plan.pairs[i]:
         c, d = plan.kv_tiles[j]
-        k, v = g.k[:, :, c:d], g.v[:, :, c:d]  # [b, gp, tk, hn]
-        probs = torch.exp(_scores(q, k, plan, i, j, full, g.scale) - lse)  # [b, gp, tq*r, tk]
-        # [b, gp, tk, tq*r] x [b, gp, tq*r, hn] -> [b, gp, tk, hn]
-        g.dv[:, :, c:d] += torch.matmul(probs.transpose(-1, -2), grad_out)
+        k, v = _key_tile(g.k, c, d), _key_tile(g.v, c, d)  # [b, gp, tk, hn]
+        probs = torch.exp(_scores(q, k, plan, i, j, full, scale) - lse)  # [b, gp, tq*r, tk]
+        # [b, gp, tk, tq*r] x [b, gp, tq*r, hn] -> [b, gp, tk, hn] -> [tk, b, gp, hn]
+        g.dv[c:d] += torch.matmul(probs.transpose(-1, -2), grad_out).permute(2, 0, 1, 3)
         dscores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)  # [b, gp, tq*r, tk]
         dq += torch.matmul(dscores, k)  # [b, gp, tq*r, tk] x [b, gp, tk, hn]
-        g.dk[:, :, c:d] += torch.matmul(dscores.transpose(-1, -2), q)  # -> [b, gp, tk, hn]
-    return (dq * g.scale).view(b, gp, e - a, r, hn)
+        g.dk[c:d] += torch.matmul(dscores.transpose(-1, -2), q).permute(2, 0, 1, 3)
+    dq = dq.mul_(scale).unflatten(2, (e - a, -1))  # [b, gp, tq*r, hn] -> [b, gp, tq, r, hn]
+    g.dq[a:e] += dq.permute(2, 0, 1, 3, 4).flatten(2, 3)  # -> [tq, b, np, hn]
 
 
-def block_backward(
+def block_backward(  # noqa: PLR0913 (the saved forward tensors, the plan and an optional dq buffer)
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -338,6 +343,7 @@ def block_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     plan: TilePlan,
+    dq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the attention over one block, given the FINAL output's ``lse`` and ``delta``.
 
@@ -345,29 +351,28 @@ def block_backward(
         grad_out: ``[s, b, np, hn]`` gradient of the final context; q: ``[s, b, np, hn]``; k, v: ``[s_k, b, gp, hn]``.
         lse: ``[b, np, s]`` the final log-sum-exp (over every block); delta: ``[b, np, s]`` :func:`softmax_delta`.
         plan: the block's tiles (:func:`plan_tiles` of the query and key layouts).
+        dq: an fp32 ``[s, b, np, hn]`` buffer to add this block's query gradient to (None: a new one).
     Returns:
-        ``(dq [s, b, np, hn], dk [s_k, b, gp, hn], dv [s_k, b, gp, hn])`` fp32: this block's share (summed over
-        the blocks, dq is the query gradient; dk, dv are this block's whole gradient at one query block).
+        ``(dq [s, b, np, hn], dk [s_k, b, gp, hn], dv [s_k, b, gp, hn])`` fp32: ``dq`` with this block's share
+        added (summed over the blocks, the query gradient); ``dk``, ``dv`` this block's keys' gradient from these
+        queries.
     """
-    hn, gp = q.shape[3], k.shape[2]
-    kg = _group_kv(k)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     g = _Backward(
-        q=_group_q(q, gp),
-        grad_out=_group_q(grad_out, gp),
-        lse=_group_rows(lse.masked_fill(lse == float("-inf"), 0.0), gp),
-        delta=_group_rows(delta, gp),
-        k=kg,
-        v=_group_kv(v),
-        dk=torch.zeros_like(kg),
-        dv=torch.zeros_like(kg),
-        scale=1.0 / math.sqrt(hn),
+        q=q,
+        grad_out=grad_out,
+        lse=lse.masked_fill(lse == float("-inf"), 0.0),
+        delta=delta,
+        k=k,
+        v=v,
+        dq=torch.zeros(q.shape, device=q.device) if dq is None else dq,
+        dk=torch.zeros(k.shape, device=k.device),
+        dv=torch.zeros(v.shape, device=v.device),
     )
-    dq = torch.zeros_like(g.q)  # [b, gp, s, r, hn]
-    for i, (a, e) in enumerate(plan.q_tiles):
+    for i in range(len(plan.q_tiles)):
         if plan.pairs[i]:
-            dq[:, :, a:e] = _backward_row(g, plan, i)
-    dk = (g.dk * g.scale).permute(2, 0, 1, 3)  # [b, gp, s_k, hn] -> [s_k, b, gp, hn]
-    return _ungroup_q(dq), dk, g.dv.permute(2, 0, 1, 3)
+            _backward_row(g, plan, i)
+    return g.dq, g.dk.mul_(scale), g.dv
 
 
 # --- one block as an autograd function ---------------------------------------------------------------------

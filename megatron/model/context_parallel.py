@@ -121,13 +121,10 @@ def _ring_backward(  # noqa: PLR0913 (the saved forward tensors, the incoming gr
         if plan.empty:  # nothing of this block seen: a zero share (the accumulator still travels)
             share = [torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)]
         else:
-            block_dq, block_dk, block_dv = block_backward(
-                grad_out, q, kv[0], kv[1], lse, delta, plan
-            )
-            dq += block_dq
-            share = [block_dk, block_dv]
+            _, block_dk, block_dv = block_backward(grad_out, q, kv[0], kv[1], lse, delta, plan, dq)
+            share = [block_dk, block_dv]  # dq: this block's share added in place
         if step > 0:  # add the shares of the ranks this block visited before
-            share = [ours + theirs for ours, theirs in zip(share, grads.wait(), strict=True)]
+            share = [ours.add_(theirs) for ours, theirs in zip(share, grads.wait(), strict=True)]
         grads = ring_exchange_async(share, ring.group, _GRAD_TAG)  # the last step sends them home
         if exchange is not None:
             kv = exchange.wait()
