@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron.model.block_attention import (
     DEFAULT_TILE_SIZE,
+    TilePlan,
     block_attention,
     block_backward,
     block_forward,
@@ -63,9 +64,12 @@ class _Ring:
         """The tokens CP rank ``cp_rank`` holds (its queries, or the keys of its block)."""
         return rank_layout(self.seq_length, self.size, cp_rank, self.documents, device)
 
-    def holder(self, step: int) -> int:
-        """The CP rank whose K/V block this rank holds at ``step`` (its own at step 0)."""
-        return (self.rank - step) % self.size
+    def plan(self, mine: TokenLayout, step: int) -> TilePlan:
+        """The tiles of this rank's queries over the K/V block it holds at ``step``: the block of CP rank
+        ``(r - step) mod N`` (its own at step 0)."""
+        holder = (self.rank - step) % self.size
+        keys = self.layout(holder, mine.positions.device)
+        return plan_tiles(mine, keys, window_left=self.window_left, tile_size=self.tile_size)
 
 
 def _ring_forward(
@@ -80,12 +84,7 @@ def _ring_forward(
     for step in range(ring.size):
         last = step == ring.size - 1
         exchange = None if last else ring_exchange_async(kv, ring.group, _KV_TAG)
-        plan = plan_tiles(
-            mine,
-            ring.layout(ring.holder(step), q.device),
-            window_left=ring.window_left,
-            tile_size=ring.tile_size,
-        )
+        plan = ring.plan(mine, step)
         if not plan.empty:
             block_out, block_lse = block_forward(q, kv[0], kv[1], plan)
             out, lse = merge_blocks(out, lse, block_out, block_lse)
@@ -112,12 +111,7 @@ def _ring_backward(  # noqa: PLR0913 (the saved forward tensors, the incoming gr
     for step in range(ring.size):
         last = step == ring.size - 1
         exchange = None if last else ring_exchange_async(kv, ring.group, _KV_TAG)
-        plan = plan_tiles(
-            mine,
-            ring.layout(ring.holder(step), q.device),
-            window_left=ring.window_left,
-            tile_size=ring.tile_size,
-        )
+        plan = ring.plan(mine, step)
         if plan.empty:  # nothing of this block seen: a zero share (the accumulator still travels)
             share = [torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)]
         else:
