@@ -23,12 +23,12 @@ what the attention adds to a layer's activations); ``peak`` the peak RSS rise ov
 after a ``/proc/self/clear_refs`` reset): the attention's whole working set, transient buffers included. To make
 that a measure of tensors rather than of the allocator, each process first sets glibc's mmap threshold to 64 KiB
 (every tensor buffer is mapped when allocated and unmapped when freed, so freed memory is not kept resident and
-reused unseen); the reset comes once the inputs exist. Repeated runs then agree within 1 %, and the peak grows
-linearly with the sequence on the block path (16.7 / 24.9 / 41.1 / 73.9 MiB at 4k / 8k / 16k / 32k tokens, 2
-heads). And the forward and backward wall times, of a run before that one (page faults on every mapping slow the
-memory run down; ``OMP_NUM_THREADS`` as set, 1 in our runs; on a shared machine they vary). Every process first
-runs one unmeasured 512-token forward + backward (BLAS, allocator and gloo set-up); each path of part 1 runs in a
-fresh process.
+reused unseen) before anything else; the reset comes once the inputs exist. Repeated runs then agree within 1 %,
+and the peak grows linearly with the sequence on the block path (16.7 / 24.9 / 41.1 / 73.9 MiB at 4k / 8k / 16k /
+32k tokens, 2 heads). And the forward and backward wall times, from a second set of fresh processes with the
+allocator as it is (page faults on every mapping slow the memory run down; ``OMP_NUM_THREADS`` as set, 1 in our
+runs; on a shared machine they vary). Every process first runs one unmeasured 512-token forward + backward (BLAS,
+allocator and gloo set-up).
 
 Measured on this machine (2 shared cores, OMP_NUM_THREADS=1): see ``docs/context-parallelism.md``, section "The
 ring exchange".
@@ -40,6 +40,7 @@ import argparse
 import ctypes
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +129,14 @@ def _measure(fn: Any, q: Any, k: Any, v: Any, grad_out: Any) -> dict[str, Any]:
     }
 
 
-def _timed_then_measured(fn: Any, inputs: Any) -> dict[str, Any]:
-    """Two runs of :func:`_measure`: the times of the first (the allocator as it is), the memory of the second
-    (every buffer mapped on its own, which costs time in page faults)."""
-    timed = _measure(fn, *inputs)
-    _map_every_buffer()
-    row = _measure(fn, *inputs)
-    row.update(forward_s=timed["forward_s"], backward_s=timed["backward_s"])
-    return row
+def _timed_and_measured(run: Callable[[bool], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``run(memory)`` twice, fresh processes each: the memory from ``run(True)`` (every buffer mapped on its own,
+    which costs time in page faults), the times from ``run(False)`` (the allocator as it is)."""
+    timed = run(False)
+    rows = run(True)
+    for row, times in zip(rows, timed, strict=True):
+        row.update(forward_s=times["forward_s"], backward_s=times["backward_s"])
+    return rows
 
 
 def _packed_fn(path: str, tokens: Any) -> Any:
@@ -153,14 +154,16 @@ def _packed_fn(path: str, tokens: Any) -> Any:
     return lambda q, k, v: context_attention(q, k, v, documents=documents, group=None)
 
 
-def _packed_path(
-    path: str, seq_length: int, heads: int, head_dim: int, seed: int
+def _packed_path(  # noqa: PLR0913 (the benchmark's knobs)
+    path: str, seq_length: int, heads: int, head_dim: int, seed: int, memory: bool
 ) -> dict[str, Any]:
     """One path of part 1 in this (fresh) process: the measurements and a sample of the results."""
+    if memory:
+        _map_every_buffer()
     small = _packed_tokens(WARM_UP, seed)  # the BLAS and allocator set-up, once, before measuring
     _measure(_packed_fn(path, small), *_inputs(WARM_UP, heads, head_dim, seed))
     tokens = _packed_tokens(seq_length, seed)
-    row = _timed_then_measured(_packed_fn(path, tokens), _inputs(seq_length, heads, head_dim, seed))
+    row = _measure(_packed_fn(path, tokens), *_inputs(seq_length, heads, head_dim, seed))
     row.update(path=path, documents=int((tokens == EOD).sum()) + 1)
     # a sample of rows to compare the paths (the whole would be large), as numpy: torch tensors sent back share
     # file descriptors that die with this process
@@ -173,20 +176,25 @@ def measure_packed(
     seq_length: int, heads: int, head_dim: int, seed: int = 1234
 ) -> list[dict[str, Any]]:
     """Part 1: both paths, each in a fresh process; the block path's largest deviation from the dense one."""
-    rows = [
-        spawn_local_ranks(
-            _packed_path,
-            1,
-            path,
-            seq_length,
-            heads,
-            head_dim,
-            seed,
-            init_process_group=False,
-            timeout=3600,
-        )[0]
-        for path in ("dense", "block")
-    ]
+
+    def run(memory: bool) -> list[dict[str, Any]]:
+        return [
+            spawn_local_ranks(
+                _packed_path,
+                1,
+                path,
+                seq_length,
+                heads,
+                head_dim,
+                seed,
+                memory,
+                init_process_group=False,
+                timeout=3600,
+            )[0]
+            for path in ("dense", "block")
+        ]
+
+    rows = _timed_and_measured(run)
     dense, block = rows
     pairs = [(dense["out"], block["out"]), *zip(dense["grads"], block["grads"], strict=True)]
     block["max_abs_diff_vs_dense"] = max(float(abs(a - b).max()) for a, b in pairs)
@@ -195,10 +203,12 @@ def measure_packed(
     return rows
 
 
-def _ring_rank(
-    seq_length: int, heads: int, kv_heads: int, head_dim: int, seed: int
+def _ring_rank(  # noqa: PLR0913 (the benchmark's knobs)
+    seq_length: int, heads: int, kv_heads: int, head_dim: int, seed: int, memory: bool
 ) -> dict[str, Any]:
     """One rank of part 2: its load-balanced shard through the ring (the world is the CP group)."""
+    if memory:
+        _map_every_buffer()
     import torch.distributed as dist
 
     from megatron.model.context_parallel import context_attention
@@ -219,7 +229,7 @@ def _ring_rank(
     _measure(fn, *shard(WARM_UP))  # the BLAS, allocator and gloo connections set up, once
     inputs = shard(seq_length)
     dist.barrier()
-    row = _timed_then_measured(fn, inputs)
+    row = _measure(fn, *inputs)
     del row["out"], row["grads"]
     row.update(rank=r, tokens=int(inputs[0].shape[0]))
     return row
@@ -231,9 +241,12 @@ def measure_ring(
     """Part 2: per CP size, the largest per-rank numbers."""
     rows = []
     for n in sizes:
-        ranks = spawn_local_ranks(
-            _ring_rank, n, seq_length, heads, kv_heads, head_dim, seed, timeout=3600
-        )
+
+        def run(memory: bool, n: int = n) -> list[dict[str, Any]]:
+            args = (seq_length, heads, kv_heads, head_dim, seed, memory)
+            return spawn_local_ranks(_ring_rank, n, *args, timeout=3600)
+
+        ranks = _timed_and_measured(run)
         row: dict[str, Any] = {"cp": n, "tokens_per_rank": ranks[0]["tokens"]}
         for key in ("saved_bytes", "peak_rss_rise_bytes", "forward_s", "backward_s"):
             row[key] = max(rank[key] for rank in ranks)
