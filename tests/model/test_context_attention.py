@@ -194,7 +194,21 @@ def test_block_attention_saves_only_its_inputs_output_and_lse() -> None:
 # --- the ring ------------------------------------------------------------------------------------------------
 
 
-def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool, tile) -> dict:  # noqa: ANN001
+def _documents(kind: str | None, seq_length: int, world: int) -> PackedDocuments | None:
+    if kind is None:
+        return None
+    if (
+        kind == "random"
+    ):  # sorted random ids: documents of random lengths across chunk and tile boundaries
+        ids = torch.randint(0, 6, (2, seq_length), generator=torch.Generator().manual_seed(1))
+        return PackedDocuments(torch.sort(ids, dim=1).values)
+    # "per-chunk": one document per load-balanced chunk, so a rank sees nothing of another rank's block (every
+    # block but its own is skipped, forward and backward, and the accumulators still travel)
+    chunk = torch.arange(seq_length) // (seq_length // (2 * world))
+    return PackedDocuments(torch.minimum(chunk, 2 * world - 1 - chunk).expand(2, -1).contiguous())
+
+
+def _ring_case(seq_length: int, heads: int, groups: int, window, docs_kind, tile) -> dict:  # noqa: ANN001
     import torch.distributed as dist
 
     from megatron.model.context_parallel import context_attention, ring_attention
@@ -202,10 +216,7 @@ def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool,
 
     n, r = dist.get_world_size(), dist.get_rank()
     q, k, v, grad_out = _qkv(seq_length, seq_length, heads, groups, seed=7)
-    docs = None
-    if use_docs:  # sorted random ids: documents of random lengths across chunk and tile boundaries
-        ids = torch.randint(0, 6, (2, seq_length), generator=torch.Generator().manual_seed(1))
-        docs = PackedDocuments(torch.sort(ids, dim=1).values)
+    docs = _documents(docs_kind, seq_length, n)
     whole = rank_layout(seq_length, 1, 0, docs, q.device)
     want = _grads(
         lambda q, k, v: reference_layout_attention(q, k, v, whole, whole, window_left=window)[0],
@@ -251,9 +262,10 @@ def _ring_case(seq_length: int, heads: int, groups: int, window, use_docs: bool,
 
 
 RING_CASES = {
-    "mha-causal": (4, 4, None, False, 5),
-    "gqa-documents-window": (4, 2, 7, True, 5),
-    "gqa-documents-default-tiles": (6, 2, None, True, None),
+    "mha-causal": (4, 4, None, None, 5),
+    "gqa-documents-window": (4, 2, 7, "random", 5),
+    "gqa-documents-default-tiles": (6, 2, None, "random", None),
+    "gqa-one-document-per-rank": (4, 2, None, "per-chunk", 5),
 }
 
 
