@@ -8,7 +8,8 @@ is the adjoint of its forward. All take ``group=None`` meaning the TP group (see
 gathers are the TP layout of hidden/vocab features; first-dim ones the sequence-parallel layout of ``[s, b, h]``.
 
 Plain helpers (no autograd) serve the cross-entropy, broadcast_data, activation checkpointing and the collective
-benchmark (``megatron/diagnostics/comm_bench.py``).
+benchmark (``megatron/diagnostics/comm_bench.py``); :func:`ring_exchange_async` the ring of context-parallel
+attention (``megatron/model/context_parallel.py``, which states what travels in forward and backward).
 
 Observing: inside ``with observe_collectives(fn):`` every tensor collective issued here calls
 ``fn(op, nbytes, group)`` first (``benchmarks/bench_memory_plan.py`` counts bytes per group with it).
@@ -516,6 +517,49 @@ def send_recv_(
     for handle in dist.batch_isend_irecv(ops):  # [...] -> dst; src -> [...]
         handle.wait()
     return recv
+
+
+class RingExchange:
+    """An exchange started by :func:`ring_exchange_async`: ``wait()`` completes it and returns the received
+    tensors (the sent ones stay referenced, so unwritten, until then)."""
+
+    def __init__(self, sent: list[torch.Tensor], received: list[torch.Tensor], handles: list[Any]):
+        self._sent, self._received, self._handles = sent, received, handles
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every send and receive of the exchange is done; the tensors from the previous rank."""
+        for handle in self._handles:
+            handle.wait()
+        self._handles, self._sent = [], []
+        return self._received
+
+
+def ring_exchange_async(
+    tensors: list[torch.Tensor], group: ProcessGroup | None, tag: int = 0
+) -> RingExchange:
+    """Start sending ``tensors`` to the next rank of ``group`` (group rank ``r + 1`` mod ``p``) while receiving
+    same-shaped ones from the previous (``r - 1``); ``wait()`` on the result returns them.
+
+    One ``batch_isend_irecv`` per exchange, so a ring where every rank sends first cannot deadlock on NCCL.
+    Exchanges in flight at once must be started in the same order on every rank; on gloo tensor ``i`` travels
+    with tag ``tag + i`` (give overlapping exchanges distinct tags). A group of one rank: the tensors themselves.
+    """
+    world = group_world_size(group)
+    if group is None or world == 1:
+        return RingExchange(tensors, tensors, [])
+    rank = group_rank(group)
+    dst = dist.get_global_rank(group, (rank + 1) % world)
+    src = dist.get_global_rank(group, (rank - 1) % world)
+    sent = [x.contiguous() for x in tensors]
+    received = [torch.empty_like(x) for x in sent]
+    ops = []
+    for i, (out, into) in enumerate(zip(sent, received, strict=True)):
+        if _observers:
+            _report("send", _nbytes(out), group)
+            _report("recv", _nbytes(into), group)
+        ops.append(dist.P2POp(dist.isend, out, dst, group, tag + i))  # [...] -> rank r+1
+        ops.append(dist.P2POp(dist.irecv, into, src, group, tag + i))  # rank r-1 -> [...]
+    return RingExchange(sent, received, dist.batch_isend_irecv(ops))
 
 
 def broadcast_object(obj: Any, src_group_rank: int = 0, group: ProcessGroup | None = None) -> Any:
