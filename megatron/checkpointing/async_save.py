@@ -1,29 +1,34 @@
-"""--async-save: the checkpoint's state copied to host memory, its files written by a background thread.
+"""--async-save: the checkpoint's state copied to host memory and written to disk by a background thread.
 
-The training loop is blocked only while the state is copied; the files are written while training goes on, through
-the same writer as a synchronous save (``checksums.ChecksumRecorder``: SHA-256 while writing, one sidecar per rank),
-and the completion marker and pointers move only once every rank's files are on disk::
+The training loop is blocked only while the save builds the state dicts (``engine.save_checkpoint`` routed to
+:func:`snapshot`: their structure is copied, each tensor gets a host buffer) and, if the copy is slower than a
+forward and backward, at the next optimizer step, which waits for it. The thread copies the tensors (while the
+next forward and backward run: they change no parameter or optimizer state in place), then writes the files
+through the same writer as a synchronous save (``checksums.ChecksumRecorder``: SHA-256 while writing, one sidecar
+per rank); the completion marker and pointers move only once every rank's files are on disk::
 
-    iteration N (save)   [snapshot: engine.save_checkpoint routed to host copies, RNG bytes] -> thread starts
-    iterations N+1, ...  training; the thread writes the tag's files, then this rank's checksum sidecar
+    iteration N (save)   structure + host buffers, RNG bytes; thread starts: copy, then write
+    iteration N+1        forward, backward; optimizer step waits for the copy (hold_optimizer_steps)
     each iteration end   all-reduce (max) of [my write still running, my write failed]: all done -> rank 0
-                         writes trident_meta.json, 'latest' and the iteration file (``engine.py``), barrier
+                         writes trident_meta.json, 'latest' and the iteration file (``commit.py``), barrier
     next save / exit     waits for the write still in flight (logged with the wait), then commits it
 
 A SIGKILL while the thread writes leaves a tag directory without ``trident_meta.json``: incomplete, never loaded;
 ``latest`` still names the previous complete checkpoint. Only the training thread runs collectives; the writer
-thread touches files only.
+thread copies tensors and writes files. The host buffers stay for the next save (one checkpoint of this rank in
+host memory, pinned on GPU, for the run): a fresh buffer pays a page fault per 4 KiB page on first touch.
 
-Why a thread and not a process: the copy to host memory is needed anyway on GPU (the device memory changes at the
-next step) and makes the state the thread writes private to it; a forked writer would copy-on-write the same pages
+Why a thread and not a process: the copy to host memory is needed anyway on GPU (device memory changes at the next
+step) and makes the state the thread writes private to it; a forked writer would copy-on-write the same pages
 but fork a process that runs gloo/NCCL and OpenMP threads (locks held by those threads stay locked in the child).
-The writer's Python work is pickling a few objects per file; the bytes are written and hashed with the GIL
+The writer's Python work is pickling a few objects per file; the bytes are copied, written and hashed with the GIL
 released.
 
 Why not DeepSpeed's own asynchronous engines (0.19.8: ``DecoupledCheckpointEngine``, ``FastCheckpointEngine``):
 they write ``latest`` themselves with a plain ``open`` (not atomic), record no checksums, commit inside
-``engine.step`` and need DeepSpeed's async-I/O op (libaio); Trident keeps its own protocol and routes DeepSpeed's
-``checkpoint_engine.save`` calls to :func:`snapshot` instead (``deepspeed_internals.checkpoint_saves_through``).
+``engine.step``, hand the live state dict to another process without a snapshot, and need DeepSpeed's async-I/O
+op (libaio). Trident keeps its own protocol and routes DeepSpeed's ``checkpoint_engine.save`` calls to
+:func:`snapshot` instead (``deepspeed_internals.checkpoint_saves_through``).
 """
 
 from __future__ import annotations
@@ -57,32 +62,68 @@ def _tensors_in(obj: Any, found: dict[int, torch.Tensor]) -> None:
             _tensors_in(v, found)
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``t`` in host memory (pinned when ``pin`` and ``t`` is on a GPU), of the same type
-    (a ``Parameter`` stays one)."""
+def _host_buffer(t: torch.Tensor, pin: bool, buffer: torch.Tensor | None) -> torch.Tensor:
+    """``buffer`` when it can take a copy of ``t`` (same shape and dtype; pinned if needed), else a new host
+    tensor (pinned when ``pin`` and ``t`` is on a GPU)."""
     to_pin = pin and t.device.type == "cuda"
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=to_pin)
-    out.copy_(t.detach(), non_blocking=to_pin)
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
-    return out
+    if (
+        buffer is not None
+        and buffer.shape == t.shape
+        and buffer.dtype == t.dtype
+        and (not to_pin or buffer.is_pinned())
+    ):
+        return buffer
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=to_pin)
 
 
-def snapshot(state: Any, *, pin: bool = True) -> Any:
-    """A deep copy of ``state`` (a state dict as DeepSpeed saves it) whose tensors are host-memory copies.
+@dataclass
+class Snapshot:
+    """A state dict's structure with host buffers in place of its tensors, and the copies that fill them."""
 
-    Tensors inside dicts, lists and tuples are copied to host memory (pinned from a GPU, the copies queued on the
-    current stream and waited for once); everything else is deep-copied, so later training steps, which change the
-    parameters and optimizer states in place, cannot change what the background writer saves. Views that shared
-    one storage are saved as separate tensors of their own size (a load copies values, so it reads the same).
+    state: Any
+    """A deep copy of the state dict whose tensors are the host buffers (valid once :meth:`copy` ran)."""
+    buffers: list[torch.Tensor]
+    """The host buffers in traversal order (hand them to the next snapshot of the same file to reuse)."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    """``(source, buffer)`` pairs."""
+
+    def copy(self) -> None:
+        """Fill the buffers (from a GPU: queued on the current stream, then waited for)."""
+        cuda = False
+        for src, dst in self.copies:
+            cuda = cuda or src.device.type == "cuda"
+            dst.copy_(src.detach(), non_blocking=src.device.type == "cuda" and dst.is_pinned())
+        if cuda:
+            torch.cuda.synchronize()
+
+
+def snapshot(
+    state: Any, *, pin: bool = True, buffers: list[torch.Tensor] | None = None
+) -> Snapshot:
+    """The structure of ``state`` (a state dict as DeepSpeed saves it) copied now, its tensors by
+    :meth:`Snapshot.copy` into host buffers (reusing ``buffers`` where shapes and dtypes match).
+
+    Everything but the tensors (dicts, lists, numbers, DeepSpeed's small objects) is deep-copied here; each tensor
+    inside dicts, lists and tuples gets a host buffer (pinned for a GPU tensor). The values are copied by
+    :meth:`Snapshot.copy`, which the caller runs before anything changes them in place (``async_save``: before the
+    next optimizer step). A reused buffer has its pages mapped already; a fresh one costs a page fault per 4 KiB
+    on first touch (on CPU that, not the copy, is most of a first snapshot's time). Views that shared one storage
+    become separate tensors of their own size (a load copies values, so it reads the same). A ``Parameter`` stays
+    one. The caller must not pass ``buffers`` that a writer may still be reading.
     """
     found: dict[int, torch.Tensor] = {}
     _tensors_in(state, found)
-    memo: dict[int, Any] = {key: _host_copy(t, pin) for key, t in found.items()}
-    out = copy.deepcopy(state, memo)
-    if any(t.device.type == "cuda" for t in found.values()):
-        torch.cuda.synchronize()
-    return out
+    old = list(buffers or [])
+    memo: dict[int, Any] = {}
+    used: list[torch.Tensor] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, (key, t) in enumerate(found.items()):
+        buf = _host_buffer(t, pin, old[i] if i < len(old) else None)
+        used.append(buf)
+        copies.append((t, buf))
+        is_param = isinstance(t, torch.nn.Parameter)
+        memo[key] = torch.nn.Parameter(buf, requires_grad=t.requires_grad) if is_param else buf
+    return Snapshot(copy.deepcopy(state, memo), used, copies)
 
 
 @dataclass
@@ -90,7 +131,7 @@ class FileJob:
     """One file of the checkpoint: what to write where."""
 
     path: Path
-    state: Any
+    state: Snapshot | bytes
     """A snapshot (for ``torch.save``) or bytes (written as they are: the RNG file)."""
     zipped: bool = True
     """torch's zip serialization (DeepSpeed's checkpoint engine setting)."""
@@ -107,7 +148,8 @@ class Writers:
 
 
 class BackgroundSave:
-    """The files of one rank's checkpoint ``iteration``, written by a (non-daemon) thread.
+    """One rank's checkpoint ``iteration``: a (non-daemon) thread fills the snapshots' host buffers, then writes
+    the files.
 
     Non-daemon: a process that ends in any way Python sees (exit code, exception) finishes writing the files first;
     they then stay uncommitted (no marker) unless the training thread committed them.
@@ -116,7 +158,10 @@ class BackgroundSave:
     def __init__(self, iteration: int, jobs: list[FileJob], writers: Writers) -> None:
         self.iteration = iteration
         self.error: BaseException | None = None
+        self.copy_seconds: float | None = None
         self.write_seconds: float | None = None
+        self.copied = threading.Event()
+        """Set once every host buffer holds its value (the training state may change from then on)."""
         self._jobs = jobs
         self._writers = writers
         self._thread = threading.Thread(
@@ -127,12 +172,19 @@ class BackgroundSave:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
+            try:
+                for job in self._jobs:
+                    if isinstance(job.state, Snapshot):
+                        job.state.copy()
+            finally:
+                self.copy_seconds = time.perf_counter() - start
+                self.copied.set()
             while self._jobs:
-                job = self._jobs.pop(0)  # drop each snapshot once written: host memory back early
+                job = self._jobs.pop(0)  # drop each structure once written
                 if isinstance(job.state, bytes):
                     self._writers.write_bytes(job.path, job.state)
                 else:
-                    self._writers.torch_save(job.state, job.path, job.zipped)
+                    self._writers.torch_save(job.state.state, job.path, job.zipped)
             self._writers.finish()
         except BaseException as err:  # noqa: BLE001 - handed to the training thread, which raises it
             self.error = err
@@ -141,6 +193,14 @@ class BackgroundSave:
     def done(self) -> bool:
         """The thread has finished (written every file, or failed: :attr:`error`)."""
         return not self._thread.is_alive()
+
+    def wait_copied(self) -> float:
+        """Block until the host buffers are filled; returns the seconds waited."""
+        if self.copied.is_set():
+            return 0.0
+        start = time.perf_counter()
+        self.copied.wait()
+        return time.perf_counter() - start
 
     def wait(self) -> float:
         """Block until the thread finished; returns the seconds waited."""
@@ -155,10 +215,24 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self._in_flight: tuple[BackgroundSave, SaveCommit] | None = None
+        self.step_wait_seconds = 0.0
+        """Seconds optimizer steps waited for the copies of the save in flight (training blocked)."""
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+        """The host copies of the last save, by file name in the tag: reused by the next snapshot of each file
+        (:func:`snapshot`; free once the previous write finished, which :meth:`wait_previous` ensures). The price:
+        host memory for one checkpoint of this rank, held for the run (as Megatron-LM's persistent buffers)."""
 
     def start(self, jobs: list[FileJob], writers: Writers, save: SaveCommit) -> None:
-        """Start writing ``jobs`` in the background (the previous save must be finished: :meth:`wait_previous`)."""
+        """Start copying and writing ``jobs`` in the background (the previous save must be finished:
+        :meth:`wait_previous`)."""
+        self.step_wait_seconds = 0.0
         self._in_flight = (BackgroundSave(save.iteration, jobs, writers), save)
+
+    def before_optimizer_step(self) -> None:
+        """Hold the optimizer step (which changes parameters and optimizer states in place) until the save in
+        flight has copied them; a no-op when nothing is in flight or the copy is done. Local: no collective."""
+        if self._in_flight is not None:
+            self.step_wait_seconds += self._in_flight[0].wait_copied()
 
     def wait_previous(self, iteration: int) -> None:
         """At most one save in flight: wait for (and commit) the previous one, logging how long it blocked."""
@@ -201,8 +275,11 @@ class AsyncSaves:
         commit(save)
         if rank == 0:
             logger.info(
-                "saved checkpoint %s at iteration %d (written in the background in %.2f s)",
+                "saved checkpoint %s at iteration %d (copied in %.2f s and written in %.2f s in the background; "
+                "the next optimizer step waited %.3f s for the copy)",
                 save.tag_dir,
                 save.iteration,
+                pending.copy_seconds or 0.0,
                 pending.write_seconds or 0.0,
+                self.step_wait_seconds,
             )

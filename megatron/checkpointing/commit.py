@@ -106,7 +106,9 @@ def background_failure(
     (a write error as one line), on the others one line naming that rank."""
     save_dir = save.tag_dir.parent
     if err is None:
-        other = OSError(f"the background write on rank {failed_rank} failed (its log names the file)")
+        other = OSError(
+            f"the background write on rank {failed_rank} failed (its log names the file)"
+        )
         return CheckpointSaveError(save_failed_message(save_dir, save.iteration, other))
     if is_write_error(err):
         return CheckpointSaveError(save_failed_message(save_dir, save.iteration, err))

@@ -61,7 +61,7 @@ from megatron.checkpointing.weights_only import (
 )
 from megatron.checkpointing.zero3 import read_zero3_client_state
 from megatron.config import CheckpointConfig, ModelConfig, RunPlan
-from megatron.deepspeed_internals import checkpoint_saves_through
+from megatron.deepspeed_internals import checkpoint_saves_through, hold_optimizer_steps
 from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
 from megatron.log import global_rank
 
@@ -185,12 +185,18 @@ class DeepSpeedCheckpointer:
         save: SaveCommit,
         rng: bytes,
     ) -> None:
-        """--async-save: DeepSpeed's files as host-memory snapshots (``async_save.py``), written by a thread."""
+        """--async-save: DeepSpeed's files as snapshots (``async_save.py``: the structure now, the tensors copied
+        to host memory by a thread before the next optimizer step), written by that thread."""
         jobs = [FileJob(save.tag_dir / rng_file_name(global_rank()), rng)]
         pin = self.plan.device_type == "cuda"
 
+        buffers = self._async.buffers
+
         def keep(state_dict: Any, path: str, zipped: bool) -> None:
-            jobs.append(FileJob(Path(path), snapshot(state_dict, pin=pin), zipped))
+            name = Path(path).name
+            snap = snapshot(state_dict, pin=pin, buffers=buffers.get(name))
+            buffers[name] = snap.buffers
+            jobs.append(FileJob(Path(path), snap, zipped))
 
         # Ends with DeepSpeed's barrier; the files are then snapshots in ``jobs``, not yet on disk.
         with checkpoint_saves_through(engine, keep) as routed:
@@ -202,6 +208,8 @@ class DeepSpeedCheckpointer:
             )
         # Not routed (another DeepSpeed checkpoint engine): it wrote its files itself, unhashed.
         save.hashed = routed and self.record_checksums
+        # The thread copies the tensors while training runs forward and backward; the next optimizer step waits.
+        hold_optimizer_steps(engine, self._async.before_optimizer_step)
         self._async.start(jobs, self._writers(recorder, save.hashed), save)
 
     @staticmethod

@@ -35,22 +35,30 @@ FLAGS = [
 
 
 def test_snapshot_is_a_private_host_copy() -> None:
-    """Tensors are copied (later in-place changes do not reach the copy), types and attributes are kept."""
+    """The structure is copied at once, the tensors by ``copy()`` (later in-place changes do not reach them);
+    types and attributes are kept; the next snapshot reuses the host buffers."""
     w = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
     flat = torch.zeros(8)
     sd: Any = collections.OrderedDict(weight=w.detach(), view=flat[2:5])
     sd._metadata = {"": {"version": 1}}
     state = {"module": sd, "param": w, "groups": [{"lr": 0.1, "t": (flat, 3)}], "n": 7}
     snap = snapshot(state)
+    state["groups"][0]["lr"] = 0.2  # not a tensor: copied at snapshot time
+    snap.copy()
     w.data.add_(100.0)
     flat.add_(1.0)
-    assert torch.equal(snap["module"]["weight"], torch.arange(6.0).view(2, 3))
-    assert torch.equal(snap["module"]["view"], torch.zeros(3))  # a view becomes a tensor of its own size
-    assert snap["module"]._metadata == {"": {"version": 1}}
-    assert isinstance(snap["module"], collections.OrderedDict)
-    assert isinstance(snap["param"], torch.nn.Parameter) and snap["param"].requires_grad
-    assert torch.equal(snap["groups"][0]["t"][0], torch.zeros(8)) and snap["groups"][0]["t"][1] == 3
-    assert snap["groups"] is not state["groups"] and snap["n"] == 7
+    got = snap.state
+    assert torch.equal(got["module"]["weight"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(
+        got["module"]["view"], torch.zeros(3)
+    )  # a view becomes a tensor of its own size
+    assert got["module"]._metadata == {"": {"version": 1}}
+    assert isinstance(got["module"], collections.OrderedDict)
+    assert isinstance(got["param"], torch.nn.Parameter) and got["param"].requires_grad
+    assert torch.equal(got["groups"][0]["t"][0], torch.zeros(8)) and got["groups"][0]["t"][1] == 3
+    assert got["groups"][0]["lr"] == 0.1 and got["n"] == 7
+    again = snapshot(state, buffers=snap.buffers)  # the next save copies into the same host memory
+    assert [b.data_ptr() for b in again.buffers] == [b.data_ptr() for b in snap.buffers]
 
 
 def _checkpointer(pre: Any, run: Any) -> Any:
@@ -66,85 +74,111 @@ def _checkpointer(pre: Any, run: Any) -> Any:
     )
 
 
-def _hold_writer_of_rank(rank: int, gate: threading.Event) -> None:
-    """On ``rank``, every background writer waits for ``gate`` before it writes (fault injection)."""
-    from megatron.checkpointing import async_save
+def _inject(write_gate: threading.Event, copy_gate: threading.Event) -> None:
+    """Fault injection: every rank's copies wait for ``copy_gate``; rank 1's file writes wait for ``write_gate``
+    and, once ``_FAIL`` is set, fail as a full disk does."""
+    from megatron.checkpointing import async_save, checksums
 
-    if int(os.environ["RANK"]) != rank:
+    copy = async_save.Snapshot.copy
+
+    def late_copy(self: Any) -> None:
+        copy_gate.wait()
+        copy(self)
+
+    async_save.Snapshot.copy = late_copy  # type: ignore[method-assign]
+    if int(os.environ["RANK"]) != 1:
         return
-    run = async_save.BackgroundSave._run
+    save = checksums.ChecksumRecorder.torch_save
 
-    def held(self: Any) -> None:
-        gate.wait()
-        run(self)
+    def held(self: Any, state_dict: Any, path: Any, zipped: bool) -> None:
+        write_gate.wait()
+        if _FAIL:
+            raise OSError(28, "No space left on device", str(path))
+        save(self, state_dict, path, zipped)
 
-    async_save.BackgroundSave._run = held  # type: ignore[method-assign]
+    checksums.ChecksumRecorder.torch_save = held  # type: ignore[method-assign]
 
 
-def _fail_writes_of_rank(rank: int) -> None:
-    """On ``rank``, the next torch.save of the checksum recorder fails as a full disk does."""
-    from megatron.checkpointing import checksums
+_FAIL: list[bool] = []
 
-    if int(os.environ["RANK"]) != rank:
-        return
 
-    def full(self: Any, state_dict: Any, path: Any, zipped: bool) -> None:
-        raise OSError(28, "No space left on device", str(path))
+def _step(engine: Any) -> None:
+    """An optimizer step (on a loss of the parameters alone): changes every parameter in place."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2  # the schedule is not applied here; its first LR may be 0
+    loss = sum((p.float() ** 2).sum() for p in engine.module.parameters())
+    engine.backward(loss)
+    engine.step()
 
-    checksums.ChecksumRecorder.torch_save = full  # type: ignore[method-assign]
+
+def _setup(save: str, *extra: str) -> tuple[Any, Any, Any, Any]:
+    from megatron.config import parse_args
+    from megatron.training import initialize, preflight
+    from megatron.training.lr_scheduler import build_lr_scheduler
+    from megatron.training.model_setup import build_engine
+
+    pre = preflight(parse_args([*FLAGS, "--save", save, "--load", save, *extra]))
+    cfg, plan = pre.cfg, pre.plan
+    run = initialize.init_distributed(cfg.parallel)
+    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, pre.ds_config, run)
+    sched = build_lr_scheduler(cfg.training, plan.global_batch_size, bundle.client_optimizer)
+    return pre, run, bundle.engine, sched
+
+
+def _first_save(root: Path, ck: Any, engine: Any, sched: Any, out: dict[str, Any]) -> list:
+    """Save 1 with the copies held for 0.5 s and rank 1's writes until released: the step after it waits for
+    the copies; no rank commits while rank 1 writes. Returns the parameters as saved."""
+    from megatron.checkpointing.checksums import verify_checkpoint_files
+    from megatron.checkpointing.meta import read_meta
+    from megatron.training.state import TrainState
+
+    write_gate, copy_gate = threading.Event(), threading.Event()
+    _inject(write_gate, copy_gate)
+    saved = [p.detach().clone() for p in engine.module.parameters()]
+    state = TrainState()
+    state.iteration = 1
+    ck.save(engine, sched, state)
+    threading.Timer(0.5, copy_gate.set).start()
+    _step(engine)  # training goes on; its optimizer step must wait for the copies
+    out["step_waited"] = ck._async.step_wait_seconds
+    out["changed"] = not all(torch.equal(p, s) for p, s in zip(engine.module.parameters(), saved))
+    ck.finalize_save(blocking=False)  # rank 0 has written its files, rank 1 not: no commit
+    out["latest_while_rank1_writes"] = (root / "latest").exists()
+    out["marker_while_rank1_writes"] = (root / "global_step1" / "trident_meta.json").exists()
+    write_gate.set()
+    ck.finalize_save(blocking=True)
+    out["latest_after"] = (root / "latest").read_text()
+    out["verified"] = verify_checkpoint_files(
+        root / "global_step1", read_meta(root, "global_step1")
+    )
+    out["sidecars_left"] = sorted(p.name for p in (root / "global_step1").glob(".checksums*"))
+    return saved
 
 
 def _protocol(save: str) -> dict[str, Any]:
     """Saves 1-4 of a DP-2 ZeRO-1 engine with --async-save; what each rank saw at each point."""
     from megatron import mpu
-    from megatron.checkpointing.checksums import verify_checkpoint_files
     from megatron.checkpointing.commit import CheckpointSaveError
-    from megatron.checkpointing.meta import read_meta
     from megatron.config import parse_args
-    from megatron.training import initialize, preflight
-    from megatron.training.lr_scheduler import build_lr_scheduler
-    from megatron.training.model_setup import build_engine
+    from megatron.training import preflight
     from megatron.training.state import TrainState
 
     root = Path(save)
-    pre = preflight(parse_args([*FLAGS, "--save", save, "--load", save]))
-    cfg, plan = pre.cfg, pre.plan
-    run = initialize.init_distributed(cfg.parallel)
-    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, pre.ds_config, run)
-    engine = bundle.engine
-    sched = build_lr_scheduler(cfg.training, plan.global_batch_size, bundle.client_optimizer)
+    pre, run, engine, sched = _setup(save)
     ck = _checkpointer(pre, run)
     out: dict[str, Any] = {}
-    gate = threading.Event()
-    _hold_writer_of_rank(1, gate)
-    params = [p for p in engine.module.parameters()]
-    saved = [p.detach().clone() for p in params]
+    saved = _first_save(root, ck, engine, sched, out)
     state = TrainState()
-    state.iteration = 1
-    t = time.perf_counter()
-    ck.save(engine, sched, state)
-    out["blocked_s"] = time.perf_counter() - t
-    with torch.no_grad():  # training goes on: the parameters change in place while the files are written
-        for p in params:
-            p.add_(1.0)
-    ck.finalize_save(blocking=False)  # rank 0 has written its files, rank 1 not: no commit
-    out["latest_while_rank1_writes"] = (root / "latest").exists()
-    out["marker_while_rank1_writes"] = (root / "global_step1" / "trident_meta.json").exists()
-    gate.set()
-    ck.finalize_save(blocking=True)
-    out["latest_after"] = (root / "latest").read_text()
-    meta = read_meta(root, "global_step1")
-    out["verified"] = verify_checkpoint_files(root / "global_step1", meta)
-    out["sidecars_left"] = sorted(p.name for p in (root / "global_step1").glob(".checksums*"))
-    # One save in flight: the save of 3 waits for 2 and commits it before it starts.
-    for it in (2, 3):
+    for it in (
+        2,
+        3,
+    ):  # one save in flight: the save of 3 waits for 2 and commits it before it starts
         state.iteration = it
         ck.save(engine, sched, state)
         out[f"latest_after_save_{it}"] = (root / "latest").read_text()
     ck.finalize_save(blocking=True)
     out["latest_final"] = (root / "latest").read_text()
-    # A failed background write on rank 1: every rank raises, 'latest' stays.
-    _fail_writes_of_rank(1)
+    _FAIL.append(True)  # a failed background write on rank 1: every rank raises, 'latest' stays
     state.iteration = 4
     ck.save(engine, sched, state)
     try:
@@ -153,14 +187,12 @@ def _protocol(save: str) -> dict[str, Any]:
     except CheckpointSaveError as err:
         out["failure"] = str(err)
     out["latest_after_failure"] = (root / "latest").read_text()
-    # The checkpoint of iteration 1 loads the values of the moment it was saved, not the later ones.
+    # The checkpoint of iteration 1 holds the values of the moment it was saved, not the stepped ones.
     loaded = TrainState()
-    ck1 = _checkpointer(
-        preflight(parse_args([*FLAGS, "--load", save, "--load-tag", "global_step1"])), run
-    )
-    ck1.load(engine, sched, loaded)
+    pre1 = preflight(parse_args([*FLAGS, "--load", save, "--load-tag", "global_step1"]))
+    _checkpointer(pre1, run).load(engine, sched, loaded)
     out["loaded_iteration"] = loaded.iteration
-    out["loaded_equal"] = all(torch.equal(p, s) for p, s in zip(params, saved, strict=True))
+    out["loaded_equal"] = all(torch.equal(p, s) for p, s in zip(engine.module.parameters(), saved))
     mpu.destroy_model_parallel()
     return out
 
@@ -169,6 +201,7 @@ def test_async_save_protocol(tmp_path: Path) -> None:
     save = tmp_path / "ck"
     outs = run_distributed(_protocol, 2, str(save), init_process_group=False, timeout=300)
     for rank, out in enumerate(outs):
+        assert out["step_waited"] > 0.2 and out["changed"], (rank, out["step_waited"])
         assert out["latest_while_rank1_writes"] is False, rank
         assert out["marker_while_rank1_writes"] is False, rank
         assert out["latest_after"] == "global_step1"
@@ -180,8 +213,11 @@ def test_async_save_protocol(tmp_path: Path) -> None:
         assert out["latest_after_failure"] == "global_step3"
         assert out["loaded_iteration"] == 1 and out["loaded_equal"], rank
     assert "No space left on device" in outs[1]["failure"]
-    assert "zero_pp_rank_1" in outs[1]["failure"] or "global_step4" in outs[1]["failure"]
-    assert "rank 1" in outs[0]["failure"] and "'latest' still points to global_step3" in outs[0]["failure"]
+    assert "global_step4" in outs[1]["failure"]
+    assert (
+        "rank 1" in outs[0]["failure"]
+        and "'latest' still points to global_step3" in outs[0]["failure"]
+    )
     assert not (save / "global_step4" / "trident_meta.json").exists()
 
 
@@ -251,7 +287,10 @@ def test_sigkill_during_background_writes_then_resume_exactly(tmp_path: Path) ->
         assert code == (-signal.SIGKILL if trial < 10 else 0), (trial, code)
         got = _losses(metrics)
         assert got and all(got[k] == ref[k] for k in got), (trial, got)
-        previous, tag = tag, find_checkpoint(str(ck))  # raises when 'latest' names an incomplete tag
+        previous, tag = (
+            tag,
+            find_checkpoint(str(ck)),
+        )  # raises when 'latest' names an incomplete tag
         assert tag is not None or previous is None, trial  # none yet: only before the first commit
     assert tag == f"global_step{KILL_ITERS}"
     print(f"SIGKILLs with a background write in flight: {in_flight_at_kill} of 10")
