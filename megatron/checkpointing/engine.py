@@ -137,6 +137,12 @@ class DeepSpeedCheckpointer:
         """
         self._async.finalize(blocking=blocking)
 
+    @property
+    def step_wait_seconds(self) -> float:
+        """--async-save: seconds the optimizer steps since the last save waited for its copy (training blocked
+        beyond :attr:`last_save_seconds`)."""
+        return self._async.step_wait_seconds
+
     def _save(self, engine: Any, scheduler: Any, state: Any) -> None:
         start = time.perf_counter()
         self._async.wait_previous(state.iteration)
