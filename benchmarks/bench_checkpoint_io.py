@@ -3,20 +3,24 @@
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m benchmarks.bench_checkpoint_io [--hidden-size 1024]
         [--num-layers 10] [--disk-gb 2] [--repeats 2] [--dir /path/on/the/disk/to/measure]
 
-1. The disk: one file of --disk-gb written sequentially in 64 MiB chunks and fsync'ed (write bandwidth), then read
-   back cold (its pages dropped from the page cache first with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs
-   no root for clean pages; ``fincore`` shows them gone. A hypervisor's cache below a virtual disk stays
-   out of reach: on a VM "cold" means cold in this kernel) and warm (read again at once).
-2. Trident: one process, a GPT of --hidden-size / --num-layers (vocabulary 32000), ZeRO-1 fp32 (16 bytes a parameter
-   on disk: weights, fp32 partition, two Adam moments), saved through the real ``DeepSpeedCheckpointer``: the
-   synchronous save (its wall time as ``save()`` returns, and with ``os.sync()`` after it: the same durability as
-   the disk measurement's fsync), the load from cold pages (``load()``; the SHA-256 verification a relaunch runs on
-   a second thread is timed on its own), and --async-save: the time ``save()`` blocks plus the time the next
-   optimizer step waits for the copy to host memory (a step with no forward and backward to overlap it with: the
-   most it can wait), then the background write. The first repeat's async save allocates its host buffers (page
-   faults); later ones reuse them, as a run's later saves do. Bandwidths are bytes of the tag directory / seconds, and fractions of the disk's.
+1. The disk, before each repeat (a shared machine's disk drifts): one file of --disk-gb written sequentially in
+   64 MiB chunks and fsync'ed (write bandwidth), then read back cold (its pages dropped from the page cache first
+   with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no root for clean pages; ``fincore`` shows them gone.
+   A hypervisor's cache below a virtual disk stays out of reach: on a VM "cold" means cold in this kernel) and
+   warm (read again at once).
+2. Trident: one process, a GPT of --hidden-size / --num-layers (vocabulary 32000), ZeRO-1 fp32 (16 bytes a
+   parameter on disk: weights, fp32 partition, two Adam moments), saved through the real
+   ``DeepSpeedCheckpointer``: the synchronous save (its wall time as ``save()`` returns, and with ``os.sync()``
+   after it: the durability of the disk measurement's fsync), the load from cold pages (``load()``; the SHA-256
+   verification a relaunch runs on a second thread is timed on its own), and --async-save: the time ``save()``
+   blocks plus the time the next optimizer step waits for the copy to host memory, and the training time lost in
+   all while the write is in flight (the blocked time plus how much slower the optimizer steps run meanwhile,
+   against a step alone: on a machine with few cores the writer's copying, pickling and hashing compete with
+   training for the CPU). The first repeat's async save allocates its host buffers (page faults); later ones
+   reuse them, as a run's later saves do.
 
-Prints one line per measurement and a summary (medians over --repeats).
+Bandwidths are bytes of the tag directory / seconds; fractions are per repeat, against the disk measured just
+before, then the median. Prints one line per measurement and a summary.
 """
 
 from __future__ import annotations
@@ -108,8 +112,11 @@ def _verify(tag: Path) -> None:
     verify_checkpoint_files(tag, read_meta(tag.parent, tag.name))
 
 
-def measure_trident(root: Path, flags: list[str], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each measurement per repeat, and the checkpoint's bytes (``"bytes"``)."""
+def measure_trident(
+    root: Path, flags: list[str], repeats: int, disk_gb: float
+) -> dict[str, list[float]]:
+    """Per repeat: the disk's bandwidths (bytes/s: ``disk_write``, ``disk_read_cold``), measured right before
+    Trident's, the seconds of each of Trident's measurements, and the checkpoint's bytes (``"bytes"``)."""
     from megatron import mpu
     from megatron.config import parse_args
     from megatron.training import initialize, preflight
@@ -122,7 +129,18 @@ def measure_trident(root: Path, flags: list[str], repeats: int) -> dict[str, lis
     pre = preflight(parse_args(args))
     pre_async = preflight(parse_args([*args, "--async-save"]))
     run = initialize.init_distributed(pre.cfg.parallel)
-    keys = ("save", "save_sync", "load", "verify", "async_blocked", "async_write", "bytes")
+    keys = (
+        "save",
+        "save_sync",
+        "load",
+        "verify",
+        "async_blocked",
+        "async_lost",
+        "async_write",
+        "bytes",
+        "disk_write",
+        "disk_read_cold",
+    )
     out: dict[str, list[float]] = {k: [] for k in keys}
     try:
         cfg, plan = pre.cfg, pre.plan
@@ -133,6 +151,13 @@ def measure_trident(root: Path, flags: list[str], repeats: int) -> dict[str, lis
         _create_optimizer_states(bundle.engine)
         sync_ck, async_ck = _checkpointer(pre, run), _checkpointer(pre_async, run)
         for i in range(repeats):
+            disk = measure_disk(root, disk_gb)
+            out["disk_write"].append(disk["write"])
+            out["disk_read_cold"].append(disk["read_cold"])
+            print(
+                f"repeat {i}: disk: write {disk['write'] / 1e9:.2f} GB/s (fsync), read cold "
+                f"{disk['read_cold'] / 1e9:.2f} GB/s, warm {disk['read_warm'] / 1e9:.2f} GB/s"
+            )
             _one_repeat(i, save, bundle.engine, sched, (sync_ck, async_ck), out, TrainState)
     finally:
         mpu.destroy_model_parallel()
@@ -150,6 +175,10 @@ def _one_repeat(
     i: int, save: Path, engine: Any, sched: Any, cks: tuple[Any, Any], out: dict, state_cls: Any
 ) -> None:
     sync_ck, async_ck = cks
+    t = time.perf_counter()
+    for _ in range(3):
+        _create_optimizer_states(engine)
+    step_alone = (time.perf_counter() - t) / 3
     shutil.rmtree(save, ignore_errors=True)
     os.sync()
     state = state_cls()
@@ -175,17 +204,24 @@ def _one_repeat(
     t = time.perf_counter()
     async_ck.save(engine, sched, state)
     blocked = time.perf_counter() - t
-    # The next step: its optimizer step waits for the copy. Its forward and backward are a sum of squares here
-    # (nothing to overlap the copy with), so this is the most a step can wait.
-    _create_optimizer_states(engine)
-    out["async_blocked"].append(blocked + async_ck.step_wait_seconds)
-    async_ck.finalize_save(blocking=True)
+    # Training goes on (optimizer steps on a loss of the parameters) until the write is committed: the first
+    # step's optimizer step waits for the copy; every step competes with the writer for the CPU.
+    steps, t_steps = 0, time.perf_counter()
+    while async_ck.save_in_flight:
+        _create_optimizer_states(engine)
+        steps += 1
+        async_ck.finalize_save(blocking=False)
+    took = time.perf_counter() - t_steps
     out["async_write"].append(time.perf_counter() - t)
+    out["async_blocked"].append(blocked + async_ck.step_wait_seconds)
+    out["async_lost"].append(blocked + took - steps * step_alone)
     gb = out["bytes"][-1] / 1e9
     print(
         f"repeat {i}: {gb:.2f} GB: save {out['save'][-1]:.2f} s (+ os.sync {out['save_sync'][-1]:.2f} s), "
         f"load {out['load'][-1]:.2f} s, verify {out['verify'][-1]:.2f} s; --async-save blocked "
-        f"{out['async_blocked'][-1]:.3f} s (save + next step's wait), written after {out['async_write'][-1]:.2f} s"
+        f"{out['async_blocked'][-1]:.3f} s (save + next step's wait), training slowed by "
+        f"{out['async_lost'][-1]:.2f} s in all (steps {step_alone:.2f} s alone), written after "
+        f"{out['async_write'][-1]:.2f} s"
     )
 
 
@@ -206,26 +242,29 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--dir {a.dir} is a file; give a directory (it is created if missing)")
         Path(a.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        disk = measure_disk(Path(tmp), a.disk_gb)
-        print(
-            f"disk: write {disk['write'] / 1e9:.2f} GB/s (fsync), read cold {disk['read_cold'] / 1e9:.2f} "
-            f"GB/s, warm {disk['read_warm'] / 1e9:.2f} GB/s"
-        )
-        out = measure_trident(Path(tmp), _flags(a.hidden_size, a.num_layers), a.repeats)
+        out = measure_trident(Path(tmp), _flags(a.hidden_size, a.num_layers), a.repeats, a.disk_gb)
     med = {k: statistics.median(v) for k, v in out.items()}
     if a.repeats > 1:  # the first async save allocates its buffers; a run's later saves reuse them
-        med["async_blocked"] = statistics.median(out["async_blocked"][1:])
+        for k in ("async_blocked", "async_lost"):
+            med[k] = statistics.median(out[k][1:])
     size = med["bytes"]
+    # Each repeat against the disk measured just before it (a shared machine's disk drifts between repeats).
     for what, disk_rate in (("save", "write"), ("save_sync", "write"), ("load", "read_cold")):
-        rate = size / med[what]
+        ratios = [
+            b / t / d
+            for b, t, d in zip(out["bytes"], out[what], out[f"disk_{disk_rate}"], strict=True)
+        ]
         print(
-            f"{what}: {rate / 1e9:.2f} GB/s = {100 * rate / disk[disk_rate]:.0f} % of the disk's "
-            f"{disk_rate.replace('_', ' ')} bandwidth"
+            f"{what}: {size / med[what] / 1e9:.2f} GB/s = {100 * statistics.median(ratios):.0f} % of the "
+            f"disk's {disk_rate.replace('_', ' ')} bandwidth (medians; per repeat: "
+            f"{', '.join(f'{100 * r:.0f} %' for r in ratios)})"
         )
     print(
         f"verify (SHA-256, cold): {size / med['verify'] / 1e9:.2f} GB/s; --async-save blocked "
         f"{med['async_blocked']:.3f} s = {100 * med['async_blocked'] / med['save']:.1f} % of the synchronous "
-        f"save ({med['save']:.2f} s; medians, the first async save left out when --repeats > 1)"
+        f"save ({med['save']:.2f} s; medians, the first async save left out when --repeats > 1); training time "
+        f"lost while it writes (blocked + slower steps): {med['async_lost']:.2f} s = "
+        f"{100 * med['async_lost'] / med['save']:.0f} % of the synchronous save"
     )
     return 0
 

@@ -222,6 +222,11 @@ class AsyncSaves:
         (:func:`snapshot`; free once the previous write finished, which :meth:`wait_previous` ensures). The price:
         host memory for one checkpoint of this rank, held for the run (as Megatron-LM's persistent buffers)."""
 
+    @property
+    def in_flight(self) -> bool:
+        """A save was started and not committed yet."""
+        return self._in_flight is not None
+
     def start(self, jobs: list[FileJob], writers: Writers, save: SaveCommit) -> None:
         """Start copying and writing ``jobs`` in the background (the previous save must be finished:
         :meth:`wait_previous`)."""

@@ -138,6 +138,11 @@ class DeepSpeedCheckpointer:
         self._async.finalize(blocking=blocking)
 
     @property
+    def save_in_flight(self) -> bool:
+        """--async-save: a save is being written (not yet committed by :meth:`finalize_save`)."""
+        return self._async.in_flight
+
+    @property
     def step_wait_seconds(self) -> float:
         """--async-save: seconds the optimizer steps since the last save waited for its copy (training blocked
         beyond :attr:`last_save_seconds`)."""
