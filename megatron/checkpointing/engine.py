@@ -179,8 +179,8 @@ class DeepSpeedCheckpointer:
         self.last_save_seconds = time.perf_counter() - start
         if global_rank() == 0:
             logger.info(
-                "checkpoint %s: state of iteration %d copied in %.2f s (training blocked); writing it in the "
-                "background (--async-save)"
+                "checkpoint %s: state of iteration %d captured in %.2f s (training blocked); copying and "
+                "writing it in the background (--async-save)"
                 if self.checkpoint.async_save
                 else "saved checkpoint %s at iteration %d in %.2f s",
                 tag_dir,
