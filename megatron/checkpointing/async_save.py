@@ -88,13 +88,15 @@ class Snapshot:
     """``(source, buffer)`` pairs."""
 
     def copy(self) -> None:
-        """Fill the buffers (from a GPU: queued on the current stream, then waited for)."""
-        cuda = False
+        """Fill the buffers (from a GPU: queued on the current stream, then waited for on each source device;
+        the calling thread's current device may be another one)."""
+        devices: set[torch.device] = set()
         for src, dst in self.copies:
-            cuda = cuda or src.device.type == "cuda"
+            if src.device.type == "cuda":
+                devices.add(src.device)
             dst.copy_(src.detach(), non_blocking=src.device.type == "cuda" and dst.is_pinned())
-        if cuda:
-            torch.cuda.synchronize()
+        for device in devices:
+            torch.cuda.synchronize(device)
 
 
 def snapshot(

@@ -295,3 +295,21 @@ def test_sigkill_during_background_writes_then_resume_exactly(tmp_path: Path) ->
     assert tag == f"global_step{KILL_ITERS}"
     print(f"SIGKILLs with a background write in flight: {in_flight_at_kill} of 10")
     assert in_flight_at_kill >= 7, in_flight_at_kill
+
+
+@pytest.mark.gpu
+def test_snapshot_of_gpu_tensors_into_pinned_memory_on_another_thread() -> None:
+    """GPU (skipped without CUDA): pinned host buffers, filled on a thread whose current device is not the
+    tensors' (the writer's), equal the values at the time of the copy; later in-place changes do not reach them."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    w = torch.randn(1024, 1024, device=device)
+    expected = w.cpu()
+    snap = snapshot({"w": w, "m": torch.nn.Parameter(w * 2)})
+    assert snap.buffers[0].is_pinned() and snap.buffers[0].device.type == "cpu"
+    thread = threading.Thread(target=snap.copy)
+    thread.start()
+    thread.join()
+    w.add_(1.0)
+    torch.cuda.synchronize(device)
+    assert torch.equal(snap.state["w"], expected) and torch.equal(snap.state["m"], expected * 2)
+    assert isinstance(snap.state["m"], torch.nn.Parameter)
