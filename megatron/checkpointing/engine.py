@@ -7,7 +7,10 @@ holding the SHA-256 of every other file, computed as it was written (``checksums
 Save protocol (crash safety): every rank writes its RNG file, then ``engine.save_checkpoint(tag=...,
 save_latest=False)`` (which ends with a barrier over all ranks), then rank 0 writes ``trident_meta.json`` and moves
 both pointers with temp file + ``os.replace`` (``pointers.py``). A process killed at any point leaves the pointers at
-the previous complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
+the previous complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded. The
+two ends of the protocol (before any file; after every rank's files) are ``commit.py``. With --async-save the
+files between them are written by a background thread and the commit happens at a later iteration's end
+(``async_save.py``).
 
 Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
 ``consumed_train_tokens``, ``consumed_valid_samples``, ``consumed_valid_tokens``, ``skipped_iterations``,
