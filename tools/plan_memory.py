@@ -4,7 +4,7 @@
     python -m tools.plan_memory --memory-gb 40 --num-layers 32 --hidden-size 4096 ... --bf16 --zero-stage 1
 
 The flags are parsed and checked as a run would (the same one-line errors); the world size comes from
---world-size, else the launcher's WORLD_SIZE, else TP x PP. Arithmetic only: ``megatron/planning/memory_plan.py``
+--world-size, else the launcher's WORLD_SIZE, else TP x PP x CP x Ulysses (DP 1). Arithmetic only: ``megatron/planning/memory_plan.py``
 (``plan_for_config`` in ``megatron/training/preflight.py`` makes the run's checks first).
 Exit codes: 0 fits (or no capacity given), 1 does not fit, 2 bad flags.
 """
@@ -43,8 +43,9 @@ def _memory_gb(text: str) -> float:
     return value
 
 
-def _world_size(given: int | None, tp: int, pp: int) -> int:
-    """--world-size, else WORLD_SIZE, else TP x PP (a 0 given is an error, not "not given")."""
+def _world_size(given: int | None, model_ranks: int) -> int:
+    """--world-size, else WORLD_SIZE, else ``model_ranks`` = TP x PP x CP x Ulysses (a 0 given is an error, not
+    "not given")."""
     if given is not None:
         if given < 1:
             raise ValueError(
@@ -53,7 +54,7 @@ def _world_size(given: int | None, tp: int, pp: int) -> int:
         return given
     env = os.environ.get("WORLD_SIZE", "").strip()
     if not env:
-        return tp * pp
+        return model_ranks
     if not env.isdigit() or int(env) < 1:
         raise ValueError(
             f"WORLD_SIZE={env!r} (environment) is not a positive integer; unset it or pass --world-size."
@@ -75,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         own, rest = p.parse_known_args(argv)
         cfg = parse_args(rest, read_checkpoint_model=read_checkpoint_model)
         par = cfg.parallel
-        world = _world_size(
-            own.world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        model_ranks = (
+            par.tensor_model_parallel_size
+            * par.pipeline_model_parallel_size
+            * par.context_parallel_size
+            * par.ds_sequence_parallel_size
         )
+        world = _world_size(own.world_size, model_ranks)
         capacity = capacity_of(own.gpu_type, own.memory_gb)
         plan, mp, ds_config = plan_for_config(cfg, world_size=world)
     except (ValueError, FileNotFoundError) as e:

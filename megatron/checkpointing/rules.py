@@ -273,9 +273,11 @@ def check_resume_compatibility(case: ResumeCase | None) -> None:
 
 
 def zero_partitions(plan: RunPlan, ds_sequence_parallel_size: int) -> int:
-    """The ranks ZeRO shards over (what the checkpoint's optimizer files are counted by): DP x Ulysses SP, which is
-    world / (TP x PP) as a checkpoint's meta records it (DeepSpeed shards over its sequence-data-parallel group)."""
-    return plan.data_parallel_size * ds_sequence_parallel_size
+    """The ranks ZeRO shards over (what the checkpoint's optimizer files are counted by): DP x CP x Ulysses SP,
+    which is world / (TP x PP) as a checkpoint's meta records it (DeepSpeed shards over its sequence-data-parallel
+    group; the pipeline engine over its "data" axis, DP x CP). CP and Ulysses are run-time layouts like DP: a
+    checkpoint resumes at another CP size where this count is the same, or through ZeRO-0 / a universal one."""
+    return plan.data_parallel_size * plan.context_parallel_size * ds_sequence_parallel_size
 
 
 def resume_case(

@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout. The data-parallel degree is derived: world size / (TP x PP x Ulysses SP)."""
+    """Parallel layout. The data-parallel degree is derived: world size / (TP x PP x CP x Ulysses SP)."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel degree p (Megatron column/row-parallel layers)."""
@@ -21,6 +21,10 @@ class ParallelConfig:
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses sequence-parallel degree N: each rank of a group of N holds s/N tokens; attention
     all-to-alls the heads so every rank attends over the whole sequence with n/N heads (``mpu/ulysses.py``)."""
+    context_parallel_size: int = 1
+    """Context-parallel degree N (Megatron-LM's ``--context-parallel-size``): each rank of a group of N holds s/N
+    tokens in the causal load-balanced order; attention exchanges K/V over the group (``model/context_parallel.py``,
+    ``docs/context-parallelism.md``)."""
     force_ds_sequence_parallel: bool = False
     """Route attention through DeepSpeed's DistributedAttention even at --ds-sequence-parallel-size 1."""
     zero_stage: int = 0
@@ -44,6 +48,7 @@ class ParallelConfig:
         return world_size // (
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
+            * self.context_parallel_size
             * self.ds_sequence_parallel_size
         )
 

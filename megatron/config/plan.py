@@ -82,7 +82,7 @@ class RunPlan:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     data_parallel_size: int
-    """world size / (TP x PP x Ulysses SP): :meth:`ParallelConfig.data_parallel_size`, the one definition."""
+    """world size / (TP x PP x CP x Ulysses SP): :meth:`ParallelConfig.data_parallel_size`, the one definition."""
     micro_batch_size: int
     global_batch_size: int
     """Samples per optimizer step (--global-batch-size, or micro batch x DP)."""
@@ -103,6 +103,8 @@ class RunPlan:
     padded_vocab_size: int
     """The model's vocabulary rows: padded to a multiple of --make-vocab-size-divisible-by x TP."""
     precision: Precision
+    context_parallel_size: int = 1
+    """--context-parallel-size: ranks splitting each sequence (DeepSpeed's pipeline grid counts them as DP)."""
 
     @property
     def zero_stage_raised(self) -> bool:
@@ -143,4 +145,5 @@ class RunPlan:
                 true_vocab, cfg.model.make_vocab_size_divisible_by, tp
             ),
             precision=precision_of(cfg),
+            context_parallel_size=p.context_parallel_size,
         )

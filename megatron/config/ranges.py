@@ -92,6 +92,12 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("--moe-loss-coeff", "model.moe.moe_loss_coeff", NON_NEGATIVE, "0 turns the loss off"),
     Bound("--seed", "training.seed", SEED),
     Bound(
+        "--context-parallel-size",
+        "parallel.context_parallel_size",
+        POSITIVE_INT,
+        "1 turns context parallelism off",
+    ),
+    Bound(
         "--lr-decay-iters", "training.lr_decay_iters", POSITIVE_INT, f"{_DEFAULT} (--train-iters)"
     ),
     Bound(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron.config.arguments import TridentConfig
 from megatron.config.batch_rampup import check_rampup
+from megatron.config.context_parallel import check_context_parallel
 from megatron.config.features import check_model_features
 from megatron.config.logging_config import check_logging
 from megatron.config.moe_rules import check_moe
@@ -68,6 +69,18 @@ def _check_recompute(cfg: TridentConfig) -> None:
         raise ValueError(
             "--recompute-method block needs --pipeline-model-parallel-size 1: DeepSpeed's pipeline engine "
             "recomputes uniform chunks of --recompute-num-layers layers only; use --recompute-method uniform."
+        )
+
+
+def _check_packed_documents(cfg: TridentConfig) -> None:
+    """--reset-attention-mask at PP > 1 carries document ids through the pipeline (no dense mask); their attention
+    has no dropout, so --attention-dropout must be 0 there (PP = 1 keeps the dense-mask path with dropout)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.data.reset_attention_mask and pp > 1 and cfg.model.attention_dropout > 0:
+        raise ValueError(
+            f"--reset-attention-mask at --pipeline-model-parallel-size {pp} needs --attention-dropout 0 "
+            f"(got {cfg.model.attention_dropout}): the pipeline carries document ids, whose attention has no "
+            "dropout; set --attention-dropout 0, or use --pipeline-model-parallel-size 1 (dense mask, dropout)."
         )
 
 
@@ -310,9 +323,11 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_positive(cfg)
     _check_model(cfg)
     _check_recompute(cfg)
+    _check_packed_documents(cfg)
     _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
     check_ulysses(cfg, world_size)
+    check_context_parallel(cfg, world_size)
     check_moe(cfg, world_size)
     _check_batch(cfg, world_size)
     check_run_length(cfg, global_batch_size(cfg, world_size))

@@ -103,12 +103,33 @@ def prepare_gpt_batch(
     }
 
 
+WHOLE_SEQUENCE_KEYS = frozenset({"attention_mask", "document_ids"})
+"""Batch entries every rank keeps whole when the sequence is split: the ``[b or 1, 1, s, s]`` dense mask and the
+``[b, S]`` document ids of packed documents (each rank takes its own tokens' ids by position)."""
+
+
+def take_positions(
+    batch: dict[str, torch.Tensor], positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Keep the tokens at ``positions`` (``[s']`` int64 indices into the sequence) of every ``[b, s]`` tensor.
+
+    Tokens, labels, loss mask, position ids and any other per-token ``[b, s]`` entry are gathered, so the position
+    ids stay GLOBAL (RoPE and the learned table see the true positions); the entries of
+    :data:`WHOLE_SEQUENCE_KEYS` are kept whole.
+    """
+    return {
+        # [b, s] -> [b, s']
+        key: value if key in WHOLE_SEQUENCE_KEYS else value.index_select(1, positions).contiguous()
+        for key, value in batch.items()
+    }
+
+
 def slice_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """DeepSpeed-Ulysses: rank ``rank`` of ``size`` keeps positions ``rank*s/size .. (rank+1)*s/size - 1``.
 
-    Every ``[b, s]`` tensor (tokens, labels, loss mask, position ids) is sliced, so the position ids stay GLOBAL
-    (RoPE and the learned table see the true positions); the ``[b or 1, 1, s, s]`` attention mask is kept whole
-    (attention runs over the gathered sequence).
+    Every ``[b, s]`` tensor (tokens, labels, loss mask, position ids) is sliced (:func:`take_positions`), so the
+    position ids stay GLOBAL; the ``[b or 1, 1, s, s]`` attention mask and document ids are kept whole (attention
+    runs over the gathered sequence).
 
     Raises:
         ValueError: ``s`` is not divisible by ``size`` (validate() checks --seq-length; the curriculum's lengths
@@ -122,9 +143,4 @@ def slice_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
             f"sequence length {s} is not divisible by --ds-sequence-parallel-size ({size}); every "
             "sequence-parallel rank must hold the same number of tokens."
         )
-    lo, hi = rank * (s // size), (rank + 1) * (s // size)
-    out = {}
-    for key, value in batch.items():
-        # [b, s] -> [b, s/N]; the mask stays [b or 1, 1, s, s]
-        out[key] = value if key == "attention_mask" else value[:, lo:hi].contiguous()
-    return out
+    return take_positions(batch, torch.arange(rank * (s // size), (rank + 1) * (s // size)))

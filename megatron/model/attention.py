@@ -59,6 +59,10 @@ from megatron.mpu.layers import (
 )
 from megatron.mpu.random import checkpoint, get_cuda_rng_tracker
 
+AttentionMask = torch.Tensor | PackedDocuments | None
+"""What a model, its layers and attention take as ``attention_mask``: None (causal), a dense bool
+``[b or 1, 1, s, s]`` mask (True = masked), or packed documents' ids (``token_layout.PackedDocuments``)."""
+
 
 def _expand_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
     """``[s, b, gp, hn] -> [s, b, gp*repeats, hn]``: each K/V group repeated for its ``repeats`` query heads."""
@@ -298,7 +302,7 @@ class ParallelAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = None,
         inference_params: InferenceParams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-attention of ``hidden_states``.
@@ -307,7 +311,8 @@ class ParallelAttention(nn.Module):
             hidden_states: ``[s, b, h]`` (``[s/p, b, h]`` under sequence parallelism, ``[s/N, b, h]`` under
                 DeepSpeed-Ulysses, with ``rotary`` and the output likewise ``s/N``).
             rotary: ``(cos, sin)`` each ``[s, b, 1, hn]`` (see ``rotary_cos_sin``), or None for no RoPE.
-            attention_mask: None = causal; else bool ``[b or 1, 1, s, s]``, True = masked.
+            attention_mask: None = causal; bool ``[b or 1, 1, s, s]``, True = masked; or ``PackedDocuments``
+                (``--reset-attention-mask`` without a dense mask: ``context_attention``).
             inference_params: KV cache for generation (``inference.py``): K/V of earlier tokens are reused and
                 ``attention_mask`` is replaced by the cache's causal mask; None in training.
 
@@ -324,10 +329,11 @@ class ParallelAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin, fused=self.rope_fusion)
             k = apply_rotary_pos_emb(k, cos, sin, fused=self.rope_fusion)
         if inference_params is not None:
-            if self.ulysses is not None:
+            if self.ulysses is not None or self.cp_group is not None:
                 raise RuntimeError(
-                    "generation with a KV cache is not supported under --ds-sequence-parallel-size > 1; "
-                    "build the model for generation without DeepSpeed-Ulysses"
+                    "generation with a KV cache is not supported under --ds-sequence-parallel-size > 1 or "
+                    "--context-parallel-size > 1; build the model for generation without them (CP = 1: "
+                    "megatron/text_generation loads any checkpoint so)"
                 )
             attention_mask = inference_params.attention_mask(q.shape[0], q.device)
             k, v = inference_params.update_kv(self.layer_number, k, v)  # -> [S, b, gp, hn]

@@ -22,6 +22,7 @@ from torch import nn
 from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.config.rules import padded_vocab_size
+from megatron.model.attention import AttentionMask
 from megatron.model.inference import InferenceParams
 from megatron.model.language_model import (
     Embedding,
@@ -94,7 +95,7 @@ class TransformerLanguageModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = None,
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """``[b, s]`` ids and positions -> logits ``[s, b, vp]`` (padded columns ``-inf``)."""
@@ -134,7 +135,7 @@ class GPTModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = None,
         labels: torch.Tensor | None = None,
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
@@ -143,7 +144,8 @@ class GPTModel(nn.Module):
         Args:
             input_ids: ``[b, s]`` int64 token ids in ``[0, vocab_size)``.
             position_ids: ``[b, s]`` int64 positions (learned table index, or RoPE angle).
-            attention_mask: None = causal (recommended); else bool ``[b or 1, 1, s, s]``, True = masked.
+            attention_mask: None = causal (recommended); bool ``[b or 1, 1, s, s]``, True = masked; or
+                ``PackedDocuments(document_ids [b, S])`` for packed documents (no ``[s, s]`` tensor).
             labels: ``[b, s]`` int64 targets, or None.
             inference_params: KV cache for generation (``megatron.model.inference``): ``input_ids`` are then only
                 the new tokens and ``position_ids`` their absolute positions; the caller advances the offset.

@@ -4,17 +4,22 @@ Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``p`` TP size, ``L`` la
 
 Layer list (indices follow Megatron-DeepSpeed, so checkpoint files ``layer_XX-model_YY-model_states.pt`` line up)::
 
-    0        _check_pipe_inputs           ((input_ids, position_ids))  -> same
-    1        TiedLayerSpec('embed', EmbeddingPipe)                      -> (hidden [s(/p), b, h], position_ids)
-    2..L+1   ParallelTransformerLayerPipe(layer_number = idx-2)         -> (hidden, position_ids)
+    0        _check_pipe_inputs           ((input_ids, position_ids[, document_ids]))  -> same
+    1        TiedLayerSpec('embed', EmbeddingPipe)      -> (hidden [s(/p), b, h], position_ids[, document_ids])
+    2..L+1   ParallelTransformerLayerPipe(layer_number = idx-2)         -> (hidden, position_ids[, document_ids])
     L+2      LayerNormPipe / RMSNormPipe (final norm)                    -> hidden
     L+3      TiedLayerSpec('embed', forward_fn=_tied_logits)  or  LMHeadPipe (untied)  -> logits [s, b, vp]
     L+4      _logits_to_fp32                                            -> fp32 logits
     loss_fn  pipe_loss_fn(logits, (labels, loss_mask)) = masked mean of the vocab-parallel cross entropy
 
 Pipe batch, as ``engine.train_batch`` pulls it from the data iterator per micro-batch:
-``((input_ids [b, s], position_ids [b, s]), (labels [b, s], loss_mask [b, s]))``. The causal mask and the RoPE
-tables are computed inside the layers; ``position_ids`` (int64, no gradient) travel with the hidden states.
+``((input_ids [b, s], position_ids [b, s][, document_ids [b, S]]), (labels [b, s], loss_mask [b, s]))``. The causal
+mask and the RoPE tables are computed inside the layers; ``position_ids`` (int64, no gradient) travel with the hidden
+states. Packed documents (``--reset-attention-mask``) add ``document_ids`` (int64, the whole sequence's, no
+gradient), carried from the first stage to every stage right after ``position_ids`` (as Megatron-DeepSpeed carries
+its attention mask) and given to each layer's attention as ``PackedDocuments`` (no ``[s, s]`` tensor); an MoE
+model's running loss (``moe_pipe.py``) comes after them. DeepSpeed sends every tensor of the tuple forward and the
+gradient of the floating-point ones back, so the ids cost ``b * S`` int64 per micro-batch between stages.
 
 Names and seeds: each parameter is drawn from ``param_seed(seed, GPTModel name)`` (layer ``i`` has the same name
 on every stage), so ``GPTModelPipe`` and ``GPTModel`` start from identical weights on every layout.
@@ -44,6 +49,7 @@ from megatron.model.language_model import (
 from megatron.model.moe_pipe import add_layer_moe_loss, record_moe_loss, with_moe_loss
 from megatron.model.norms import LayerNorm, RMSNorm
 from megatron.model.rotary import model_rotary
+from megatron.model.token_layout import PackedDocuments
 from megatron.model.transformer import ParallelTransformerLayer, checkpoint_chunk, norm_kwargs
 from megatron.model.utils import check_tensor_parallel_shapes, loss_func
 from megatron.mpu.context import ParallelContext
@@ -87,9 +93,10 @@ class EmbeddingPipe(Embedding):
         self.vocab_logits = _VocabLogits(config.vocab_size, parallel)
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
-        """``(input_ids [b, s], position_ids [b, s]) -> (hidden [s(/p), b, h], position_ids)``."""
-        input_ids, position_ids = inputs
-        return super().forward(input_ids, position_ids), position_ids
+        """``(input_ids [b, s], position_ids [b, s][, document_ids]) -> (hidden [s(/p), b, h], position_ids[,
+        document_ids])``."""
+        input_ids, position_ids, *documents = inputs
+        return super().forward(input_ids, position_ids), position_ids, *documents
 
 
 def _tied_logits(embedding: EmbeddingPipe, hidden: Any) -> Any:
@@ -111,17 +118,31 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
         self.config = config
 
     def forward(self, inputs: PipeActivation) -> PipeActivation:  # type: ignore[override]
-        """``(hidden [s(/p), b, h], position_ids [b, s]) -> (hidden, position_ids)`` (causal attention).
+        """``(hidden [s(/p), b, h], position_ids [b, s][, document_ids [b, S]]) -> same`` (causal attention, within
+        each document when ``document_ids`` travel along).
 
-        MoE models carry a third tensor, the running MoE loss ``[1]`` fp32 (``--moe-loss-coeff`` x aux losses of
+        MoE models carry one more tensor, the running MoE loss ``[1]`` fp32 (``--moe-loss-coeff`` x aux losses of
         the layers so far), through the pipeline; layer 0 starts it (``megatron/model/moe_pipe.py``).
         """
-        hidden, position_ids, *aux = inputs  # aux: [] or [running MoE loss [1]]
+        hidden, position_ids, *rest = inputs
+        documents, moe_loss = split_pipe_extras(rest)
         rotary = model_rotary(self.config, position_ids, hidden.dtype)  # 2 x [s, b, 1, d] or None
-        out = super().forward(hidden, rotary, None)
+        mask = None if documents is None else PackedDocuments(documents)
+        out = super().forward(hidden, rotary, mask)
+        carried = (position_ids,) if documents is None else (position_ids, documents)
         if not self.moe_model:
-            return out, position_ids
-        return out, position_ids, add_layer_moe_loss(self.mlp, aux[0] if aux else None, out)
+            return out, *carried
+        return out, *carried, add_layer_moe_loss(self.mlp, moe_loss, out)
+
+
+def split_pipe_extras(
+    rest: list[torch.Tensor] | tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The optional pipe tensors after ``(hidden, position_ids)``: ``(document_ids [b, S] int64 or None, running
+    MoE loss [1] fp32 or None)``, told apart by dtype (ids are integers, the MoE loss is floating point)."""
+    documents = next((t for t in rest if not t.is_floating_point()), None)
+    moe_loss = next((t for t in rest if t.is_floating_point()), None)
+    return documents, moe_loss
 
 
 class LayerNormPipe(LayerNorm):
@@ -156,25 +177,32 @@ class LMHeadPipe(nn.Module):
         return self.vocab_logits.logits(hidden, self.lm_head.weight)
 
 
+def _pipe_inputs_ok(inputs: Any) -> bool:
+    if not isinstance(inputs, (tuple, list)) or len(inputs) not in (2, 3):
+        return False
+    ids, positions, *documents = inputs
+    if ids.dim() != 2 or ids.shape != positions.shape:
+        return False
+    # document ids cover the whole sequence (S >= s: context parallelism keeps them unsplit)
+    return all(
+        d.dim() == 2 and d.shape[0] == ids.shape[0] and not d.is_floating_point() for d in documents
+    )
+
+
 def _check_pipe_inputs(inputs: PipeActivation) -> PipeActivation:
-    """First pipe layer: the micro-batch must be ``(input_ids [b, s], position_ids [b, s])``."""
-    if (
-        not isinstance(inputs, (tuple, list))
-        or len(inputs) != 2
-        or inputs[0].dim() != 2
-        or inputs[0].shape != inputs[1].shape
-    ):
+    """First pipe layer: the micro-batch must be ``(input_ids [b, s], position_ids [b, s][, document_ids [b, S]
+    integer])``."""
+    if not _pipe_inputs_ok(inputs):
         got = (
-            [tuple(t.shape) for t in inputs]
+            [(tuple(t.shape), str(t.dtype)) for t in inputs]
             if isinstance(inputs, (tuple, list))
             else type(inputs).__name__
         )
         raise ValueError(
-            "GPTModelPipe expects each micro-batch as ((input_ids [b, s], position_ids [b, s]), "
-            f"(labels [b, s], loss_mask [b, s])); the inputs part was {got}."
+            "GPTModelPipe expects each micro-batch as ((input_ids [b, s], position_ids [b, s][, document_ids "
+            f"[b, S] int64]), (labels [b, s], loss_mask [b, s])); the inputs part was {got}."
         )
-    input_ids, position_ids = inputs
-    return input_ids, position_ids
+    return tuple(inputs)
 
 
 def _logits_to_fp32(logits: Any) -> Any:
@@ -191,6 +219,8 @@ def pipe_loss_fn(
     group: ProcessGroup | None = None,
     fused: bool = False,
     moe_losses: list[torch.Tensor] | None = None,
+    sequence_group: ProcessGroup | None = None,
+    context_parallel_size: int = 1,
 ) -> torch.Tensor:
     """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy (+ an MoE model's MoE term,
     appended to ``moe_losses`` for the log).
@@ -201,6 +231,8 @@ def pipe_loss_fn(
         group: the TP group the vocabulary is split over (``GPTModelPipe`` binds its context's).
         fused: the fused cross-entropy kernels where built (``--cross-entropy-loss-fusion``); they write the
             gradient over ``logits``.
+        sequence_group, context_parallel_size: context parallelism (``loss_func``): the loss is the mean over the
+            whole sequence, split over ``sequence_group``; the pipe carries this rank's ``[s/cp, b, h]`` tokens.
     """
     if isinstance(logits, tuple):  # an MoE model: (logits, moe_loss [1])
         logits, moe_loss = logits
@@ -211,7 +243,12 @@ def pipe_loss_fn(
     per_token = vocab_parallel_cross_entropy(
         logits, labels.transpose(0, 1).contiguous(), group=group, local_kernels=kernels
     )  # [s, b]
-    return loss_func(per_token.transpose(0, 1), loss_mask)  # [s, b] -> [b, s] -> scalar
+    return loss_func(
+        per_token.transpose(0, 1),
+        loss_mask,
+        sequence_parallel_group=sequence_group,
+        context_parallel_size=context_parallel_size,
+    )  # [s, b] -> [b, s] -> scalar
 
 
 def _checkpoint_chunk(
@@ -221,9 +258,10 @@ def _checkpoint_chunk(
     group: ProcessGroup | None = None,
     use_deepspeed: bool = False,
 ) -> PipeActivation:
-    """Activation checkpointing of a chunk of transformer layers on ``(hidden, position_ids)``.
+    """Activation checkpointing of a chunk of transformer layers on ``(hidden, position_ids[, document_ids][,
+    moe_loss])``.
 
-    Only ``hidden`` is saved and differentiated; ``position_ids`` (no gradient) is passed through. Uses
+    Only ``hidden`` is saved and differentiated; the rest (ids without gradient) is passed through. Uses
     :func:`~megatron.model.transformer.checkpoint_chunk` (``mpu.random.checkpoint`` on the model's TP ``group``,
     or DeepSpeed's with ``use_deepspeed``), which restores the CPU/CUDA and tracker RNG states for the
     recomputation.
@@ -317,6 +355,8 @@ class GPTModelPipe(PipelineModule):
                 group=parallel.tp_group,
                 fused=config.cross_entropy_loss_fusion,
                 moe_losses=moe_losses,
+                sequence_group=parallel.sequence_group,
+                context_parallel_size=parallel.cp_size,
             ),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,

@@ -10,6 +10,9 @@ Megatron-DeepSpeed's way, kept: the running MoE loss travels WITH the activation
     output layer:     (hidden, moe_loss)                -> (logits [s, b, vp], moe_loss)
     loss_fn:          LM loss + moe_loss
 
+With packed documents (``--reset-attention-mask``) the integer ``document_ids`` travel between ``position_ids`` and
+``moe_loss`` (``gpt_model_pipe.py``); the layers tell them apart by dtype.
+
 DeepSpeed's pipeline engine sends every floating-point pipe tensor forward and its gradient back, so the gate of a
 layer on stage 0 receives the gradient of the MoE term computed on the last stage through the same 1F1B schedule as
 the hidden states (the loss scale and 1/gas scaling included). A dense layer (or a stage with no MoE layer) passes
@@ -42,9 +45,10 @@ def add_layer_moe_loss(
 
 
 def with_moe_loss(hidden: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> Any:
-    """``hidden`` alone for a dense model's pipe tuple ``(hidden, position_ids)``; ``(hidden, moe_loss)`` when
-    ``inputs`` carries one."""
-    return (hidden, inputs[2]) if len(inputs) > 2 else hidden
+    """``hidden`` alone for a dense model's pipe tuple ``(hidden, position_ids[, document_ids])``;
+    ``(hidden, moe_loss)`` when ``inputs`` carries one (the only floating-point tensor after ``position_ids``)."""
+    moe_loss = next((t for t in inputs[2:] if t.is_floating_point()), None)
+    return hidden if moe_loss is None else (hidden, moe_loss)
 
 
 def record_moe_loss(

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.model.attention import ParallelAttention
+from megatron.model.attention import AttentionMask, ParallelAttention
 from megatron.model.inference import InferenceParams
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import norm_class
@@ -144,7 +144,7 @@ class ParallelTransformerLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         rotary: Rotary | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = None,
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """``[s(/p), b, h] -> [s(/p), b, h]``; ``rotary`` = (cos, sin) ``[s, b, 1, hn]`` or None;
@@ -200,7 +200,7 @@ class ParallelTransformer(nn.Module):
         start: int,
         end: int,
         rotary: Rotary | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: AttentionMask,
         inference_params: InferenceParams | None = None,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(hidden: torch.Tensor) -> torch.Tensor:
@@ -214,7 +214,7 @@ class ParallelTransformer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         rotary: Rotary | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = None,
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """``[s(/p), b, h] -> [s(/p), b, h]``: all layers, then the final norm (``inference_params``: KV cache)."""

@@ -11,6 +11,8 @@ Names and seeds (the layout-invariance contract): every parameter's FULL value i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron.config import ModelConfig
@@ -27,20 +29,39 @@ def init_seed(config: ModelConfig, parallel: ParallelContext, name: str) -> int 
     return param_seed(parallel.seed, name) if config.layout_invariant_init else None
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """forward: identity; backward: the gradient times ``factor`` (no communication)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
 def loss_func(
     per_token_loss: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
     sequence_parallel_group: ProcessGroup | None = None,
+    context_parallel_size: int = 1,
 ) -> torch.Tensor:
     """Masked mean of a per-token loss: ``sum(loss * mask) / sum(mask)`` in fp32.
 
     Args:
-        per_token_loss: ``[b, s]`` (any float dtype); ``[b, s/N]`` under DeepSpeed-Ulysses.
+        per_token_loss: ``[b, s]`` (any float dtype); ``[b, s/N]`` when the sequence is split over N ranks
+            (context parallelism x DeepSpeed-Ulysses).
         loss_mask: ``[b, s]``, 1 where the token counts, 0 elsewhere (float, int or bool).
-        sequence_parallel_group: the Ulysses group the sequence is split over (None: not split). The sum and
-            the count are then summed over it (``reduce_from_ulysses_region``), so the result is the mean over
+        sequence_parallel_group: the ranks the sequence is split over (CP x Ulysses; None: not split). The sum
+            and the count are then summed over it (``reduce_from_ulysses_region``), so the result is the mean over
             the WHOLE sequence on every rank of the group; each rank's backward covers its own tokens.
+        context_parallel_size: ``cp``; the backward is multiplied by it (the value is not). DeepSpeed averages the
+            gradients over DP x CP (``(dp * cp * sp) / sp`` ranks: it knows the Ulysses degree only), while the
+            gradient of the whole sequence is the SUM of its CP ranks' shares; Megatron-LM scales its CP loss
+            the same way. ZeRO-3 + Ulysses is corrected apart (``training/ulysses.py``).
 
     Returns:
         A 0-dim fp32 tensor. A mask summing to 0 gives 0 (not NaN), so an all-masked micro-batch is harmless.
@@ -55,8 +76,11 @@ def loss_func(
     count = mask.sum()
     if sequence_parallel_group is not None:
         sums = reduce_from_ulysses_region(torch.stack([total, count]), sequence_parallel_group)
-        total, count = sums[0], sums[1]  # [2] summed over the Ulysses group
-    return total / count.clamp_min(1.0)
+        total, count = sums[0], sums[1]  # [2] summed over the CP x Ulysses group
+    loss = total / count.clamp_min(1.0)
+    if context_parallel_size > 1:
+        loss = _ScaleGradient.apply(loss, float(context_parallel_size))
+    return loss
 
 
 def _norm_params(config: ModelConfig) -> int:

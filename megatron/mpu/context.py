@@ -78,6 +78,9 @@ class ParallelContext:
     cp_group: ProcessGroup | None = None
     """Context-parallel group (``--context-parallel-size``): attention exchanges K/V over it
     (``model/context_parallel.py``); None: no context parallelism."""
+    sequence_group: ProcessGroup | None = None
+    """The ranks one sequence is split over (CP x Ulysses): the loss sums its tokens and their count over it
+    (``model.utils.loss_func``); None: the sequence is whole on this rank."""
 
     expert_parallel_size: int = 1
     """DeepSpeed-MoE expert-parallel degree ``ep``: an MoE layer holds ``E/ep`` of its experts on this rank."""
@@ -108,6 +111,11 @@ class ParallelContext:
         return group_rank(self.tp_group)
 
     @property
+    def cp_size(self) -> int:
+        """``cp``: ranks in the context-parallel group (1 without one)."""
+        return group_world_size(self.cp_group)
+
+    @property
     def tp_settings(self) -> TPSettings:
         """The settings every TP layer of the model takes (``ColumnParallelLinear(..., tp=ctx.tp_settings)``)."""
         return TPSettings(
@@ -131,10 +139,13 @@ class ParallelContext:
         """A context on ``state``'s TP group, with the build settings of ``parallel`` (the run's flags).
 
         The Ulysses group comes with it when its size is > 1, or always with --force-ds-sequence-parallel; the
+        context-parallel group when its size is > 1; the CP x Ulysses group when that is > 1; the
         expert-parallel rank follows from this rank's place in ``state``'s grid.
         """
         grid = state.grid
         sp_size = state.get_sequence_parallel_world_size()
+        cp_size = state.get_context_parallel_world_size()
+        split = state.get_context_sequence_parallel_world_size() > 1
         force_sp = parallel.force_ds_sequence_parallel
         return cls(
             seed=seed,
@@ -144,6 +155,8 @@ class ParallelContext:
             device=device,
             async_tensor_model_parallel_allreduce=parallel.async_tensor_model_parallel_allreduce,
             sp_group=state.get_sequence_parallel_group() if force_sp or sp_size > 1 else None,
+            cp_group=state.get_context_parallel_group() if cp_size > 1 else None,
+            sequence_group=state.get_context_sequence_parallel_group() if split else None,
             expert_parallel_size=parallel.moe_expert_parallel_size,
             expert_parallel_rank=expert_parallel_rank(
                 state.rank,

@@ -1,14 +1,15 @@
-"""Process groups of 3D parallelism (+ DeepSpeed-Ulysses): the ONLY module of Trident with process-wide state.
+"""Process groups of 3D parallelism (+ context parallelism, DeepSpeed-Ulysses): the ONLY module of Trident with
+process-wide state.
 
 Legend: ``p`` tensor-parallel (TP) size, ``pp`` pipeline-parallel (PP) size, ``dp`` data-parallel (DP) size,
-``sp`` DeepSpeed-Ulysses sequence-parallel size (``--ds-sequence-parallel-size``), ``W = p * sp * dp * pp`` the
-world size.
+``cp`` context-parallel size (``--context-parallel-size``), ``sp`` DeepSpeed-Ulysses sequence-parallel size
+(``--ds-sequence-parallel-size``), ``W = p * sp * cp * dp * pp`` the world size.
 
 Rank order (identical to Megatron and to DeepSpeed's ``PipeModelDataParallelTopology`` with axes
-``pipe, data, model`` when ``sp = 1``): TP fastest, then Ulysses SP, then DP, then PP::
+``pipe, data, model`` when ``cp = sp = 1``): TP fastest, then Ulysses SP, then CP, then DP, then PP::
 
-    rank = pp_rank * (dp * sp * p) + dp_rank * (sp * p) + sp_rank * p + tp_rank
-    grid = arange(W).reshape(pp, dp, sp, p)
+    rank = pp_rank * (dp * cp * sp * p) + dp_rank * (cp * sp * p) + cp_rank * (sp * p) + sp_rank * p + tp_rank
+    grid = arange(W).reshape(pp, dp, cp, sp, p)
 
 Worked example, W = 16, p = 2, pp = 4 (so dp = 2)::
 
@@ -18,14 +19,14 @@ Worked example, W = 16, p = 2, pp = 4 (so dp = 2)::
     stage 2    [ 8,  9]      [10, 11]
     stage 3    [12, 13]      [14, 15]
 
-    tensor-model-parallel  [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]      grid[k, j, :]
-    data-parallel          [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]      grid[k, :, i]
-    pipeline-model-parallel [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]             grid[:, j, i]
-    model-parallel (TP x PP, one DP index)  [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]  grid[:, j, :]
+    tensor-model-parallel  [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]      grid[k, j, c, m, :]
+    data-parallel          [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]      grid[k, :, c, m, i]
+    pipeline-model-parallel [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]             grid[:, j, c, m, i]
+    model-parallel (TP x PP, one DP index)  [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]  grid[:, j, c, m, :]
     embedding (first + last stage)          [0,12] [1,13] [2,14] [3,15]
     position-embedding (first stage)        [0] [1] [2] [3]
-    sequence-parallel (Ulysses, sp = 1)     [0] [1] ... [15]
-    sequence-data-parallel (= data-parallel while sp = 1)
+    sequence-parallel (Ulysses, sp = 1), context-parallel (cp = 1)   [0] [1] ... [15]
+    sequence-data-parallel (= data-parallel while cp = sp = 1)
 
 Worked example with Ulysses, W = 8, p = 2, sp = 2, pp = 1 (so dp = 2)::
 
@@ -33,16 +34,40 @@ Worked example with Ulysses, W = 8, p = 2, sp = 2, pp = 1 (so dp = 2)::
     dp_rank 0  [0, 1]        [2, 3]             each [a, b] is one TP group
     dp_rank 1  [4, 5]        [6, 7]
 
-    tensor-model-parallel   [0,1] [2,3] [4,5] [6,7]                     grid[k, j, m, :]
-    sequence-parallel       [0,2] [1,3] [4,6] [5,7]                     grid[k, j, :, i]
-    data-parallel           [0,4] [1,5] [2,6] [3,7]                     grid[k, :, m, i]
-    sequence-data-parallel  [0,2,4,6] [1,3,5,7]                         grid[k, :, :, i]
-    model-parallel (TP x PP, one DP and SP index)  [0,1] [2,3] [4,5] [6,7]   grid[:, j, m, :]
+    tensor-model-parallel   [0,1] [2,3] [4,5] [6,7]                     grid[k, j, c, m, :]
+    sequence-parallel       [0,2] [1,3] [4,6] [5,7]                     grid[k, j, c, :, i]
+    data-parallel           [0,4] [1,5] [2,6] [3,7]                     grid[k, :, c, m, i]
+    sequence-data-parallel  [0,2,4,6] [1,3,5,7]                         grid[k, :, :, :, i]
+    model-parallel (TP x PP, one DP and SP index)  [0,1] [2,3] [4,5] [6,7]   grid[:, j, c, m, :]
+
+Worked example with context parallelism and Ulysses inside it (two-level), W = 16, p = 2, sp = 2, cp = 2, pp = 1
+(so dp = 2)::
+
+                          sp_rank 0   sp_rank 1
+    dp_rank 0  cp_rank 0  [ 0,  1]    [ 2,  3]          each [a, b] is one TP group
+               cp_rank 1  [ 4,  5]    [ 6,  7]
+    dp_rank 1  cp_rank 0  [ 8,  9]    [10, 11]
+               cp_rank 1  [12, 13]    [14, 15]
+
+    sequence-parallel (Ulysses)   [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]     grid[k, j, c, :, i]
+    context-parallel              [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]     grid[k, j, :, m, i]
+    context-sequence-parallel (CP x SP: one sequence)  [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
+                                                                                            grid[k, j, :, :, i]
+    data-parallel                 [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]     grid[k, :, c, m, i]
+    sequence-data-parallel (DP x CP x SP)  [0,2,4,6,8,10,12,14] [1,3,5,7,9,11,13,15]       grid[k, :, :, :, i]
+
+A context-parallel group holds the ``cp`` parts of the same samples: CP rank ``c`` keeps chunks ``c`` and
+``2cp-1-c`` of the ``2cp`` chunks of every sequence (``model/token_layout.py``), and inside that the Ulysses rank
+``m`` keeps the ``m``-th contiguous ``1/sp`` of them. Here ranks 0, 2, 4, 6 (one DP index, TP rank 0) read the same
+micro-batch of ``S`` tokens; rank 0 keeps the first half of chunks 0 and 3, rank 2 the second half, rank 4 the
+first half of chunks 1 and 2, rank 6 the rest. Ulysses all-to-alls heads inside a CP rank (ranks 0 and 2 then
+attend over chunks 0 and 3 with half the heads each), the ring exchanges K/V across CP ranks (0 with 4).
 
 A Ulysses group holds the ``sp`` slices of the same samples (one DP index), so its ranks read the same micro-batch
-and keep ``s/sp`` tokens each. DeepSpeed reduces dense gradients over sequence-data-parallel (summing over SP,
-averaging over DP) and shards ZeRO states over it; "data-parallel" stays the DP axis (the data sampler, the
-reported loss). Megatron's sequence parallelism (``--sequence-parallel``) is another thing: it reuses the TP group.
+and keep ``s/sp`` tokens each. DeepSpeed reduces dense gradients over sequence-data-parallel (DP x CP x SP) and
+shards ZeRO states over it; the loss sums its tokens over context-sequence-parallel (``model.utils.loss_func``);
+"data-parallel" stays the DP axis (the data sampler, the reported loss). Megatron's sequence parallelism
+(``--sequence-parallel``) is another thing: it reuses the TP group.
 
 ``initialize_model_parallel`` validates the degrees (identically on every rank, before any group exists), builds
 every group on every rank with ``torch.distributed.new_group`` and returns a :class:`ParallelState`; the module
@@ -52,6 +77,7 @@ keeps it as the default for the module-level getters. Both the module and the ob
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -85,7 +111,15 @@ class RankGrid:
     sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses degree N (``--ds-sequence-parallel-size``)."""
     sequence_data_parallel: list[list[int]] = field(default_factory=list)
-    """DP x Ulysses SP ranks at one stage and TP rank (DeepSpeed reduces dense gradients and shards ZeRO over it)."""
+    """DP x CP x Ulysses SP ranks at one stage and TP rank (DeepSpeed reduces dense gradients and shards ZeRO over
+    it)."""
+    context_parallel_size: int = 1
+    """Context-parallel degree (``--context-parallel-size``)."""
+    context_parallel: list[list[int]] = field(default_factory=list)
+    """The CP ranks of one stage, DP index, Ulysses rank and TP rank (attention exchanges K/V over them)."""
+    context_sequence_parallel: list[list[int]] = field(default_factory=list)
+    """CP x Ulysses SP ranks of one stage, DP index and TP rank: the ranks splitting one sequence (the loss sums
+    its tokens over them)."""
 
     def group_of(self, kind: str, rank: int) -> list[int] | None:
         """The ranks of the ``kind`` group holding ``rank`` (None when no such group holds it)."""
@@ -101,39 +135,48 @@ def validate_degrees(
     pipeline_model_parallel_size: int,
     *,
     ds_sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> int:
-    """Check the parallel degrees and return the derived data-parallel size ``W / (p * pp * sp)``.
+    """Check the parallel degrees and return the derived data-parallel size ``W / (p * pp * cp * sp)``.
 
     Raises:
-        ValueError: one message with world size, TP, PP and Ulysses SP when a degree is not a positive integer or
-            ``world_size`` is not divisible by ``tp * pp * sp``.
+        ValueError: one message with world size, TP, PP, CP and Ulysses SP when a degree is not a positive integer
+            or ``world_size`` is not divisible by ``tp * pp * cp * sp``.
     """
     tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, ds_sequence_parallel_size
+    cp = context_parallel_size
     values = (
         f"world size {world_size}, --tensor-model-parallel-size {tp}, "
         f"--pipeline-model-parallel-size {pp}"
     )
     if sp != 1:
         values += f", --ds-sequence-parallel-size {sp}"
+    if cp != 1:
+        values += f", --context-parallel-size {cp}"
     for name, v in (
         ("world size", world_size),
         ("tensor", tp),
         ("pipeline", pp),
         ("sequence", sp),
+        ("context", cp),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(
                 f"invalid parallel degrees ({values}): the {name} size must be a positive integer; "
                 "pass 1 to disable that kind of parallelism."
             )
-    if world_size % (tp * pp * sp) != 0:
-        what = "tensor x pipeline" + (" x sequence" if sp != 1 else "")
+    if world_size % (tp * pp * sp * cp) != 0:
+        what = (
+            "tensor x pipeline"
+            + (" x context" if cp != 1 else "")
+            + (" x sequence" if sp != 1 else "")
+        )
         raise ValueError(
             f"invalid parallel degrees ({values}): the world size must be divisible by "
-            f"{what} = {tp * pp * sp} (data-parallel size = world / ({what})); "
+            f"{what} = {tp * pp * sp * cp} (data-parallel size = world / ({what})); "
             f"choose {what} among the divisors of {world_size}: {', '.join(map(str, divisors(world_size)))}."
         )
-    return world_size // (tp * pp * sp)
+    return world_size // (tp * pp * sp * cp)
 
 
 def rank_grid(
@@ -142,6 +185,7 @@ def rank_grid(
     pipeline_model_parallel_size: int = 1,
     *,
     ds_sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> RankGrid:
     """The rank lists of every group kind for a layout (pure function, no torch.distributed needed).
 
@@ -149,31 +193,37 @@ def rank_grid(
         ValueError: see :func:`validate_degrees`.
     """
     tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, ds_sequence_parallel_size
-    dp = validate_degrees(world_size, tp, pp, ds_sequence_parallel_size=sp)
-    grid = torch.arange(world_size).reshape(pp, dp, sp, tp)  # [pp, dp, sp, p]
-    stages, dps, sps, tps = range(pp), range(dp), range(sp), range(tp)
-    tensor = [grid[k, j, m, :].tolist() for k in stages for j in dps for m in sps]
-    data = [grid[k, :, m, i].tolist() for k in stages for m in sps for i in tps]
-    pipe = [grid[:, j, m, i].tolist() for j in dps for m in sps for i in tps]
-    model = [grid[:, j, m, :].flatten().tolist() for j in dps for m in sps]
-    embedding = [[r[0], r[-1]] if len(r) > 1 else [r[0]] for r in pipe]
-    position = [[r[0]] for r in pipe]
-    sequence = [grid[k, j, :, i].tolist() for k in stages for j in dps for i in tps]
-    sequence_data = [grid[k, :, :, i].flatten().tolist() for k in stages for i in tps]
+    cp = context_parallel_size
+    dp = validate_degrees(
+        world_size, tp, pp, ds_sequence_parallel_size=sp, context_parallel_size=cp
+    )
+    grid = torch.arange(world_size).reshape(pp, dp, cp, sp, tp)  # [pp, dp, cp, sp, p]
+
+    def lists(index: Callable[[int, int, int, int, int], torch.Tensor]) -> list[list[int]]:
+        # one group per (stage, DP, CP, SP, TP) index that ``index`` keeps; duplicates dropped, order kept
+        out: dict[tuple[int, ...], None] = {}
+        for k, j, c, m, i in itertools.product(*(range(n) for n in (pp, dp, cp, sp, tp))):
+            out[tuple(index(k, j, c, m, i).flatten().tolist())] = None
+        return [list(r) for r in out]
+
+    pipe = lists(lambda k, j, c, m, i: grid[:, j, c, m, i])
     return RankGrid(
         world_size=world_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         data_parallel_size=dp,
-        tensor_model_parallel=tensor,
-        data_parallel=data,
+        tensor_model_parallel=lists(lambda k, j, c, m, i: grid[k, j, c, m, :]),
+        data_parallel=lists(lambda k, j, c, m, i: grid[k, :, c, m, i]),
         pipeline_model_parallel=pipe,
-        model_parallel=model,
-        embedding=embedding,
-        position_embedding=position,
-        sequence_parallel=sequence,
+        model_parallel=lists(lambda k, j, c, m, i: grid[:, j, c, m, :]),
+        embedding=[[r[0], r[-1]] if len(r) > 1 else [r[0]] for r in pipe],
+        position_embedding=[[r[0]] for r in pipe],
+        sequence_parallel=lists(lambda k, j, c, m, i: grid[k, j, c, :, i]),
         sequence_parallel_size=sp,
-        sequence_data_parallel=sequence_data,
+        sequence_data_parallel=lists(lambda k, j, c, m, i: grid[k, :, :, :, i]),
+        context_parallel_size=cp,
+        context_parallel=lists(lambda k, j, c, m, i: grid[k, j, :, m, i]),
+        context_sequence_parallel=lists(lambda k, j, c, m, i: grid[k, j, :, :, i]),
     )
 
 
@@ -325,17 +375,44 @@ class ParallelState:
         return self._ranks("sequence_parallel").index(self.rank)
 
     def get_sequence_data_parallel_group(self) -> ProcessGroup:
-        """DP x SP ranks of this stage and TP rank (the DP group at sp = 1): dense gradients are reduced and
-        ZeRO states sharded over it."""
+        """DP x CP x SP ranks of this stage and TP rank (the DP group at cp = sp = 1): dense gradients are reduced
+        and ZeRO states sharded over it."""
         return self._group("sequence_data_parallel")
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        """``dp * sp``."""
-        return self.grid.data_parallel_size * self.grid.sequence_parallel_size
+        """``dp * cp * sp``."""
+        g = self.grid
+        return g.data_parallel_size * g.context_parallel_size * g.sequence_parallel_size
 
     def get_sequence_data_parallel_rank(self) -> int:
         """Index of this rank in its sequence-data-parallel group."""
         return self._ranks("sequence_data_parallel").index(self.rank)
+
+    # context parallelism (``--context-parallel-size``; Megatron-LM's names)
+    def get_context_parallel_group(self) -> ProcessGroup:
+        """The CP group of this rank (same stage, DP index, Ulysses rank and TP rank; only this rank at cp = 1)."""
+        return self._group("context_parallel")
+
+    def get_context_parallel_world_size(self) -> int:
+        """CP degree ``cp`` (``--context-parallel-size``)."""
+        return self.grid.context_parallel_size
+
+    def get_context_parallel_rank(self) -> int:
+        """Index of this rank in its CP group: it holds chunks ``r`` and ``2cp-1-r`` of every sequence."""
+        return self._ranks("context_parallel").index(self.rank)
+
+    def get_context_parallel_global_ranks(self) -> list[int]:
+        """Global ranks of this rank's CP group, in CP-rank order."""
+        return list(self._ranks("context_parallel"))
+
+    def get_context_sequence_parallel_group(self) -> ProcessGroup:
+        """CP x Ulysses SP ranks of this stage, DP index and TP rank: the ranks splitting one sequence (the loss
+        sums its tokens and their count over it)."""
+        return self._group("context_sequence_parallel")
+
+    def get_context_sequence_parallel_world_size(self) -> int:
+        """``cp * sp``: the ranks one sequence is split over."""
+        return self.grid.context_parallel_size * self.grid.sequence_parallel_size
 
 
 _STATE: ParallelState | None = None
@@ -346,6 +423,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     *,
     ds_sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
     timeout: timedelta | None = None,
 ) -> ParallelState:
     """Build every TP / PP / DP / model / embedding group on every rank and keep them as the default.
@@ -356,6 +434,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size: TP degree p.
         pipeline_model_parallel_size: PP degree.
         ds_sequence_parallel_size: DeepSpeed-Ulysses degree (``--ds-sequence-parallel-size``).
+        context_parallel_size: context-parallel degree (``--context-parallel-size``).
         timeout: the timeout of every collective on every group built here (--distributed-timeout-minutes);
             None: torch's default for new groups (30 minutes on gloo), which the default group's timeout does
             NOT change, so a stalled rank would block TP/PP/DP collectives that long.
@@ -380,6 +459,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         ds_sequence_parallel_size=ds_sequence_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
     rank = dist.get_rank()
     made: dict[tuple[int, ...], ProcessGroup] = {}
@@ -393,6 +473,8 @@ def initialize_model_parallel(
         "position_embedding",
         "sequence_parallel",
         "sequence_data_parallel",
+        "context_parallel",
+        "context_sequence_parallel",
     )
     for kind in kinds:
         groups[kind] = None
@@ -473,6 +555,12 @@ get_sequence_parallel_rank = _getter("get_sequence_parallel_rank")
 get_sequence_data_parallel_group = _getter("get_sequence_data_parallel_group")
 get_sequence_data_parallel_world_size = _getter("get_sequence_data_parallel_world_size")
 get_sequence_data_parallel_rank = _getter("get_sequence_data_parallel_rank")
+get_context_parallel_group = _getter("get_context_parallel_group")
+get_context_parallel_world_size = _getter("get_context_parallel_world_size")
+get_context_parallel_rank = _getter("get_context_parallel_rank")
+get_context_parallel_global_ranks = _getter("get_context_parallel_global_ranks")
+get_context_sequence_parallel_group = _getter("get_context_sequence_parallel_group")
+get_context_sequence_parallel_world_size = _getter("get_context_sequence_parallel_world_size")
 
 
 def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:

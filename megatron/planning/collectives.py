@@ -1,7 +1,7 @@
 """Bytes handed to each collective per optimizer step, from the planner's config and the run plan alone.
 
 Sizes of the tensors handed to each call (all-gather: its output, reduce-scatter: its input), per optimizer step,
-on one rank of the first stage, by group (``tp``, ``sp``, ``pp``, ``dp``; MoE adds its all-to-alls).
+on one rank of the first stage, by group (``tp``, ``sp``, ``pp``, ``dp``, ``cp``; MoE adds its all-to-alls).
 """
 
 from __future__ import annotations
@@ -18,6 +18,21 @@ from megatron.planning.params import (
 from megatron.planning.planner_config import PlannerConfig
 
 
+def _context_parallel_bytes(pc: PlannerConfig, plan: RunPlan, layers: int) -> dict[str, int]:
+    """``{"cp": bytes}``: attention's K/V of the whole sequence ``[S, b, 2 g/t, hn]`` per layer, forward, backward
+    (and the recomputed forward), every micro-batch; ``{}`` without context parallelism."""
+    if plan.context_parallel_size == 1:
+        return {}
+    m = pc.model
+    a = 4 if plan.precision == "fp32" else 2
+    groups = m.num_query_groups // plan.tensor_model_parallel_size
+    kv = a * m.seq_length * plan.micro_batch_size * 2 * groups * m.head_dim
+    passes = (
+        3 if m.recompute_granularity == "full" else 2
+    )  # forward, (recomputed forward,) backward
+    return {"cp": passes * layers * kv * plan.gradient_accumulation_steps}
+
+
 def collective_bytes(
     pc: PlannerConfig,
     plan: RunPlan,
@@ -31,7 +46,10 @@ def collective_bytes(
     all-reduce and the output layer's backward one. SP: each becomes an all-gather or reduce-scatter of the same
     [s, b, h]. PP: [s, b, h] sent and received once per micro-batch forward and once backward. DP: the gradients
     (all-reduce at ZeRO-0, reduce-scatter at 1/2, plus the updated parameters' all-gather; ZeRO-3 also gathers
-    the parameters for forward and backward).
+    the parameters for forward and backward). CP: each rank's activations are ``[s/cp, b, h]`` (the sizes above
+    shrink), the gradients are reduced over DP x CP x Ulysses, and attention moves the K/V of the whole sequence
+    (``[S, b, 2 g/t, hn]``, all-gathered forward and reduce-scattered backward, per layer; a ring exchange moves
+    ``(cp-1)/cp`` of it).
     """
     m = pc.model
     a = 4 if plan.precision == "fp32" else 2
@@ -40,9 +58,11 @@ def collective_bytes(
         plan.pipeline_model_parallel_size,
         plan.gradient_accumulation_steps,
     )
-    sbh_bytes = a * m.seq_length * plan.micro_batch_size * m.hidden_size
+    cp = plan.context_parallel_size
+    sbh_bytes = a * (m.seq_length // cp) * plan.micro_batch_size * m.hidden_size
     layers = layers_of_stage(m.num_layers, pp, 0)
     out: dict[str, int] = {"tp": 0, "sp": 0, "pp": 0, "dp": 0}
+    out.update(_context_parallel_bytes(pc, plan, layers))  # {"cp": ...} under CP
     if pipe_partitioned is None:
         pipe_partitioned = not plan.sequence_parallel
     if t > 1 and plan.sequence_parallel:
@@ -65,7 +85,7 @@ def collective_bytes(
         partitioned = pipe_partitioned and t > 1
         out["pp"] = messages * (sbh_bytes // t if partitioned else sbh_bytes)
         out["pp"] += (
-            messages // 2 * 8 * m.seq_length * plan.micro_batch_size
+            messages // 2 * 8 * (m.seq_length // cp) * plan.micro_batch_size
         )  # int64 position ids, forward
         if partitioned:
             out["tp"] += messages // 2 * sbh_bytes  # the receiver's all-gather of each message
@@ -74,7 +94,9 @@ def collective_bytes(
         ):  # the tied embedding's gradient, first + last stage
             pb = 4 if plan.precision == "fp32" else 2
             out["pp"] += pb * plan.padded_vocab_size // t * m.hidden_size
-    if plan.data_parallel_size > 1:
+    if (
+        plan.data_parallel_size * cp * pc.ds_sequence_parallel_size > 1
+    ):  # DeepSpeed's reduction group
         pb = 4 if plan.precision == "fp32" else 2
         psi = stage_param_count(pc, plan, 0)
         gathered = psi - persistent_params(pc, plan, 0, persistence_threshold)

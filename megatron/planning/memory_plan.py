@@ -189,12 +189,17 @@ def _state_bytes(
     """Parameter, gradient, optimizer, bucket and offloaded bytes for ``psi`` parameters (module docstring).
 
     Args:
-        n: the ranks ZeRO partitions them over (default: the data-parallel size; experts:
+        n: the ranks ZeRO partitions them over (default: DP x CP x Ulysses; experts:
             ``expert_data_parallel_size``).
         bucket_psi: the parameters the communication buckets are sized for (default ``psi``; 0: none).
     """
     stage = plan.zero_stage
-    n = plan.data_parallel_size if n is None else n
+    # ZeRO shards over DeepSpeed's sequence-data-parallel group: DP x CP x Ulysses (checkpointing.rules)
+    n = (
+        plan.data_parallel_size * plan.context_parallel_size * pc.ds_sequence_parallel_size
+        if n is None
+        else n
+    )
     bucket_psi = psi if bucket_psi is None else bucket_psi
     pb = 4 if plan.precision == "fp32" else 2
     sgd = pc.optimizer == "sgd"
@@ -311,16 +316,16 @@ def pipeline_buffer_bytes(
     four ``[s, b, h]`` receive / gradient buffers, plus the logits it keeps as the stage output and their gradient
     (2 x fp32 ``[s, b, v/t]``) with ``--no-cross-entropy-loss-fusion`` (the fused loss writes its gradient into the
     logits; in bf16 / fp16 the low-precision logits and their gradient stay); on the others each in-flight
-    micro-batch's output, which it keeps for the backward, and one gradient buffer. 0 without a pipeline."""
+    micro-batch's output, which it keeps for the backward, and one gradient buffer. 0 without a pipeline. Under
+    context parallelism the pipe carries each rank's ``[s/cp, b, h]`` tokens (and ``s/cp`` logits)."""
     if not plan.pipeline_engine:
         return 0
     a = 4 if plan.precision == "fp32" else 2
-    sbh = m.seq_length * micro_batch * m.hidden_size
+    seq = m.seq_length // plan.context_parallel_size
+    sbh = seq * micro_batch * m.hidden_size
     if stage < plan.pipeline_model_parallel_size - 1:
         return (in_flight + 1) * a * sbh
-    logits = (
-        4 * m.seq_length * micro_batch * plan.padded_vocab_size // plan.tensor_model_parallel_size
-    )
+    logits = 4 * seq * micro_batch * plan.padded_vocab_size // plan.tensor_model_parallel_size
     # measured: the unfused loss keeps the logits and their gradient; the fused one writes its gradient into the
     # logits, but in bf16 / fp16 the low-precision logits and their gradient (around the fp32 cast) remain
     if not m.cross_entropy_loss_fusion:
@@ -335,9 +340,11 @@ def stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_b
 
     DeepSpeed-Ulysses divides them by N: a rank holds ``s/N`` tokens, and attention's gathered q, k, v ``n/N`` heads
     (``benchmarks/bench_ulysses_memory.py`` measures 1.05/N: one extra ``[s/N, h]`` buffer per layer, not modelled).
+    Context parallelism divides them by its degree too: a rank holds ``s/cp`` tokens and saves attention's
+    inputs and outputs for those only (the K/V blocks it receives are transient, not modelled).
     """
-    ulysses = pc.ds_sequence_parallel_size
-    return _stage_activation_bytes(pc, plan, stage, micro_batch) // ulysses
+    split = pc.ds_sequence_parallel_size * pc.context_parallel_size
+    return _stage_activation_bytes(pc, plan, stage, micro_batch) // split
 
 
 def _stage_activation_bytes(pc: PlannerConfig, plan: RunPlan, stage: int, micro_batch: int) -> int:
@@ -474,8 +481,9 @@ def _gib(n: float) -> str:
 def format_plan(mp: MemoryPlan, plan: RunPlan) -> list[str]:
     """The planner's report, one line per item (the CLI prints it; ``pretrain`` logs it)."""
     lines = [
-        f"memory plan: TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} x DP "
-        f"{plan.data_parallel_size}, ZeRO-{plan.zero_stage}, {plan.precision}, micro-batch "
+        f"memory plan: TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} x "
+        + (f"CP {plan.context_parallel_size} x " if plan.context_parallel_size > 1 else "")
+        + f"DP {plan.data_parallel_size}, ZeRO-{plan.zero_stage}, {plan.precision}, micro-batch "
         f"{plan.micro_batch_size}, {plan.gradient_accumulation_steps} micro-batches per step"
     ]
     for st in mp.stages:

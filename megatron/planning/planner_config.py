@@ -1,5 +1,5 @@
 """``PlannerConfig``: what the planner reads besides the ``RunPlan``: the model, and the few parallel and optimizer
-flags the plan does not derive (expert layout, Ulysses degree, optimizer states).
+flags the plan does not derive (expert layout, Ulysses and context-parallel degrees, optimizer states).
 
     pc = PlannerConfig.from_configs(cfg.model, cfg.parallel, cfg.training)
     mp = plan_memory(pc, plan, ds_config)
@@ -28,6 +28,8 @@ class PlannerConfig:
     """--enable-expert-tensor-parallelism: experts TP-split like the dense MLP (off: whole on every TP rank)."""
     ds_sequence_parallel_size: int = 1
     """--ds-sequence-parallel-size: the DeepSpeed-Ulysses degree (activations divided by it)."""
+    context_parallel_size: int = 1
+    """--context-parallel-size: the context-parallel degree (activations and pipeline buffers divided by it)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """--optimizer: Adam keeps two fp32 moments, SGD one (none without momentum)."""
     sgd_momentum: float = 0.9
@@ -45,6 +47,7 @@ class PlannerConfig:
             moe_expert_parallel_size=parallel.moe_expert_parallel_size,
             enable_expert_tensor_parallelism=parallel.enable_expert_tensor_parallelism,
             ds_sequence_parallel_size=parallel.ds_sequence_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
             optimizer=training.optimizer,
             sgd_momentum=training.sgd_momentum,
             cpu_optimizer=training.cpu_optimizer,

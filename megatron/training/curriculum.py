@@ -172,7 +172,7 @@ def parse_curriculum(
         user: the parsed ``--deepspeed_config``.
         source: its path, for messages.
         seq_length: ``--seq-length``; ``max_difficulty`` may not exceed it.
-        sequence_multiple: every length must be a multiple of it (TP size under --sequence-parallel, else 1).
+        sequence_multiple: every length must be a multiple of it (``config.context_parallel.sequence_multiple``).
         data_efficiency: ``--data-efficiency-curriculum-learning``: the schedule is the ``seqlen_truncate``
             metric of ``data_efficiency.data_sampling.curriculum_learning`` (same lengths, same truncation).
 
@@ -210,7 +210,7 @@ def parse_curriculum(
         raise ValueError(
             f"{where}: lengths {bad} must be at most --seq-length ({seq_length}) and multiples of "
             f"{sequence_multiple} (the sequence is split over that many ranks: --tensor-model-parallel-size "
-            "with --sequence-parallel, or --ds-sequence-parallel-size)."
+            "with --sequence-parallel, --ds-sequence-parallel-size, 2 x --context-parallel-size)."
         )
     return SeqlenCurriculum(json.dumps(section, sort_keys=True), hi)
 

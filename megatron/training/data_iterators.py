@@ -5,12 +5,18 @@ from the same files). The sampler (``megatron.data.samplers``) keys the order to
 ``k`` is sample positions ``[k*G, (k+1)*G)`` whatever the DP size, so every layout trains on the same samples in
 the same steps.
 
+Context parallelism and DeepSpeed-Ulysses: the ranks splitting one sequence (one DP index) read the same
+micro-batch and keep their own tokens of every ``[b, s]`` tensor (:class:`SequenceSplit`): CP rank ``r`` of ``N``
+chunks ``r`` and ``2N-1-r`` of ``2N`` (``model/token_layout.py``), Ulysses rank ``u`` of ``sp`` the ``u``-th
+contiguous ``1/sp`` of those. The position ids are gathered with the tokens, so they stay global.
+
 Sample counts are Megatron's (``megatron.data.builders.get_train_valid_test_num_samples``): train = train iters x G;
 valid = (train iters // eval interval + 1) x eval iters x G; test = eval iters x G.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,13 +25,17 @@ from typing import Any
 import torch
 
 from megatron.config import DataConfig, RunPlan, TridentConfig
-from megatron.data.batch import prepare_gpt_batch, slice_sequence
+from megatron.data.batch import prepare_gpt_batch, take_positions
 from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
 from megatron.launch.exit_codes import ConfigError
+from megatron.log import log_rank_0
+from megatron.model.token_layout import document_ids, load_balanced_positions
+from megatron.mpu.parallel_state import ParallelState
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.initialize import Distributed
 
 Batch = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 def check_data_flags(cfg: TridentConfig) -> None:
@@ -63,11 +73,6 @@ def check_data_flags(cfg: TridentConfig) -> None:
         )
     _check_data_files(cfg)
     _check_index_files(cfg)
-    if d.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            "--reset-attention-mask needs per-sample attention masks, which the pipeline engine does not "
-            "carry; drop the flag or use --pipeline-model-parallel-size 1."
-        )
 
 
 def _check_data_files(cfg: TridentConfig) -> None:
@@ -245,40 +250,113 @@ class LossTokenCount:
         return value
 
 
-def _micro_batches(
-    loader: Any,
-    d: DataConfig,
-    *,
-    eod: int,
-    device: torch.device,
-    ulysses: tuple[int, int],
-    seqlen: CurrentSeqlen | None = None,
-    loss_tokens: LossTokenCount | None = None,
-) -> Iterator[Batch]:
-    """``ulysses``: (this rank's index in its Ulysses group, the group's size); ``loss_tokens``: counts the
-    loss tokens of every micro-batch yielded (training only)."""
-    sp_rank, sp_size = ulysses
-    for raw in loader:
+@dataclass(frozen=True)
+class BatchRecipe:
+    """How the samples of a micro-batch become model inputs (Megatron's ``get_batch`` minus the broadcast)."""
+
+    data: DataConfig
+    """--reset-position-ids, --reset-attention-mask, --eod-mask-loss."""
+    eod: int
+    """The tokenizer's end-of-document id."""
+    dense_mask: bool = False
+    """Packed documents as the dense ``[b, 1, s, s]`` mask (see :func:`dense_document_mask`), not document ids."""
+
+    def make(self, text: torch.Tensor) -> Batch:
+        """``text [b, s + 1]`` -> tokens, labels, loss_mask, position_ids ``[b, s]``; with --reset-attention-mask
+        also ``document_ids [b, s]`` (``model.token_layout.document_ids``; the model attends through
+        ``PackedDocuments``, no ``[s, s]`` tensor), or the dense ``attention_mask`` when ``dense_mask``."""
+        d = self.data
         batch = prepare_gpt_batch(
-            raw["text"],
-            eod=eod,
+            text,
+            eod=self.eod,
             reset_position_ids=d.reset_position_ids,
             reset_attention_mask=d.reset_attention_mask,
             eod_mask_loss=d.eod_mask_loss,
-            skip_mask=not d.reset_attention_mask,
+            skip_mask=not self.dense_mask,
         )
-        batch = {k: v for k, v in batch.items() if v is not None}
+        out = {k: v for k, v in batch.items() if v is not None}
+        if d.reset_attention_mask and not self.dense_mask:
+            out["document_ids"] = document_ids(out["tokens"], self.eod)  # [b, s] int64
+        return out
+
+
+def dense_document_mask(cfg: TridentConfig) -> bool:
+    """True where packed documents keep the dense ``[b, 1, s, s]`` mask: --reset-attention-mask with
+    --attention-dropout > 0 (the document-id attention has no dropout; at PP > 1 ``validate()`` refuses it)."""
+    return cfg.data.reset_attention_mask and cfg.model.attention_dropout > 0
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Which tokens of every sequence this rank keeps (see the module docstring)."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    @classmethod
+    def of(cls, state: ParallelState) -> SequenceSplit:
+        """This rank's place in its context-parallel and Ulysses groups."""
+        return cls(
+            cp_rank=state.get_context_parallel_rank(),
+            cp_size=state.get_context_parallel_world_size(),
+            sp_rank=state.get_sequence_parallel_rank(),
+            sp_size=state.get_sequence_parallel_world_size(),
+        )
+
+    def positions(self, seq_length: int) -> torch.Tensor:
+        """``[S / (cp * sp)]`` int64: the positions this rank keeps of a sequence of ``seq_length`` tokens.
+
+        Raises:
+            ValueError: ``seq_length`` does not split (validate() checks --seq-length and the curriculum's lengths).
+        """
+        chunks = 2 * self.cp_size if self.cp_size > 1 else 1
+        if seq_length % (chunks * self.sp_size):
+            raise ValueError(
+                f"sequence length {seq_length} is not divisible by {chunks} chunks x "
+                f"--ds-sequence-parallel-size ({self.sp_size}) (--context-parallel-size {self.cp_size}); every "
+                "rank must hold the same number of tokens."
+            )
+        mine = load_balanced_positions(seq_length, self.cp_size, self.cp_rank)  # [S/cp]
+        n = mine.numel() // self.sp_size
+        return mine[
+            self.sp_rank * n : (self.sp_rank + 1) * n
+        ]  # [S/cp] -> [S/(cp*sp)], contiguous inside
+
+    def apply(self, batch: Batch) -> Batch:
+        """``batch`` with only this rank's tokens of every ``[b, s]`` tensor (the same batch when not split)."""
+        if self.cp_size * self.sp_size == 1:
+            return batch
+        return take_positions(batch, self.positions(batch["tokens"].shape[1]))
+
+
+def _micro_batches(
+    loader: Any,
+    recipe: BatchRecipe,
+    *,
+    device: torch.device,
+    split: SequenceSplit,
+    seqlen: CurrentSeqlen | None = None,
+    loss_tokens: LossTokenCount | None = None,
+) -> Iterator[Batch]:
+    """``split``: this rank's tokens of each sequence; ``loss_tokens``: counts the loss tokens of every
+    micro-batch yielded (training only)."""
+    for raw in loader:
+        batch = recipe.make(raw["text"])
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
-        batch = slice_sequence(batch, sp_rank, sp_size)  # DeepSpeed-Ulysses: this rank's s/N tokens
+        batch = split.apply(batch)  # CP x Ulysses: this rank's s/(cp*sp) tokens
         if loss_tokens is not None:
             loss_tokens.value += int(batch["loss_mask"].count_nonzero())
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _pipe_batches(micro: Iterator[Batch]) -> Iterator[Any]:
+    """Pipe tuples ``((tokens, position_ids[, document_ids]), (labels, loss_mask))`` (``gpt_model_pipe.py``)."""
     for b in micro:
-        yield (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+        docs = (b["document_ids"],) if "document_ids" in b else ()
+        yield (b["tokens"], b["position_ids"], *docs), (b["labels"], b["loss_mask"])
 
 
 @dataclass
@@ -306,7 +384,7 @@ def build_iterators(
     """Datasets + Megatron samplers (DP slicing of the global batch) + batch preparation, for this rank.
 
     Pipe tuples for the pipeline engine (``plan.pipeline_engine``), dicts otherwise; on ``run.device``, sliced
-    over this rank's DP and Ulysses groups of ``run.state``.
+    over this rank's DP, CP and Ulysses groups of ``run.state``.
     """
     state = run.state
     gbs = plan.global_batch_size
@@ -342,8 +420,16 @@ def build_iterators(
         valid_ds, consumed_valid_samples, dataloader_type="single", **common
     )
     test_loader = build_pretraining_data_loader(test_ds, 0, dataloader_type="single", **common)
-    eod = tokenizer.eod
-    ulysses = (state.get_sequence_parallel_rank(), state.get_sequence_parallel_world_size())
+    recipe = BatchRecipe(cfg.data, tokenizer.eod, dense_document_mask(cfg))
+    if recipe.dense_mask:
+        log_rank_0(
+            logger,
+            "--reset-attention-mask with --attention-dropout %s: packed documents use the dense [b, 1, s, s] "
+            "mask (the document-id path has no attention dropout; --attention-dropout 0 selects it)",
+            cfg.model.attention_dropout,
+            level=logging.WARNING,
+        )
+    split = SequenceSplit.of(state)
 
     seqlen = CurrentSeqlen()
     loss_tokens = LossTokenCount()
@@ -355,10 +441,9 @@ def build_iterators(
             return None
         micro = _micro_batches(
             loader,
-            cfg.data,
-            eod=eod,
+            recipe,
             device=run.device,
-            ulysses=ulysses,
+            split=split,
             seqlen=cut,
             loss_tokens=tokens,
         )

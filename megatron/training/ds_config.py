@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.config import ParallelConfig, RunPlan, TrainingConfig, TridentConfig
+from megatron.config.context_parallel import sequence_multiple
 from megatron.training.curriculum import SeqlenCurriculum, parse_curriculum, without_curriculum
 from megatron.training.zero_init import check_nvme_offload
 
@@ -39,8 +40,16 @@ def _owned_entries(cfg: TridentConfig, plan: RunPlan) -> list[tuple[str, Any, st
     """(dotted DeepSpeed key, value, the flag that determines it) for every key Trident owns."""
     t = cfg.training
     stage, gbs, gas = plan.zero_stage, plan.global_batch_size, plan.gradient_accumulation_steps
+    cp = plan.context_parallel_size if plan.pipeline_engine else 1
+    # DeepSpeed's pipeline grid counts the CP ranks as data-parallel (model_setup.py): its batch counts each
+    # sample once per CP rank.
+    batch_flag = f"--global-batch-size ({gbs})" + (
+        f" x --context-parallel-size ({cp}) (the pipeline grid counts CP ranks as data-parallel)"
+        if cp > 1
+        else ""
+    )
     entries: list[tuple[str, Any, str]] = [
-        ("train_batch_size", gbs, f"--global-batch-size ({gbs})"),
+        ("train_batch_size", gbs * cp, batch_flag),
         (
             "train_micro_batch_size_per_gpu",
             t.micro_batch_size,
@@ -380,9 +389,8 @@ def build_ds_config(
 
 
 def _sequence_multiple(p: ParallelConfig) -> int:
-    # Megatron SP splits s over TP, Ulysses over its N ranks (validate() keeps the two exclusive).
-    megatron_sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
-    return megatron_sp * p.ds_sequence_parallel_size
+    # Megatron SP splits s over TP, Ulysses over its N ranks, CP into 2 x CP chunks (config/context_parallel.py).
+    return sequence_multiple(p)
 
 
 def curriculum_of(

@@ -83,6 +83,7 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
         ds_sequence_parallel_size=parallel.ds_sequence_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         timeout=timeout,
     )
     agree_on_fused_kernels(device.type)
@@ -135,7 +136,8 @@ masks (upstream Megatron-DeepSpeed adds nothing, so every chunk reused the same 
 
 def rank_seed(seed: int, pp_rank: int, sp_rank: int) -> int:
     """The seed of the default generators of the ranks at pipeline stage ``pp_rank`` and Ulysses rank ``sp_rank``
-    (identical across a TP group and across data-parallel ranks, as in Megatron)."""
+    (under context parallelism: ``cp_rank * sp + sp_rank``, the rank's part of the sequence); identical across a
+    TP group and across data-parallel ranks, as in Megatron."""
     return seed + PIPELINE_SEED_OFFSET * pp_rank + SEQUENCE_PARALLEL_SEED_OFFSET * sp_rank
 
 
@@ -149,9 +151,12 @@ def set_seeds(seed: int, state: ParallelState, *, device_type: str) -> None:
     (Megatron's), for dropout inside tensor-parallel regions. ``device_type`` is the run's (``run.device.type``):
     only a CUDA run saves and restores CUDA generators (a CPU run never touches CUDA).
     """
-    own = rank_seed(
-        seed, state.get_pipeline_model_parallel_rank(), state.get_sequence_parallel_rank()
+    # the rank's part of its sequence (CP x Ulysses; the Ulysses rank at cp = 1): each part its own masks
+    part = (
+        state.get_context_parallel_rank() * state.get_sequence_parallel_world_size()
+        + state.get_sequence_parallel_rank()
     )
+    own = rank_seed(seed, state.get_pipeline_model_parallel_rank(), part)
     torch.manual_seed(own)
     mpu.model_parallel_cuda_manual_seed(own, device_type=device_type)
 
@@ -162,6 +167,7 @@ def check_pipe_grid(grid: object, state: ParallelState) -> None:
     Raises:
         RuntimeError: a coordinate or size differs (a rank-order bug; training would silently mix shards).
     """
+    cp = state.get_context_parallel_world_size()
     pairs = {
         "tensor rank": (grid.get_slice_parallel_rank(), state.get_tensor_model_parallel_rank()),  # type: ignore[attr-defined]
         "tensor size": (
@@ -173,10 +179,14 @@ def check_pipe_grid(grid: object, state: ParallelState) -> None:
             grid.get_pipe_parallel_world_size(),  # type: ignore[attr-defined]
             state.get_pipeline_model_parallel_world_size(),
         ),
-        "data rank": (grid.get_data_parallel_rank(), state.get_data_parallel_rank()),  # type: ignore[attr-defined]
+        # DeepSpeed's "data" axis is DP x CP (model_setup.py): index dp_rank * cp + cp_rank
+        "data rank": (
+            grid.get_data_parallel_rank(),  # type: ignore[attr-defined]
+            state.get_data_parallel_rank() * cp + state.get_context_parallel_rank(),
+        ),
         "data size": (
             grid.get_data_parallel_world_size(),  # type: ignore[attr-defined]
-            state.get_data_parallel_world_size(),
+            state.get_data_parallel_world_size() * cp,
         ),
     }
     bad = {k: v for k, v in pairs.items() if v[0] != v[1]}

@@ -2,8 +2,10 @@
 
 PP = 1: ``GPTModel`` + ``DeepSpeedEngine`` with ``mpu=`` the run's ``ParallelState`` (DeepSpeed then reduces gradients over our
 data-parallel group and counts tensor-parallel shards once in the grad norm). PP > 1: ``GPTModelPipe`` on DeepSpeed's
-``PipeModelDataParallelTopology(num_pp, num_mp=TP, num_dp)`` + ``PipelineEngine``; its grid must agree with
-``parallel_state`` rank by rank (:func:`~megatron.training.initialize.check_pipe_grid`).
+``PipeModelDataParallelTopology(num_pp, num_mp=TP, num_dp=DP x CP)`` + ``PipelineEngine``; its grid must agree with
+``parallel_state`` rank by rank (:func:`~megatron.training.initialize.check_pipe_grid`). With context parallelism
+DeepSpeed's "data" axis is DP x CP (CP sits between DP and TP in our rank order): it averages the gradients over
+``dp * cp`` ranks, which ``loss_func``'s backward scale by ``cp`` turns into the sum over CP and the mean over DP.
 
 The model is built in fp32 (parameters drawn in fp32 from ``(seed, name)``) on the run's TP group, given explicitly
 through a ``ParallelContext`` built from the run's ``ParallelState``; with --bf16/--fp16 DeepSpeed casts it and keeps fp32 master weights in its optimizer
@@ -71,8 +73,8 @@ def build_model(
     topology = PipeModelDataParallelTopology(
         num_pp=plan.pipeline_model_parallel_size,
         num_mp=plan.tensor_model_parallel_size,
-        num_dp=plan.data_parallel_size,
-    )
+        num_dp=plan.data_parallel_size * plan.context_parallel_size,
+    )  # CP ranks sit between DP and TP (parallel_state): DeepSpeed's "data" axis is DP x CP
     interval = model_cfg.recompute_num_layers if model_cfg.recompute_granularity == "full" else 0
     return GPTModelPipe(model_cfg, ctx, topology=topology, activation_checkpoint_interval=interval)
 

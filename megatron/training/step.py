@@ -7,12 +7,17 @@ Two engines (see ``ds_config`` for the choice):
   gradients over DP), ``engine.step()`` (the update happens at the accumulation boundary). The reported loss is the
   mean over micro-batches, averaged over the data-parallel group.
 * PP > 1, DeepSpeed ``PipelineEngine`` around ``GPTModelPipe``: ``engine.train_batch(iterator)`` pulls ``gas``
-  micro-batches ``((input_ids, position_ids), (labels, loss_mask))`` on the first/last stages, runs 1F1B, and returns
-  the loss already averaged over micro-batches and DP and broadcast to every stage.
+  micro-batches ``((input_ids, position_ids[, document_ids]), (labels, loss_mask))`` on the first/last stages, runs
+  1F1B, and returns the loss already averaged over micro-batches and DP and broadcast to every stage.
 
-DeepSpeed-Ulysses (PP = 1 only): each rank holds ``s/N`` tokens of every sample; the micro-batch loss is the mean
-over the WHOLE sequence (sum and token count reduced over the Ulysses group in ``loss_func``), and DeepSpeed sums
-gradients over the group (its sequence-data-parallel reduction), so the step equals the ``N = 1`` step.
+Packed documents (``--reset-attention-mask``): a batch carries ``document_ids [b, S]`` and the model gets
+``PackedDocuments(ids)`` as its ``attention_mask`` (at PP > 1 the ids travel in the pipe tuple); no ``[s, s]`` mask.
+
+Context parallelism x DeepSpeed-Ulysses (Ulysses: PP = 1 only): each rank holds ``s/N`` tokens of every sample
+(``N = cp * sp``); the micro-batch loss is the mean over the WHOLE sequence (sum and token count reduced over the
+CP x Ulysses group in ``loss_func``), and the gradients are summed over that group: DeepSpeed reduces them over its
+sequence-data-parallel group (DP x CP x SP) divided by ``dp * cp``, and ``loss_func`` multiplies the backward by
+``cp`` (ZeRO-3 with Ulysses: ``ulysses.py``), so the step equals the ``N = 1`` step.
 
 Either way the loss is the GLOBAL-batch mean: every micro-batch is a fixed slice of the global batch whatever the
 layout, so the number is identical (to rounding) on every layout.
@@ -28,6 +33,7 @@ import torch
 
 from megatron.deepspeed_internals import loss_scale
 from megatron.model.moe import clear_moe_state, moe_aux_loss
+from megatron.model.token_layout import PackedDocuments
 from megatron.model.utils import loss_func
 from megatron.mpu.mappings import all_reduce_sum_
 from megatron.mpu.parallel_state import ParallelState, ProcessGroup, group_world_size
@@ -64,31 +70,49 @@ class StepGroups:
     """The loss is averaged over it (DeepSpeed reduces the gradients over it itself)."""
     pipeline: ProcessGroup
     """The MoE term of a pipeline batch is summed over its stages."""
-    ulysses: ProcessGroup | None
-    """The DeepSpeed-Ulysses group when its size is > 1: the loss sums its tokens over it; else None."""
+    sequence: ProcessGroup | None
+    """The CP x DeepSpeed-Ulysses group when its size is > 1: the loss sums its tokens over it; else None."""
     tensor_parallel_size: int
     """TP ranks route the same tokens: the expert load is divided by it."""
+    ulysses_size: int = 1
+    """DeepSpeed-Ulysses degree (ZeRO-3's backward scale, ``ulysses.py``)."""
+    context_parallel_size: int = 1
+    """Context-parallel degree (the backward scale of ``loss_func``)."""
 
     @classmethod
     def of(cls, state: ParallelState) -> StepGroups:
         """The groups of ``state`` (``initialize_model_parallel``'s result)."""
-        ulysses = state.get_sequence_parallel_world_size() > 1
+        split = state.get_context_sequence_parallel_world_size() > 1
         return cls(
             data_parallel=state.get_data_parallel_group(),
             pipeline=state.get_pipeline_model_parallel_group(),
-            ulysses=state.get_sequence_parallel_group() if ulysses else None,
+            sequence=state.get_context_sequence_parallel_group() if split else None,
             tensor_parallel_size=state.get_tensor_model_parallel_world_size(),
+            ulysses_size=state.get_sequence_parallel_world_size(),
+            context_parallel_size=state.get_context_parallel_world_size(),
         )
+
+
+def model_attention_mask(batch: Batch) -> torch.Tensor | PackedDocuments | None:
+    """The model's ``attention_mask`` for ``batch``: packed documents (``document_ids [b, S]``, whole under
+    Ulysses) as :class:`PackedDocuments`, else the dense mask the batch carries, else None (causal)."""
+    ids = batch.get("document_ids")
+    return PackedDocuments(ids) if ids is not None else batch.get("attention_mask")
 
 
 def _forward_loss(engine: Any, batch: Batch, groups: StepGroups) -> torch.Tensor:
     per_token = engine(
         batch["tokens"],
         batch["position_ids"],
-        attention_mask=batch.get("attention_mask"),
+        attention_mask=model_attention_mask(batch),
         labels=batch["labels"],
-    )  # [b, s] fp32 ([b, s/N] under DeepSpeed-Ulysses)
-    return loss_func(per_token, batch["loss_mask"], sequence_parallel_group=groups.ulysses)
+    )  # [b, s] fp32 ([b, s/N] split over CP x Ulysses)
+    return loss_func(
+        per_token,
+        batch["loss_mask"],
+        sequence_parallel_group=groups.sequence,
+        context_parallel_size=groups.context_parallel_size,
+    )
 
 
 def _grad_norm(engine: Any) -> float | None:
@@ -128,7 +152,7 @@ def train_step_engine(
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     backward_scale = ulysses_backward_scale(
-        engine, group_world_size(groups.ulysses)
+        engine, groups.ulysses_size
     )  # 1 except ZeRO-3 + Ulysses (``ulysses.py``)
     moe_total: torch.Tensor | None = None  # MoE term summed over micro-batches
     fwd_bwd.start()

@@ -94,6 +94,8 @@ class Trainer:
         self._samples_per_micro_step = plan.micro_batch_size * plan.data_parallel_size
         """Samples one micro-step of every DP rank consumes (the plan's, which DeepSpeed's config was made from)."""
         self.global_batch = plan.gradient_accumulation_steps * self._samples_per_micro_step
+        self._ds_batch_factor = plan.context_parallel_size if bundle.is_pipe else 1
+        """DeepSpeed's pipeline grid counts CP ranks as data-parallel: its batch is the global batch x CP."""
         self.ramped = False
         """True once --rampup-batch-size changed the batch: micro-step boundaries are then set explicitly."""
 
@@ -102,7 +104,7 @@ class Trainer:
         DeepSpeed engine's batch (gradient-accumulation steps; the pipeline engine's micro-batches) follows."""
         if global_batch == self.global_batch:
             return
-        self.engine.set_train_batch_size(global_batch)
+        self.engine.set_train_batch_size(global_batch * self._ds_batch_factor)
         self.gas = global_batch // self._samples_per_micro_step
         self.global_batch, self.ramped = global_batch, True
 

@@ -10,7 +10,9 @@ gradients are ``N`` times too small (measured: loss curves 2e-3 off the N = 1 ru
 only clipping and eps see the scale). Its other path (``__avg_scatter_contiguous_grads``) does apply ``N``, but is
 chosen per bucket by size, so Trident pins ``reduce_scatter`` to true under ZeRO-3 + Ulysses
 (``ds_config.py``) and multiplies the loss it back-propagates by ``N`` (:func:`ulysses_backward_scale`); the
-reported loss is not scaled. The factor depends on DeepSpeed's code, so it runs only with the tested release
+reported loss is not scaled. With context parallelism (``--context-parallel-size cp``) ``loss_func`` multiplies the
+backward by ``cp`` already (DeepSpeed divides by ``dp * cp`` in every ZeRO stage when it knows ``sp`` only), so
+ZeRO-3's total factor is ``N = cp * sp``, the Ulysses rule with ``N`` the ranks a sequence is split over. The factor depends on DeepSpeed's code, so it runs only with the tested release
 (``deepspeed_internals.check_deepspeed_version``); ``tests/training/test_ulysses.py`` checks it against N = 1.
 """
 

@@ -99,6 +99,13 @@ CASES: list[Case] = [
         "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (1) x "
         "--ds-sequence-parallel-size (8) = 8",
     ),
+    Case(
+        # packed documents at PP > 1 go through the document-id attention, which has no dropout
+        "flag-reset-attention-mask-pp2-dropout",
+        (*TRAIN, "--reset-attention-mask", "--pipeline-model-parallel-size", "2"),
+        2,
+        "--reset-attention-mask at --pipeline-model-parallel-size 2 needs --attention-dropout 0 (got 0.1)",
+    ),
     Case("flag-bf16-and-fp16", (*TRAIN, "--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
     Case("flag-fp16-on-cpu", (*TRAIN, "--fp16"), 2, "--fp16 needs a CUDA GPU"),
     Case(

@@ -63,3 +63,23 @@ def test_prepare_gpt_batch_shifts_tokens_and_labels() -> None:
     assert batch["attention_mask"].shape == (1, 1, 8, 8)
     with pytest.raises(ValueError, match=r"text must be \[b, seq_length \+ 1\]"):
         prepare_gpt_batch(torch.zeros(3, dtype=torch.long), eod=0)
+
+
+def test_document_ids_are_megatrons_reset_attention_mask() -> None:
+    """Packed documents as ids (``token_layout.document_ids`` + the layout rule) mask exactly what Megatron's
+    ``--reset-attention-mask`` loops mask; Ulysses slicing keeps the ids whole."""
+    from megatron.data.batch import slice_sequence
+    from megatron.model.token_layout import TokenLayout, document_ids
+
+    g = torch.Generator().manual_seed(1)
+    eod = 7
+    data = torch.randint(0, 10, (4, 32), generator=g)
+    data[0, 0] = data[1, -1] = eod
+    data[2] = eod
+    ref_mask, _, _ = megatron_reference(data, eod, False, True, False)
+    ids = document_ids(data, eod)  # [b, s]
+    layout = TokenLayout.contiguous(32, data.device, ids)
+    assert torch.equal(layout.visible(layout), ~ref_mask[:, 0])  # [b, s, s] True = sees
+    batch = {"tokens": data, "document_ids": ids}
+    half = slice_sequence(batch, 1, 2)
+    assert torch.equal(half["tokens"], data[:, 16:]) and half["document_ids"] is ids

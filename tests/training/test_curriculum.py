@@ -83,11 +83,12 @@ def test_schedules_and_json_checks() -> None:
         "loss_mask": torch.ones(2, 16),
         "position_ids": torch.arange(16).repeat(2, 1),
         "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.bool),
+        "document_ids": torch.arange(32).view(2, 16) // 5,
     }
     cut = truncate_batch(batch, 12)
     assert {k: tuple(v.shape) for k, v in cut.items()} == {
         "tokens": (2, 12), "labels": (2, 12), "loss_mask": (2, 12), "position_ids": (2, 12),
-        "attention_mask": (2, 1, 12, 12),
+        "attention_mask": (2, 1, 12, 12), "document_ids": (2, 12),
     }  # fmt: skip
     assert torch.equal(cut["labels"], batch["labels"][:, :12])
     assert truncate_batch(batch, None) is batch and truncate_batch(batch, 16) is batch
