@@ -32,6 +32,8 @@ optimizer ``refresh_fp32_params()``    re-reads the master copy from the paramet
                                        (``deepspeed.comm.new_group(ranks)``, no timeout argument) get it
 ``engine.checkpoint_engine.save``      replaced on the instance during a save: each file is written through
                                        the checksum recorder (``megatron/checkpointing/checksums.py``)
+``engine.optimizer.step``              wrapped on the instance (--async-save): the step waits until the save
+                                       in flight has copied the states it changes in place
 ``checkpointing._CUDA_RNG_STATE_       set to Trident's RNG tracker: ``deepspeed.checkpointing.checkpoint`` saves
 TRACKER``                              and restores the streams of the tracker dropout really draws from
 pipeline ``_INSTRUCTION_MAP``          shadowed per engine instance to time the 1F1B instructions under
@@ -316,6 +318,25 @@ def ds_to_universal(input_folder: str, output_folder: str, *, workers: int) -> N
             inject_missing_state=False,
         )
     )
+
+
+def hold_optimizer_steps(engine: Any, before: Callable[[], None]) -> None:
+    """Call ``before()`` at the start of every optimizer step of ``engine`` (its ``optimizer.step``, which both
+    engines, plain and pipeline, call once per global batch, wrapped on the instance; idempotent). Between two
+    such steps DeepSpeed changes no parameter or optimizer state in place (forward and backward write
+    activations and gradients only), which is what lets --async-save copy them while they run."""
+    check_deepspeed_version()
+    opt: Any = getattr(engine, "optimizer", None)
+    if opt is None or getattr(opt.step, "_trident_hold", False):
+        return
+    step = opt.step
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return step(*args, **kwargs)
+
+    held._trident_hold = True  # type: ignore[attr-defined]
+    opt.step = held
 
 
 @contextlib.contextmanager

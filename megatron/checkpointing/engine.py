@@ -7,7 +7,10 @@ holding the SHA-256 of every other file, computed as it was written (``checksums
 Save protocol (crash safety): every rank writes its RNG file, then ``engine.save_checkpoint(tag=...,
 save_latest=False)`` (which ends with a barrier over all ranks), then rank 0 writes ``trident_meta.json`` and moves
 both pointers with temp file + ``os.replace`` (``pointers.py``). A process killed at any point leaves the pointers at
-the previous complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded.
+the previous complete checkpoint; a tag directory without ``trident_meta.json`` is incomplete and never loaded. The
+two ends of the protocol (before any file; after every rank's files) are ``commit.py``. With --async-save the
+files between them are written by a background thread and the commit happens at a later iteration's end
+(``async_save.py``).
 
 Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration``, ``consumed_train_samples``,
 ``consumed_train_tokens``, ``consumed_valid_samples``, ``consumed_valid_tokens``, ``skipped_iterations``,
@@ -21,37 +24,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from megatron.checkpointing.checksums import (
-    CHECKSUMS_KEY,
-    ChecksumRecorder,
-    merge_sidecars,
-    remove_sidecars,
+from megatron.checkpointing.async_save import AsyncSaves, FileJob, Writers, snapshot
+from megatron.checkpointing.checksums import ChecksumRecorder
+from megatron.checkpointing.commit import (
+    CheckpointSaveError,
+    SaveCommit,
+    commit,
+    is_write_error,
+    prepare_tag,
+    save_failed_message,
+    wait_for_all_ranks,
 )
 from megatron.checkpointing.meta import (
-    META_FILE,
     META_VERSION,
     check_model_matches,
     check_universal_kind,
 )
-from megatron.checkpointing.pointers import (
-    ITERATION_FILE,
-    LATEST_FILE,
-    atomic_write,
-    find_checkpoint,
-    retreat_latest,
-    tag_for_iteration,
+from megatron.checkpointing.pointers import find_checkpoint, tag_for_iteration
+from megatron.checkpointing.rng import (
+    load_rng_file,
+    rng_file_bytes,
+    rng_file_name,
+    write_rng_file,
 )
-from megatron.checkpointing.rng import load_rng_file, rng_file_name, save_rng_file
 from megatron.checkpointing.weights_only import (
     assign_weights,
     needs_own_weight_loader,
@@ -61,10 +64,9 @@ from megatron.checkpointing.weights_only import (
 )
 from megatron.checkpointing.zero3 import read_zero3_client_state
 from megatron.config import CheckpointConfig, ModelConfig, RunPlan
-from megatron.deepspeed_internals import checkpoint_saves_through
+from megatron.deepspeed_internals import checkpoint_saves_through, hold_optimizer_steps
 from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
 from megatron.log import global_rank
-from megatron.mpu.mappings import all_reduce_max_, communication_device
 
 logger = logging.getLogger(__name__)
 
@@ -107,42 +109,137 @@ class DeepSpeedCheckpointer:
         self.last_save_seconds: float | None = None
         self.last_load_seconds: float | None = None
         self._pending_rng: Path | None = None
+        self._async = AsyncSaves()
+        """--async-save: the save whose files a thread is writing (at most one)."""
         self.extra_meta: dict[str, Any] = {}
         """Merged into ``trident_meta.json`` (the HF importer sets ``{"weights_only": True, ...}``)."""
 
     # ------------------------------------------------------------------ save
     def save(self, engine: Any, scheduler: Any, state: Any) -> None:
-        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring).
+        """Write iteration ``state.iteration`` to --save, then move the pointers (see the module docstring); with
+        --async-save, copy the state and return while a thread writes it (:meth:`finalize_save` commits it).
 
         Raises:
             CheckpointSaveError: a file could not be written (disk full, quota, permissions): one line naming the
                 file and the checkpoint 'latest' still points to.
         """
-        save_dir = Path(self.checkpoint.save or "")
         try:
             self._save(engine, scheduler, state)
-        except OSError as err:
-            raise CheckpointSaveError(save_failed_message(save_dir, state.iteration, err)) from None
-        except RuntimeError as err:  # torch.save wraps the OSError of a failed write
-            if "write" not in str(err).lower():
+        except (OSError, RuntimeError) as err:  # torch.save wraps the OSError of a failed write
+            if not is_write_error(err):
                 raise
+            save_dir = Path(self.checkpoint.save or "")
             raise CheckpointSaveError(save_failed_message(save_dir, state.iteration, err)) from None
+
+    def finalize_save(self, *, blocking: bool) -> None:
+        """--async-save: commit the save in flight once every rank wrote its files (a collective: every rank calls
+        it at the same points, each iteration's end and, ``blocking``, before the run exits). No-op otherwise.
+
+        Raises:
+            CheckpointSaveError: a rank's background write failed; 'latest' still names the previous checkpoint.
+        """
+        self._async.finalize(blocking=blocking)
+
+    @property
+    def save_in_flight(self) -> bool:
+        """--async-save: a save is being written (not yet committed by :meth:`finalize_save`)."""
+        return self._async.in_flight
+
+    @property
+    def step_wait_seconds(self) -> float:
+        """--async-save: seconds the optimizer steps since the last save waited for its copy (training blocked
+        beyond :attr:`last_save_seconds`)."""
+        return self._async.step_wait_seconds
 
     def _save(self, engine: Any, scheduler: Any, state: Any) -> None:
         start = time.perf_counter()
+        self._async.wait_previous(state.iteration)
         save_dir = Path(self.checkpoint.save or "")
-        tag = tag_for_iteration(state.iteration)
-        tag_dir = save_dir / tag
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        marker = tag_dir / META_FILE
-        if global_rank() == 0:
-            retreat_latest(save_dir, tag)
-            if marker.exists():
-                marker.unlink()  # re-saving an iteration: incomplete until this save finishes
-            remove_sidecars(tag_dir)  # records of an earlier, failed save of this tag
-        _wait_for_all_ranks()  # no rank overwrites files of the tag before 'latest' left it
+        tag_dir = prepare_tag(save_dir, tag_for_iteration(state.iteration))
         recorder = ChecksumRecorder(tag_dir)
-        save_rng_file(tag_dir / rng_file_name(global_rank()), recorder.write_bytes)
+        rng = rng_file_bytes()
+        client_state = self._client_state(engine, scheduler, state)
+        save = SaveCommit(tag_dir, int(state.iteration), self._meta_record(engine, state))
+        if self.checkpoint.async_save:
+            self._save_in_background(engine, recorder, client_state, save, rng)
+        else:
+            write_rng_file(tag_dir / rng_file_name(global_rank()), rng, recorder.write_bytes)
+            # Ends with a barrier over all ranks: after it, every rank's files are written.
+            route = (
+                checkpoint_saves_through(engine, recorder.torch_save)
+                if self.record_checksums
+                else contextlib.nullcontext(False)
+            )
+            with route as hashed:
+                engine.save_checkpoint(
+                    str(save_dir), tag=tag_dir.name, client_state=client_state, save_latest=False
+                )
+            if hashed:
+                recorder.write_sidecar(global_rank())
+                wait_for_all_ranks()  # every rank's record is on disk before rank 0 merges them
+            save.hashed = hashed
+            commit(save)
+        self.last_save_seconds = time.perf_counter() - start
+        if global_rank() == 0:
+            logger.info(
+                "checkpoint %s: state of iteration %d captured in %.2f s (training blocked); copying and "
+                "writing it in the background (--async-save)"
+                if self.checkpoint.async_save
+                else "saved checkpoint %s at iteration %d in %.2f s",
+                tag_dir,
+                state.iteration,
+                self.last_save_seconds,
+            )
+
+    def _save_in_background(
+        self,
+        engine: Any,
+        recorder: ChecksumRecorder,
+        client_state: dict[str, Any],
+        save: SaveCommit,
+        rng: bytes,
+    ) -> None:
+        """--async-save: DeepSpeed's files as snapshots (``async_save.py``: the structure now, the tensors copied
+        to host memory by a thread before the next optimizer step), written by that thread."""
+        jobs = [FileJob(save.tag_dir / rng_file_name(global_rank()), rng)]
+        pin = self.plan.device_type == "cuda"
+
+        buffers = self._async.buffers
+
+        def keep(state_dict: Any, path: str, zipped: bool) -> None:
+            name = Path(path).name
+            snap = snapshot(state_dict, pin=pin, buffers=buffers.get(name))
+            buffers[name] = snap.buffers
+            jobs.append(FileJob(Path(path), snap, zipped))
+
+        # Ends with DeepSpeed's barrier; the files are then snapshots in ``jobs``, not yet on disk.
+        with checkpoint_saves_through(engine, keep) as routed:
+            engine.save_checkpoint(
+                str(save.tag_dir.parent),
+                tag=save.tag_dir.name,
+                client_state=client_state,
+                save_latest=False,
+            )
+        # Not routed (another DeepSpeed checkpoint engine): it wrote its files itself, unhashed.
+        save.hashed = routed and self.record_checksums
+        # The thread copies the tensors while training runs forward and backward; the next optimizer step waits.
+        hold_optimizer_steps(engine, self._async.before_optimizer_step)
+        self._async.start(jobs, self._writers(recorder, save.hashed), save)
+
+    @staticmethod
+    def _writers(recorder: ChecksumRecorder, hashed: bool) -> Writers:
+        """The background thread's writers: the checksum recorder's (or plain ones without checksums)."""
+        rank = global_rank()
+
+        def write_bytes(path: Path, data: bytes) -> None:
+            write_rng_file(path, data, recorder.write_bytes if hashed else None)
+
+        if hashed:
+            return Writers(recorder.torch_save, write_bytes, lambda: recorder.write_sidecar(rank))
+        return Writers(_plain_torch_save, write_bytes, lambda: None)
+
+    def _client_state(self, engine: Any, scheduler: Any, state: Any) -> dict[str, Any]:
+        """What ``engine.save_checkpoint`` saves beside the engine's states (see the module docstring)."""
         seq = self.model.seq_length
         client_state = {
             "iteration": int(state.iteration),
@@ -164,55 +261,28 @@ class DeepSpeedCheckpointer:
             setattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, universal_info)
         else:
             client_state[UNIVERSAL_CHECKPOINT_INFO] = universal_info
-        # Ends with a barrier over all ranks: after it, every rank's files are written.
-        route = (
-            checkpoint_saves_through(engine, recorder.torch_save)
-            if self.record_checksums
-            else contextlib.nullcontext(False)
-        )
-        with route as hashed:
-            engine.save_checkpoint(
-                str(save_dir), tag=tag, client_state=client_state, save_latest=False
-            )
-        if hashed:
-            recorder.write_sidecar(global_rank())
-            _wait_for_all_ranks()  # every rank's record is on disk before rank 0 merges them
-        if global_rank() == 0:
-            plan = self.plan
-            meta = {
-                "version": META_VERSION,
-                "iteration": int(state.iteration),
-                "consumed_train_samples": int(state.consumed_train_samples),
-                "consumed_valid_samples": int(state.consumed_valid_samples),
-                "model": dataclasses.asdict(self.model),
-                "padded_vocab_size": plan.padded_vocab_size,
-                "tensor_model_parallel_size": plan.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
-                "world_size": plan.world_size,
-                "zero_stage": int(engine.zero_optimization_stage()),
-                "precision": plan.precision,
-                **(
-                    {"moe_expert_parallel_size": self.expert_parallel_size}
-                    if getattr(engine, "has_moe_layers", False)
-                    else {}
-                ),
-                **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
-                **self.extra_meta,
-                **({CHECKSUMS_KEY: merge_sidecars(tag_dir)} if hashed else {}),
-            }
-            atomic_write(marker, json.dumps(meta, indent=1, sort_keys=True) + "\n")
-            remove_sidecars(tag_dir)
-            atomic_write(save_dir / LATEST_FILE, tag)
-            atomic_write(save_dir / ITERATION_FILE, f"{state.iteration}\n")
-        _wait_for_all_ranks()  # nobody reads the pointers (e.g. a relaunch's preflight) before they moved
-        self.last_save_seconds = time.perf_counter() - start
-        if global_rank() == 0:
-            logger.info(
-                "saved checkpoint %s at iteration %d in %.2f s",
-                tag_dir,
-                state.iteration,
-                self.last_save_seconds,
-            )
+        return client_state
+
+    def _meta_record(self, engine: Any, state: Any) -> dict[str, Any]:
+        """``trident_meta.json`` of this save, less the checksums (``meta.py``)."""
+        plan = self.plan
+        moe = getattr(engine, "has_moe_layers", False)
+        return {
+            "version": META_VERSION,
+            "iteration": int(state.iteration),
+            "consumed_train_samples": int(state.consumed_train_samples),
+            "consumed_valid_samples": int(state.consumed_valid_samples),
+            "model": dataclasses.asdict(self.model),
+            "padded_vocab_size": plan.padded_vocab_size,
+            "tensor_model_parallel_size": plan.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
+            "world_size": plan.world_size,
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "precision": plan.precision,
+            **({"moe_expert_parallel_size": self.expert_parallel_size} if moe else {}),
+            **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
+            **self.extra_meta,
+        }
 
     # ------------------------------------------------------------------ load
     def _own_weight_loader(
@@ -355,30 +425,8 @@ class DeepSpeedCheckpointer:
             logger.info("checkpoint saved on another layout: fresh RNG states")
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint file could not be written; 'latest' still names the last complete checkpoint."""
+def _plain_torch_save(state_dict: Any, path: Path, zipped: bool) -> None:
+    torch.save(state_dict, path, _use_new_zipfile_serialization=zipped)
 
 
-def save_failed_message(save_dir: Path, iteration: int, err: BaseException) -> str:
-    """One line: which file of which save failed, why, and where 'latest' points (it was never moved)."""
-    latest = save_dir / LATEST_FILE
-    good = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
-    where = (
-        f"'latest' still points to {good}, the last good checkpoint"
-        if good
-        else f"{save_dir} has no complete checkpoint ('latest' was never written)"
-    )
-    what = getattr(err, "filename", None)
-    reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-    return (
-        f"saving checkpoint {tag_for_iteration(iteration)} to --save {save_dir} failed"
-        f"{f' writing {what}' if what else ''}: {reason}; {where}. Free space (or fix the directory) and "
-        "relaunch to resume from it."
-    )
-
-
-def _wait_for_all_ranks() -> None:
-    """A barrier over every rank (an all-reduce of one element through ``mpu.mappings``)."""
-    if dist.is_available() and dist.is_initialized():
-        world = dist.group.WORLD
-        all_reduce_max_(torch.zeros(1, device=communication_device(world)), group=world)
+__all__ = ["CheckpointSaveError", "DeepSpeedCheckpointer"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, safe_open, save, save_file
+from safetensors.torch import load_file, safe_open, save
 
 from megatron.data.indexed_dataset import apply_umask_mode
 from megatron.mpu.random import get_cuda_rng_tracker
@@ -79,16 +79,27 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any])
         tracker.set_states(merged)
 
 
-def save_rng_file(path: Path, write: Callable[[Path, bytes], None] | None = None) -> None:
-    """Write this process's RNG states to ``path`` (safetensors; mode from the umask, as the other files), through
-    ``write(path, data)`` when given (the checksum recorder)."""
+def rng_file_bytes() -> bytes:
+    """This process's RNG states as the bytes of an RNG file (safetensors; a snapshot, for --async-save)."""
     tensors, scalars = capture_rng_state()
-    metadata = {"trident_rng": json.dumps(scalars)}
+    return save(tensors, metadata={"trident_rng": json.dumps(scalars)})
+
+
+def write_rng_file(
+    path: Path, data: bytes, write: Callable[[Path, bytes], None] | None = None
+) -> None:
+    """Write the RNG file ``data`` (from :func:`rng_file_bytes`) to ``path`` (mode from the umask, as the other
+    files), through ``write(path, data)`` when given (the checksum recorder)."""
     if write is None:
-        save_file(tensors, str(path), metadata=metadata)
+        path.write_bytes(data)
     else:
-        write(path, save(tensors, metadata=metadata))
+        write(path, data)
     apply_umask_mode(path)
+
+
+def save_rng_file(path: Path, write: Callable[[Path, bytes], None] | None = None) -> None:
+    """Write this process's RNG states to ``path`` (:func:`rng_file_bytes`, :func:`write_rng_file`)."""
+    write_rng_file(path, rng_file_bytes(), write)
 
 
 def load_rng_file(path: Path) -> None:

@@ -13,6 +13,9 @@ class CheckpointConfig:
     """Directory to write checkpoints into."""
     save_interval: int | None = None
     """Iterations between saves (the last iteration and every early exit save too)."""
+    async_save: bool = False
+    """Write checkpoints in the background: training is blocked only while the state is copied to host memory;
+    'latest' moves once every rank's files are written; at most one save in flight; the run's exit waits for it."""
     load: str | None = None
     """Directory to resume from (no checkpoint there: start from scratch; the same as --save: auto-resume)."""
     load_tag: str | None = None

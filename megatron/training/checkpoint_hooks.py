@@ -29,4 +29,6 @@ class CheckpointHooks(Protocol):
         draws from torch's default generator, so restoring earlier would shift every later dropout mask)."""
 
     def save(self, engine: Any, scheduler: OptimizerParamScheduler, state: TrainState) -> None:
-        """Write a checkpoint of the current iteration to --save."""
+        """Write a checkpoint of the current iteration to --save (or, --async-save, start writing it; hooks
+        that write in the background also have ``finalize_save(blocking=...)``, called by the trainer at each
+        iteration's end and before the run exits)."""

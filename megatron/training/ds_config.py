@@ -319,6 +319,22 @@ def _check_offload(user: dict[str, Any], stage: int, source: str) -> None:
     check_nvme_offload(user, source)
 
 
+def _check_async_save(user: dict[str, Any], async_save: bool, source: str) -> None:
+    """--async-save writes through DeepSpeed's torch checkpoint engine; a JSON choosing another engine (its own
+    writers, DataStates) would write synchronously or behind Trident's protocol (0.19.8: ``checkpoint.writer``
+    selects the fast or decoupled writer; a ``datastates_ckpt`` entry that is not false, DataStates)."""
+    if not async_save:
+        return
+    for key in ("checkpoint.writer", "datastates_ckpt"):
+        present, value = _get(user, key)
+        if present and value not in (None, False):
+            raise ValueError(
+                f"--async-save writes checkpoints in the background through DeepSpeed's torch checkpoint engine, "
+                f"but {source} sets {key} = {json.dumps(value)}, which selects another checkpoint engine; remove "
+                f"{key} from {source} or drop --async-save."
+            )
+
+
 def build_ds_config(
     cfg: TridentConfig, plan: RunPlan, user: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -366,6 +382,7 @@ def build_ds_config(
             )
         _set(merged, key, value)
     _check_offload(user, plan.zero_stage, source)
+    _check_async_save(user, cfg.checkpoint.async_save, source)
     if user:  # after our own checks, whose messages know more than DeepSpeed's
         check_deepspeed_keys(user, source)
     return merged

@@ -10,7 +10,9 @@ as consumed, advance the schedule unless the step was skipped, then log (every -
 * SIGTERM (unless --no-exit-signal-handler): stop when any rank got it -> ``EXIT_SIGNAL``;
 * SIGINT (Ctrl-C): the same clean stop when any rank got it -> ``EXIT_INTERRUPTED`` (130).
 
-Each of them saves a checkpoint first when a save hook is present. With --hang-timeout-minutes /
+Each of them saves a checkpoint first when a save hook is present. With --async-save the save returns once the
+state is copied; each iteration's end commits a background save that every rank finished, and every way out waits
+for the one in flight (``checkpointing/async_save.py``). With --hang-timeout-minutes /
 --hang-timeout-factor each training step and each save runs under the rank's hang watchdog (``watchdog.py``: stacks
 in the log, then ``EXIT_HANG``); evaluation is not watched. A non-finite loss or grad norm
 (--check-for-nan-in-loss-and-grad, on by default) stops at once on every rank -> ``EXIT_NON_FINITE``, saving
@@ -415,8 +417,10 @@ class _Loop:
         return False
 
     def evaluate_and_save(self) -> None:
-        """Evaluate every --eval-interval, save every --save-interval."""
+        """Commit a finished background save (--async-save), evaluate every --eval-interval, save every
+        --save-interval."""
         spec, state = self.spec, self.state
+        self.trainer.finalize_save(blocking=False)
         if spec.eval_interval and state.iteration % spec.eval_interval == 0:
             run_evaluation(self.trainer, spec, state, self.writer)
         if spec.log_interval and state.iteration % spec.log_interval == 0:
@@ -446,6 +450,11 @@ class _Loop:
         logger.info("exiting at iteration %d (exit code %d)", self.state.iteration, code)
         return code
 
+    def wait_for_saves(self) -> None:
+        """Before the run exits: wait for a background save (--async-save) and commit it."""
+        with self.watchdog.watch("checkpoint save", self.state.iteration):
+            self.trainer.finalize_save(blocking=True)
+
     def finish(self) -> int:
         """--train-iters (or --train-tokens) reached: save the final iteration too, as Megatron does."""
         if self.state.iteration > self.first_iteration:
@@ -468,22 +477,30 @@ def train(
     ``watchdog``: this rank's hang watchdog (``watchdog.py``), armed around each step and save; default: none."""
     loop = _Loop(trainer, spec, rates, state, writer, step_log, watchdog)
     try:
-        while not spec.finished(state):
-            try:
-                it = loop.step()
-            except Exception as err:  # noqa: BLE001 - only DeepSpeed's fp16 give-up is handled, the rest re-raised
-                reason = loss_scale_exhausted(err) if spec.check_for_nan else None
-                if reason is None:
-                    raise
-                _report_non_finite(state.iteration + 1, reason, loop.last_saved)
-                return EXIT_NON_FINITE
-            loop.log(it)
-            if loop.failed(it):
-                return EXIT_NON_FINITE
-            loop.evaluate_and_save()
-            code = loop.exit_code()
-            if code is not None:
-                return loop.stop(code)
-        return loop.finish()
+        code = _iterate(loop)
+        loop.wait_for_saves()  # every way out that all ranks take together (exceptions excepted)
+        return code
     finally:
         loop.signals.restore()
+
+
+def _iterate(loop: _Loop) -> int:
+    """The iterations of :func:`train` until it finishes or an exit condition; returns the exit code."""
+    spec, state = loop.spec, loop.state
+    while not spec.finished(state):
+        try:
+            it = loop.step()
+        except Exception as err:  # noqa: BLE001 - only DeepSpeed's fp16 give-up is handled, the rest re-raised
+            reason = loss_scale_exhausted(err) if spec.check_for_nan else None
+            if reason is None:
+                raise
+            _report_non_finite(state.iteration + 1, reason, loop.last_saved)
+            return EXIT_NON_FINITE
+        loop.log(it)
+        if loop.failed(it):
+            return EXIT_NON_FINITE
+        loop.evaluate_and_save()
+        code = loop.exit_code()
+        if code is not None:
+            return loop.stop(code)
+    return loop.finish()

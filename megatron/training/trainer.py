@@ -166,5 +166,12 @@ class Trainer:
         if self.save_enabled and self.checkpointer is not None:
             self.checkpointer.save(self.engine, self.scheduler, state)
 
+    def finalize_save(self, *, blocking: bool) -> None:
+        """Commit a background save (--async-save) once every rank wrote it; ``blocking``: wait for it (the exit).
+        Every rank calls it at the same points. Hooks without background saves have nothing to finalize."""
+        finalize = getattr(self.checkpointer, "finalize_save", None)
+        if self.save_enabled and finalize is not None:
+            finalize(blocking=blocking)
+
     def _batches(self, split: Split) -> Iterator[Any] | None:
         return self.iterators.valid if split == "valid" else self.iterators.test

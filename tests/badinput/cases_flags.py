@@ -155,6 +155,13 @@ CASES: list[Case] = [
         setup=_ds_json({"zero_optimization": {"reduce_bucket_sise": 500}}),
     ),
     Case(
+        "flag-async-save-other-checkpoint-engine",
+        (*TRAIN, "--async-save", "--deepspeed_config", "{tmp}/ds.json"),
+        2,
+        "which selects another checkpoint engine; remove checkpoint.writer from",
+        setup=_ds_json({"checkpoint": {"writer": {"decoupled": True}}}),
+    ),
+    Case(
         "flag-deepspeed-config-contradicts-flag",
         (*TRAIN, "--deepspeed_config", "{tmp}/ds.json"),
         2,

@@ -29,20 +29,20 @@ def install(point: str, iteration: int) -> None:
     """Wrap the save step named ``point`` so that the save of ``iteration`` dies right after it."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from megatron.checkpointing import engine
+    from megatron.checkpointing import commit, engine
     from megatron.checkpointing.meta import META_FILE
     from megatron.checkpointing.pointers import LATEST_FILE, tag_for_iteration
 
     tag = tag_for_iteration(iteration)
     if point == "before_engine_save":
-        save_rng = engine.save_rng_file
+        write_rng = engine.write_rng_file
 
-        def save_rng_then_die(path: Path, write: Any = None) -> None:
-            save_rng(path, write)
+        def write_rng_then_die(path: Path, data: bytes, write: Any = None) -> None:
+            write_rng(path, data, write)
             if path.parent.name == tag:
                 _die()
 
-        engine.save_rng_file = save_rng_then_die
+        engine.write_rng_file = write_rng_then_die
     elif point == "after_engine_save":
         save = DeepSpeedEngine.save_checkpoint
 
@@ -54,7 +54,7 @@ def install(point: str, iteration: int) -> None:
 
         DeepSpeedEngine.save_checkpoint = save_then_die
     elif point in ("after_meta", "after_latest"):
-        write = engine.atomic_write
+        write = commit.atomic_write
 
         def write_then_die(path: Path, text: str) -> None:
             write(path, text)
@@ -62,7 +62,7 @@ def install(point: str, iteration: int) -> None:
             if meta or (point == "after_latest" and path.name == LATEST_FILE and text == tag):
                 _die()
 
-        engine.atomic_write = write_then_die
+        commit.atomic_write = write_then_die
     else:
         raise ValueError(f"{CRASH_ENV}: unknown crash point {point!r}")
 

@@ -121,7 +121,8 @@ def test_kill9_during_save_then_resume(tmp_path: Path, steps: list) -> None:
 def _sigterm_once(tmp_path: Path, kill_signal: int) -> tuple[int, Path, Path]:
     ck = tmp_path / "ckpt"
     metrics = tmp_path / "first.jsonl"
-    cmd = _cmd(ck, metrics, 10_000, "--save-interval", "1000")
+    # --async-save: the save on SIGTERM returns at once; the exit must wait for its files and commit them.
+    cmd = _cmd(ck, metrics, 10_000, "--save-interval", "1000", "--async-save")
     proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while len(_losses(metrics)) < 3 and time.time() < deadline and proc.poll() is None:

@@ -129,3 +129,21 @@ def test_exact_resume_layouts(tmp_path: Path, tp: int, pp: int, world: int) -> N
         _resume_scenario, world, str(tmp_path), tp, pp, init_process_group=False, timeout=600
     )
     _check_resume(tmp_path, results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (1, 2, 2), (2, 2, 4)])
+def test_exact_resume_async_save(tmp_path: Path, tp: int, pp: int, world: int) -> None:
+    """--async-save: the exit (--exit-interval) and the end wait for the background write and commit it; the
+    resume is bit for bit, with pipelines (layer files) and TP too."""
+    results = run_distributed(
+        _resume_scenario,
+        world,
+        str(tmp_path),
+        tp,
+        pp,
+        ("--async-save",),
+        init_process_group=False,
+        timeout=600,
+    )
+    _check_resume(tmp_path, results)
