@@ -1,6 +1,6 @@
 """Context-parallel memory benchmark: the longest sequence one machine trains at CP 1 vs CP 4, from real steps.
 
-    python -m benchmarks.bench_cp_longest                          # CP 1 and 4; seq 4k .. 48k; ~15 min here
+    python -m benchmarks.bench_cp_longest                          # CP 1 and 4; seq 4k .. 48k; ~25 min here
     python -m benchmarks.bench_cp_longest --cp-sizes 4 --seq-lengths 8192 16384 --json out.json
 
 Not a test: a measurement. Every point is a fresh spawn of ``N`` gloo ranks (one process each) running
@@ -22,8 +22,10 @@ estimate is short (the first one pays one-time set-up), one where it is long.
 Before each point its step time is estimated from the previous point at the same CP (scaled by ``(s / s_prev)^2``,
 the attention's growth, an upper bound); a point over ``--max-step-s`` is skipped and listed. The longest sequence
 that fits ``--memory-gib`` less ``--headroom-gib`` is then found by a least-squares line through the measured peaks
-(memory is linear in the sequence on both paths): of the per-rank peak at CP 1, of the machine total at CP 4, and
-of the largest per-rank peak at CP 4 (the cluster case, one rank per device of that memory: derived, not run).
+(memory is linear in the sequence on both paths) of the points with at least ``--fit-min-tokens-per-rank`` tokens
+per rank (below that the process's peak is the start-up's, ~450 MiB per rank at CP 4 here, not the step's): of
+the per-rank peak at CP 1, of the machine total at CP 4, and of the largest per-rank peak at CP 4 (the cluster
+case, one rank per device of that memory: derived, not run).
 Measured on this machine: ``docs/context-parallelism.md``, section "Memory".
 """
 
@@ -157,7 +159,7 @@ def run_cp(cp: int, a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[d
         if estimate is not None and estimate > a.max_step_s:
             skipped.append({"cp": cp, "seq_length": seq_length, "estimated_step_s": estimate})
             continue
-        iters = 2 if estimate is None or estimate < TWO_ITERS_UNDER_S else 1
+        iters = a.iterations or (2 if estimate is None or estimate < TWO_ITERS_UNDER_S else 1)
         row = measure_point(cp, seq_length, iters, a)
         row["estimated_step_s"] = estimate
         done.append(row)
@@ -205,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: measure, print the rows and the longest sequences (and write ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--seq-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 49152])
+    ap.add_argument(
+        "--seq-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 24576, 32768, 49152]
+    )
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
@@ -218,6 +222,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--headroom-gib", type=float, default=2.0)
     ap.add_argument(
         "--max-step-s", type=float, default=300.0, help="skip a point estimated to step longer"
+    )
+    ap.add_argument(
+        "--fit-min-tokens-per-rank",
+        type=int,
+        default=2048,
+        help="fit only points with this many tokens per rank or more (below, the start-up's peak is the peak)",
+    )
+    ap.add_argument(
+        "--iterations", type=int, default=0, help="iterations per point (0: two if short, else one)"
     )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -236,12 +249,13 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  CP {cp}  seq {s['seq_length']:,}: skipped, step estimated {s['estimated_step_s']:.0f} s"
             )
-        if len(rows) < 2:
+        fit_rows = [r for r in rows if r["seq_length"] // cp >= a.fit_min_tokens_per_rank]
+        if len(fit_rows) < 2:
             continue
-        fits = {f"cp{cp} machine total": longest(rows, "machine_total_bytes", budget, 2 * cp)}
+        fits = {f"cp{cp} machine total": longest(fit_rows, "machine_total_bytes", budget, 2 * cp)}
         if cp > 1:
             fits[f"cp{cp} per rank (one rank per device, derived)"] = longest(
-                rows, "peak_rss_max_bytes", budget, 2 * cp
+                fit_rows, "peak_rss_max_bytes", budget, 2 * cp
             )
         for label, fit in fits.items():
             _print_fit(label, fit)
