@@ -150,3 +150,121 @@ def test_load_converts_zero1_to_zero3_at_dp2(tmp_path: Path) -> None:
     words = ("TP1 PP1 DP2 ZeRO-1", "TP1 PP1 DP2 ZeRO-3")
     worst = _matrix_case(tmp_path, 2, ["--zero-stage", "1"], ["--zero-stage", "3"], words)
     print(f"ZeRO-1 -> ZeRO-3 (DP 2): worst |loss difference| {worst}")
+
+
+# --- default suite: which loads convert, and the repairs of the universal form (no process group) -----------------
+
+_BASE: dict[str, object] = {
+    "load_dir": "ck", "tag": "global_step2", "saved_tp": 1, "saved_pp": 1, "saved_dp": 2, "saved_stage": 1,
+    "saved_precision": "fp32", "run_tp": 1, "run_pp": 1, "run_dp": 2, "run_stage": 1, "requested_stage": 1,
+    "run_precision": "fp32", "weights_only": False, "optimizer_state": True,
+}  # fmt: skip
+CONVERTS = [
+    # (change from the checkpoint's layout, converted on load?, the error otherwise or after it)
+    ({}, False, None),  # same layout: a regular load
+    ({"run_tp": 2, "run_dp": 1}, True, None),
+    ({"run_pp": 2, "run_dp": 1}, True, None),
+    ({"run_dp": 4}, True, None),
+    ({"run_stage": 3, "requested_stage": 3}, True, None),
+    ({"saved_stage": 3, "run_stage": 2, "requested_stage": 2}, True, None),
+    (
+        {"run_tp": 2, "run_dp": 1, "run_stage": 3},
+        False,
+        "ZeRO-3 universal loader reads no TP slices",
+    ),
+    (
+        {"run_tp": 2, "run_dp": 1, "saved_stage": 0},
+        False,
+        "saved with ZeRO-0, which keeps no optimizer",
+    ),
+    ({"run_dp": 4, "optimizer_state": False}, False, None),  # --no-load-optim: ZeRO-1 reads any DP
+    (
+        {"run_tp": 2, "run_dp": 1, "optimizer_state": False},
+        False,
+        "drop --no-load-optim / --finetune",
+    ),
+    (
+        {"run_dp": 4, "run_stage": 0, "requested_stage": 0},
+        False,
+        "whose optimizer state DeepSpeed stores",
+    ),
+    (
+        {"run_dp": 4, "run_stage": 0, "run_precision": "bf16"},
+        True,
+        "trained in fp32; this run uses bf16",
+    ),
+    ({"run_dp": 4, "saved_ep": 2, "run_ep": 2}, False, "MoE checkpoint .* universal converter"),
+    (
+        {"run_tp": 2, "run_dp": 1, "run_precision": "bf16"},
+        True,
+        "trained in fp32; this run uses bf16",
+    ),
+]
+
+
+@pytest.mark.parametrize("change,converts,error", CONVERTS)
+def test_which_loads_convert(change: dict[str, object], converts: bool, error: str | None) -> None:
+    from megatron.checkpointing.rules import (
+        ResumeCase,
+        check_resume_compatibility,
+        converts_on_load,
+    )
+
+    case = ResumeCase(**{**_BASE, **change})  # type: ignore[arg-type]
+    assert converts_on_load(case) is converts
+    if error is None:
+        check_resume_compatibility(case)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_resume_compatibility(case)
+
+
+def test_universal_form_repairs(tmp_path: Path) -> None:
+    """The universal form of a ZeRO-1 checkpoint, made loadable by DeepSpeed's ZeRO-3 universal loader: both
+    model-state names, the nested optimizer state with the step, vocabulary rows padded; the other parameters
+    and an existing name untouched; the folder never inside the source tag."""
+    import torch
+
+    from megatron.checkpointing.relayout import (
+        add_model_state_aliases,
+        add_stage3_optimizer_state,
+        pad_vocab_rows,
+        relayout_dir,
+        saved_param_groups,
+    )
+
+    out = tmp_path / "u"
+    (out / "zero" / "emb").mkdir(parents=True)
+    (out / "zero" / "bias").mkdir()
+    torch.save({"module": {}}, out / "mp_rank_00_model_states.pt")
+    torch.save({"module": {}}, out / "mp_rank_01_model_states.pt")
+    torch.save({"x": 1}, out / "zero_pp_rank_0_mp_rank_01_model_states.pt")  # already there: kept
+    groups = [{"weight_decay": 0.01, "params": [0]}, {"weight_decay": 0.0, "params": [1]}]
+    torch.save(
+        {"param_groups": groups, "ds_version": "0.19.8"}, out / "zero" / "optimizer_state.pt"
+    )
+    emb = torch.randn(5, 3)
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        torch.save(
+            {"param": emb, "vocab_tensor": True, "cat_dim": 0}, out / "zero" / "emb" / f"{key}.pt"
+        )
+        torch.save(torch.ones(3), out / "zero" / "bias" / f"{key}.pt")
+    torch.save(torch.tensor(2.0), out / "zero" / "emb" / "step.pt")
+
+    assert add_model_state_aliases(out) == 1
+    assert (
+        out / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    ).resolve().name == "mp_rank_00_model_states.pt"
+    assert torch.load(out / "zero_pp_rank_0_mp_rank_01_model_states.pt") == {"x": 1}
+    assert add_stage3_optimizer_state(out) and not add_stage3_optimizer_state(out)
+    state = torch.load(out / "zero" / "optimizer_state.pt")
+    assert state["optimizer_state_dict"]["state"][0]["step"] == 2.0
+    assert (
+        state["optimizer_state_dict"]["param_groups"] == groups == saved_param_groups(tmp_path, "u")
+    )
+    assert pad_vocab_rows(out, 8) == 3 and pad_vocab_rows(out, 8) == 0
+    padded = torch.load(out / "zero" / "emb" / "exp_avg.pt")["param"]
+    assert padded.shape == (8, 3) and torch.equal(padded[:5], emb) and not padded[5:].any()
+    assert torch.equal(torch.load(out / "zero" / "bias" / "fp32.pt"), torch.ones(3))
+    assert relayout_dir("/s", "/l", "global_step2") == Path("/s/.relayout-global_step2")
+    assert relayout_dir(None, "/l", "global_step2") == Path("/l/.relayout-global_step2")
