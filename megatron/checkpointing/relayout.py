@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron.checkpointing.checksums import verify_checkpoint_files
-from megatron.checkpointing.safe_load import load_weights_only
+from megatron.checkpointing.safe_load import load_state_dict_of, load_weights_only
 from megatron.deepspeed_internals import ds_to_universal, zero_checkpoint_classes
 from megatron.layout.names import pipe_layer_key, pipe_to_megatron_name
 
@@ -174,11 +175,53 @@ def check_converter_inputs(tag_dir: Path, meta: dict[str, Any], *, hashes: bool 
             ) from None
 
 
+def union_of_universal_infos(tag_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(the first model-state file, the union of every model-parallel rank's ``universal_checkpoint_info``) when
+    that file's info lacks patterns of other ranks; None otherwise. ``ds_to_universal`` reads the info of the
+    first file only, and each rank saved the patterns its own parameters use: under a pipeline, stage 0's info
+    lacks the last stage's (the final norm would be merged as if TP-split)."""
+    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if len(files) < 2:
+        return None
+    allowed = zero_checkpoint_classes()
+    infos = [
+        load_state_dict_of(f, allowed=allowed, mmap=True).get(UNIVERSAL_CHECKPOINT_INFO) or {}
+        for f in files
+    ]
+    merged = dict(infos[0])
+    for info in infos[1:]:
+        for key, value in info.items():
+            if isinstance(value, list) and all(isinstance(p, str) for p in value):
+                merged[key] = list(dict.fromkeys([*merged.get(key, []), *value]))
+    return (files[0], merged) if merged != infos[0] else None
+
+
+def converter_input(tag_dir: Path, scratch: Path) -> Path:
+    """What ``ds_to_universal`` reads: ``tag_dir`` itself, or (:func:`union_of_universal_infos`) ``scratch``
+    holding links to its files and a copy of the first model-state file with the complete info (the source is
+    never written)."""
+    union = union_of_universal_infos(tag_dir)
+    if union is None:
+        return tag_dir
+    first, info = union
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    for path in sorted(tag_dir.iterdir()):
+        if path.is_file() and path != first:
+            os.symlink(path.resolve(), scratch / path.name)
+    state = load_state_dict_of(first, allowed=zero_checkpoint_classes())
+    state[UNIVERSAL_CHECKPOINT_INFO] = info
+    torch.save(state, scratch / first.name)
+    return scratch
+
+
 def write_universal_form(
     tag_dir: Path, out: Path, meta: dict[str, Any], *, workers: int = 1, hashes: bool = True
 ) -> None:
     """The universal form of the checkpoint tag ``tag_dir`` (with its ``meta``) in ``out`` (replaced if there):
-    inputs checked (:func:`check_converter_inputs`), ``ds_to_universal``, both parameter-naming schemes and both
+    inputs checked (:func:`check_converter_inputs`), ``ds_to_universal`` (given every rank's parameter
+    patterns: :func:`converter_input`), both parameter-naming schemes and both
     model-state file names (:func:`add_model_state_aliases`), the ZeRO-3 loader's view of the optimizer state
     (:func:`add_stage3_optimizer_state`). ``tag_dir`` is only read.
 
@@ -188,10 +231,13 @@ def write_universal_form(
     check_converter_inputs(tag_dir, meta, hashes=hashes)
     if out.exists():
         shutil.rmtree(out)
+    scratch = out.parent / f".input-{out.name}"
     try:
-        ds_to_universal(str(tag_dir), str(out), workers=workers)
+        ds_to_universal(str(converter_input(tag_dir, scratch)), str(out), workers=workers)
     except AssertionError as err:
         raise ValueError(f"ds_to_universal refused {tag_dir}: {err}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     add_name_aliases(out, int(meta["model"]["num_layers"]))
     add_model_state_aliases(out)
     add_stage3_optimizer_state(out)
