@@ -437,17 +437,7 @@ class DeepSpeedCheckpointer:
             logger.info(
                 "converting checkpoint %s/%s from %s to %s (in %s)", load_dir, tag, saved, run, work
             )
-            try:
-                _, seconds = convert_for_load(
-                    load_dir,
-                    tag,
-                    meta,
-                    work,
-                    zero3_vocab_rows=self.plan.padded_vocab_size if case.run_stage == 3 else None,
-                    hashes=ck.verify_checkpoint_checksums,
-                )
-            except (OSError, ValueError) as err:
-                error = str(err)
+            error, seconds = self._convert(meta, tag, work, case)
         errors = [e for e in all_gather_object(error, group=dist.group.WORLD) if e]
         if errors:
             if global_rank() == 0:
@@ -482,6 +472,25 @@ class DeepSpeedCheckpointer:
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load the converted copy of {load_dir}/{tag}.")
         return client
+
+    def _convert(
+        self, meta: dict[str, Any], tag: str, work: Path, case: ResumeCase
+    ) -> tuple[str | None, float]:
+        """Rank 0: write the universal form of ``tag`` into ``work``; (the error, if any; the seconds taken)."""
+        ck = self.checkpoint
+        try:
+            _, seconds = convert_for_load(
+                ck.load or "",
+                tag,
+                meta,
+                work,
+                zero3_vocab_rows=self.plan.padded_vocab_size if case.run_stage == 3 else None,
+                hashes=ck.verify_checkpoint_checksums,
+            )
+        # RuntimeError: torch.save into a full disk
+        except (OSError, ValueError, RuntimeError) as err:
+            return str(err), 0.0
+        return None, seconds
 
     def _restore_progress(self, engine: Any, state: Any, client: dict[str, Any]) -> None:
         """Iteration and consumed samples/tokens from ``client`` (--reset-iteration: all restart at 0)."""

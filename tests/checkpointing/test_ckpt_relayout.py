@@ -101,6 +101,7 @@ def _check(
     assert max(worst.values()) <= TOL, (worst, result, reference)
     assert result["source_unchanged"] and result["leftovers"] == [], result
     log = result["log"]
+    print(*log, sep="\n")  # type: ignore[misc]
     assert any(f"from {saved} to {run}" in line and "source unchanged" in line for line in log), log  # type: ignore[attr-defined]
     return worst
 
