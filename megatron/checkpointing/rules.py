@@ -8,7 +8,7 @@ over the data-parallel ranks, so loading the optimizer state needs them to agree
 (``--finetune``, converted checkpoints) needs only the TP/PP sizes (``weights_only.py`` reads the rest).
 
 Rows marked ``mended_on_load`` (TP / PP size, ZeRO-3 vs 0/1/2 files, how the stage stores the optimizer state, DP
-size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO >= 1, loaded with its
+size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded with its
 optimizer state into a run that can load a universal checkpoint, is converted on the way in (``relayout.py``).
 """
 
@@ -158,6 +158,12 @@ class ResumeCase:
                 "it was saved with ZeRO-0, which keeps no optimizer partitions to convert on load: "
                 f"{reshard}"
             )
+        if self.saved_stage == 3:
+            return (
+                "it was saved with ZeRO-3, which is not converted on load (DeepSpeed's universal converter "
+                "writes its tensors flat, without the shapes a load needs): pass --no-load-optim (Trident reads "
+                f"ZeRO-3 weights at any DP size; fresh optimizer state), or {reshard}"
+            )
         if self.run_stage == 3 and self.run_tp > 1:
             return (
                 "convert it at --tensor-model-parallel-size 1 with ZeRO-3, or at this TP size with ZeRO-1/2 "
@@ -292,13 +298,13 @@ first: ``weights_only.py`` reads any stage at any DP size."""
 def converts_on_load(case: ResumeCase | None) -> bool:
     """Whether this load converts the checkpoint to the run's layout on the way in (``relayout.py``): a row marked
     ``mended_on_load`` is broken, the optimizer state is loaded, the checkpoint is dense (no recorded EP size:
-    DeepSpeed's universal converter does not read expert files) and saved with ZeRO >= 1 (the converter reads the
-    ZeRO partitions), and the run has partitions to load a universal checkpoint into (ZeRO >= 1, or bf16; ZeRO-3
+    DeepSpeed's universal converter does not read expert files) and saved with ZeRO-1 or 2 (the converter reads the
+    ZeRO partitions; its ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into (ZeRO >= 1, or bf16; ZeRO-3
     only at TP 1)."""
     if case is None or not case.optimizer_state or case.saved_ep is not None:
         return False
-    if case.saved_stage < 1 or (case.run_stage < 1 and case.run_precision != "bf16"):
-        return False
+    if case.saved_stage not in (1, 2) or (case.run_stage < 1 and case.run_precision != "bf16"):
+        return False  # ZeRO-3 sources: the universal converter writes flat tensors (relayout.py)
     if case.run_stage == 3 and case.run_tp > 1:
         return False  # DeepSpeed's ZeRO-3 universal loader reads whole tensors: no TP slices
     return any(rule.mended_on_load and rule.broken(case) for rule in RESUME_RULES)

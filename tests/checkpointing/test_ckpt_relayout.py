@@ -177,7 +177,16 @@ CONVERTS = [
     ({"run_pp": 2, "run_dp": 1}, True, None),
     ({"run_dp": 4}, True, None),
     ({"run_stage": 3, "requested_stage": 3}, True, None),
-    ({"saved_stage": 3, "run_stage": 2, "requested_stage": 2}, True, None),
+    (
+        {"saved_stage": 3, "run_stage": 2, "requested_stage": 2},
+        False,
+        "DeepSpeed keeps ZeRO-3's weights",
+    ),
+    (
+        {"saved_stage": 3, "run_stage": 3, "run_dp": 4},
+        False,
+        "saved with ZeRO-3, which is not converted",
+    ),
     (
         {"run_tp": 2, "run_dp": 1, "run_stage": 3},
         False,

@@ -180,9 +180,13 @@ def test_preflight_layout_and_zero3_rules(tmp_path: Path) -> None:
         check("--load", str(z0), "--tensor-model-parallel-size", "2", world=2)
     z3 = tmp_path / "z3"
     _run_checkpoint(z3, "global_step2", _TINY_MODEL, zero_stage=3)
-    check("--load", str(z3), "--zero-stage", "3", world=2)  # converts
+    with pytest.raises(
+        ValueError, match="ZeRO-3, whose weights and optimizer state .* not converted on"
+    ):
+        check("--load", str(z3), "--zero-stage", "3", world=2)
+    check("--load", str(run), "--zero-stage", "3", world=2)  # ZeRO-1 -> ZeRO-3 converts
     with pytest.raises(ValueError, match="ZeRO-3 universal loader reads no TP slices"):
-        check("--load", str(z3), "--zero-stage", "3", "--tensor-model-parallel-size", "2", world=2)
+        check("--load", str(run), "--zero-stage", "3", "--tensor-model-parallel-size", "2", world=2)
     # Without the optimizer state Trident reads ZeRO-3 weights itself: any DP size.
     check("--load", str(z3), "--no-load-optim", "--zero-stage", "3", world=2)
     check("--load", str(z3), "--finetune", world=2)  # weights only: any stage, any DP size
@@ -190,16 +194,15 @@ def test_preflight_layout_and_zero3_rules(tmp_path: Path) -> None:
     old_z3 = tmp_path / "old_z3"
     _run_checkpoint(old_z3, "global_step2", _TINY_MODEL, zero_stage=None)
     (old_z3 / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="saved with ZeRO-3; this run uses ZeRO-0"):
-        check("--load", str(old_z3), "--zero-stage", "0")
-    # 3 <-> 0/1/2: converted on load with the optimizer state; without it, only for weights.
-    check("--load", str(z3))  # converts
+    with pytest.raises(ValueError, match="saved with ZeRO-3; this run uses ZeRO-1"):
+        check("--load", str(old_z3))
+    # 3 -> 0/1/2 only for weights (1/2 -> 3 converts on load, above).
     with pytest.raises(
         ValueError,
         match=r"saved with ZeRO-3; this run uses ZeRO-1, .* other files .* --zero-stage 3 to resume, or "
         "--finetune",
     ):
-        check("--load", str(z3), "--no-load-optim")
+        check("--load", str(z3))
     with pytest.raises(ValueError, match="saved with ZeRO-1; this run uses ZeRO-3"):
         check("--load", str(run), "--zero-stage", "3", "--no-load-optim")
     check("--load", str(run), "--zero-stage", "3", "--finetune")
