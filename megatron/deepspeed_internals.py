@@ -28,6 +28,9 @@ optimizer ``refresh_fp32_params()``    re-reads the master copy from the paramet
 ``runtime.fp16.loss_scaler.*``,        ``torch.load(weights_only=True)``)
 ``utils.tensor_fragment.fragment_address``
 ``checkpoint.ds_to_universal.main``    the universal-checkpoint converter, called with its argparse namespace
+``engine._config.load_universal_       switched on for one load (a --load converted on the way in,
+checkpoint``, optimizer param groups   ``megatron/checkpointing/relayout.py``), then restored; the groups'
+                                       settings kept (ZeRO-3's loader gives all groups the first one's)
 ``c10d.default_pg_timeout``            set to --distributed-timeout-minutes: DeepSpeed's own groups
                                        (``deepspeed.comm.new_group(ranks)``, no timeout argument) get it
 ``engine.checkpoint_engine.save``      replaced on the instance during a save: each file is written through
@@ -318,6 +321,34 @@ def ds_to_universal(input_folder: str, output_folder: str, *, workers: int) -> N
             inject_missing_state=False,
         )
     )
+
+
+@contextlib.contextmanager
+def loading_universal(engine: Any, param_groups: list[dict[str, Any]]) -> Iterator[None]:
+    """Make ``engine.load_checkpoint`` read a universal checkpoint while the block runs (the ``load_universal``
+    of its DeepSpeed config, read by the engine at load time only), then restore the setting.
+
+    ``param_groups``: the saved optimizer groups (``zero/optimizer_state.pt``). ZeRO-3's universal loader copies
+    the FIRST group's settings into every group (weight decay 0.01 onto the no-decay group of biases and norms);
+    under ZeRO-3 each group gets its own saved settings back, as a regular load gives them, and each sub-group its
+    own Adam step tensor."""
+    check_deepspeed_version()
+    config: Any = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
+    if int(engine.zero_optimization_stage()) == 3:
+        optimizer: Any = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for group, saved in zip(optimizer.param_groups, param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        # It also gives every sub-group the SAME step tensor, which each sub-group's step then increments (the
+        # second sub-group's Adam bias correction would count two steps per iteration): one tensor each.
+        for state in optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def hold_optimizer_steps(engine: Any, before: Callable[[], None]) -> None:

@@ -18,6 +18,8 @@ Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration
 ``universal_checkpoint_info`` (``megatron/layout/universal_info.py``).
 
 The start-up checks that make a load safe run before any process group exists: :mod:`megatron.checkpointing.rules`.
+A checkpoint of another TP / PP / DP size or ZeRO stage is converted on the way in where those rules allow it
+(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron.checkpointing.async_save import AsyncSaves, FileJob, Writers, snapshot
@@ -49,12 +52,20 @@ from megatron.checkpointing.meta import (
     check_universal_kind,
 )
 from megatron.checkpointing.pointers import find_checkpoint, tag_for_iteration
+from megatron.checkpointing.relayout import (
+    convert_for_load,
+    layout_words,
+    relayout_dir,
+    remove_relayout_dir,
+    saved_param_groups,
+)
 from megatron.checkpointing.rng import (
     load_rng_file,
     rng_file_bytes,
     rng_file_name,
     write_rng_file,
 )
+from megatron.checkpointing.rules import ResumeCase, converts_on_load, resume_case
 from megatron.checkpointing.weights_only import (
     assign_weights,
     needs_own_weight_loader,
@@ -64,9 +75,15 @@ from megatron.checkpointing.weights_only import (
 )
 from megatron.checkpointing.zero3 import read_zero3_client_state
 from megatron.config import CheckpointConfig, ModelConfig, RunPlan
-from megatron.deepspeed_internals import checkpoint_saves_through, hold_optimizer_steps
+from megatron.deepspeed_internals import (
+    checkpoint_saves_through,
+    hold_optimizer_steps,
+    loading_universal,
+)
+from megatron.launch.exit_codes import ConfigError
 from megatron.layout.universal_info import universal_checkpoint_info, used_patterns
 from megatron.log import global_rank
+from megatron.mpu.mappings import all_gather_object
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +103,8 @@ class DeepSpeedCheckpointer:
         record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
             an engine that cannot be routed does; a load then checks their archives only). For measuring what
             the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
+        ds_sequence_parallel_size: --ds-sequence-parallel-size (the ZeRO partition count of the run, compared
+            with the checkpoint's to decide whether the load converts it: ``rules.converts_on_load``).
     """
 
     def __init__(
@@ -98,6 +117,7 @@ class DeepSpeedCheckpointer:
         tensor_model_parallel_rank: int,
         expert_parallel_size: int = 1,
         record_checksums: bool = True,
+        ds_sequence_parallel_size: int = 1,
     ) -> None:
         self.checkpoint = checkpoint
         self.record_checksums = record_checksums
@@ -105,9 +125,12 @@ class DeepSpeedCheckpointer:
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
         self.expert_parallel_size = expert_parallel_size
+        self.ds_sequence_parallel_size = ds_sequence_parallel_size
         self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
         self.last_load_seconds: float | None = None
+        self.last_conversion_seconds: float | None = None
+        """Seconds the last load spent converting the checkpoint to the run's layout (None: not converted)."""
         self._pending_rng: Path | None = None
         self._async = AsyncSaves()
         """--async-save: the save whose files a thread is writing (at most one)."""
@@ -316,7 +339,18 @@ class DeepSpeedCheckpointer:
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
         tag_dir = Path(load_dir) / tag
-        client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
+        case = resume_case(
+            meta,
+            ck,
+            self.plan,
+            tag,
+            ds_sequence_parallel_size=self.ds_sequence_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+        )
+        if converts_on_load(case) and case is not None:
+            client = self._load_converted(engine, meta, tag, case)
+        else:
+            client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
         if not finetune:  # weights only: iteration 0, the schedule from its start, fresh RNG states
             self._restore_progress(engine, state, client)
             self._restore_lr_schedule(scheduler, state, client)
@@ -381,6 +415,83 @@ class DeepSpeedCheckpointer:
             raise RuntimeError(f"DeepSpeed could not load {tag_dir}.")
         return client
 
+    def _load_converted(
+        self, engine: Any, meta: dict[str, Any], tag: str, case: ResumeCase
+    ) -> dict[str, Any]:
+        """Load ``tag`` saved at another layout: rank 0 writes its universal form beside (``relayout.py``), every
+        rank loads that with DeepSpeed's universal loader, rank 0 removes it; returns the client state.
+
+        Raises:
+            ConfigError: on every rank, when rank 0 could not convert (a file failed its checks, DeepSpeed
+                refused the checkpoint, the folder could not be written).
+        """
+        ck = self.checkpoint
+        load_dir = ck.load or ""
+        work = relayout_dir(ck.save, load_dir, tag)
+        saved = layout_words(
+            tp=case.saved_tp, pp=case.saved_pp, dp=case.saved_dp, stage=case.saved_stage
+        )
+        run = layout_words(tp=case.run_tp, pp=case.run_pp, dp=case.run_dp, stage=case.run_stage)
+        error, seconds = None, 0.0
+        if global_rank() == 0:
+            logger.info(
+                "converting checkpoint %s/%s from %s to %s (in %s)", load_dir, tag, saved, run, work
+            )
+            error, seconds = self._convert(meta, tag, work, case)
+        errors = [e for e in all_gather_object(error, group=dist.group.WORLD) if e]
+        if errors:
+            if global_rank() == 0:
+                remove_relayout_dir(work)
+            raise ConfigError(
+                f"--load {load_dir} (tag {tag}): converting it from {saved} to this run's {run} failed: "
+                f"{errors[0]}"
+            )
+        start = time.perf_counter()
+        with loading_universal(engine, saved_param_groups(work, tag)):
+            _, client = engine.load_checkpoint(
+                str(work),
+                tag=tag,
+                load_module_strict=True,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                load_module_only=False,
+            )
+        wait_for_all_ranks()  # every rank read the converted copy before it goes
+        self.last_conversion_seconds = seconds
+        if global_rank() == 0:
+            remove_relayout_dir(work)
+            logger.info(
+                "converted checkpoint %s/%s from %s to %s in %.2f s; loaded in %.2f s (source unchanged)",
+                load_dir,
+                tag,
+                saved,
+                run,
+                seconds,
+                time.perf_counter() - start,
+            )
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load the converted copy of {load_dir}/{tag}.")
+        return client
+
+    def _convert(
+        self, meta: dict[str, Any], tag: str, work: Path, case: ResumeCase
+    ) -> tuple[str | None, float]:
+        """Rank 0: write the universal form of ``tag`` into ``work``; (the error, if any; the seconds taken)."""
+        ck = self.checkpoint
+        try:
+            _, seconds = convert_for_load(
+                ck.load or "",
+                tag,
+                meta,
+                work,
+                zero3_vocab_rows=self.plan.padded_vocab_size if case.run_stage == 3 else None,
+                hashes=ck.verify_checkpoint_checksums,
+            )
+        # RuntimeError: torch.save into a full disk
+        except (OSError, ValueError, RuntimeError) as err:
+            return str(err), 0.0
+        return None, seconds
+
     def _restore_progress(self, engine: Any, state: Any, client: dict[str, Any]) -> None:
         """Iteration and consumed samples/tokens from ``client`` (--reset-iteration: all restart at 0)."""
         if self.checkpoint.reset_iteration:
@@ -413,8 +524,11 @@ class DeepSpeedCheckpointer:
         """Remember this rank's RNG file for :meth:`restore_rng` (unless --no-load-rng or another layout)."""
         if self.checkpoint.no_load_rng:
             return
+        plan = self.plan
         same_world = (
-            meta.get("world_size") == self.plan.world_size
+            meta.get("world_size") == plan.world_size
+            and meta.get("tensor_model_parallel_size") == plan.tensor_model_parallel_size
+            and meta.get("pipeline_model_parallel_size") == plan.pipeline_model_parallel_size
             and not self.checkpoint.universal_checkpoint
         )
         if same_world:

@@ -6,6 +6,10 @@ The compatibility of a checkpoint's layout, ZeRO stage and precision with the ru
 run uses, the fix). DeepSpeed stores each ZeRO stage kind and each precision in other files, and ZeRO partitions
 over the data-parallel ranks, so loading the optimizer state needs them to agree; loading weights only
 (``--finetune``, converted checkpoints) needs only the TP/PP sizes (``weights_only.py`` reads the rest).
+
+Rows marked ``mended_on_load`` (TP / PP size, ZeRO-3 vs 0/1/2 files, how the stage stores the optimizer state, DP
+size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded with its
+optimizer state into a run that can load a universal checkpoint, is converted on the way in (``relayout.py``).
 """
 
 from __future__ import annotations
@@ -142,11 +146,37 @@ class ResumeCase:
         return f"--zero-stage {self.saved_stage}"
 
     def layout_hint(self) -> str:
-        """How to continue at another layout."""
+        """How to continue at another layout (why this load is not converted on the way in)."""
+        reshard = "reshard the weights offline (python -m tools.checkpoint.reshard; fresh optimizer state)."
+        if self.saved_ep is not None:
+            return (
+                "for an MoE checkpoint (DeepSpeed's universal converter does not read its expert files) "
+                f"{reshard}"
+            )
+        if self.saved_stage == 0:
+            return (
+                "it was saved with ZeRO-0, which keeps no optimizer partitions to convert on load: "
+                f"{reshard}"
+            )
+        if self.saved_stage == 3:
+            return (
+                "it was saved with ZeRO-3, which is not converted on load (DeepSpeed's universal converter "
+                "writes its tensors flat, without the shapes a load needs): pass --no-load-optim (Trident reads "
+                f"ZeRO-3 weights at any DP size; fresh optimizer state), or {reshard}"
+            )
+        if self.run_stage == 3 and self.run_tp > 1:
+            return (
+                "convert it at --tensor-model-parallel-size 1 with ZeRO-3, or at this TP size with ZeRO-1/2 "
+                f"(DeepSpeed's ZeRO-3 universal loader reads no TP slices); or {reshard}"
+            )
+        if not self.optimizer_state:
+            return (
+                "drop --no-load-optim / --finetune: a load with the optimizer state converts to the new layout "
+                f"on the way in; or {reshard}"
+            )
         return (
-            "resume at another layout through a universal checkpoint (python -m tools.checkpoint.to_universal "
-            f"--load {self.load_dir}, then add --universal-checkpoint), or reshard the weights offline "
-            "(python -m tools.checkpoint.reshard)."
+            "pass --zero-stage 1: DeepSpeed converts a checkpoint on load into ZeRO partitions, which fp32 "
+            f"ZeRO-0 has none of; or {reshard}"
         )
 
 
@@ -158,6 +188,8 @@ class ResumeRule:
     """What must agree between the checkpoint and the run."""
     broken: Callable[[ResumeCase], bool]
     message: Callable[[ResumeCase], str]
+    mended_on_load: bool = False
+    """Not an error where :func:`converts_on_load` (the conversion on the way in makes them agree)."""
 
 
 def _tp_pp_message(c: ResumeCase) -> str:
@@ -224,16 +256,19 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         "tensor- and pipeline-parallel sizes",
         lambda c: (c.saved_tp, c.saved_pp) != (c.run_tp, c.run_pp),
         _tp_pp_message,
+        mended_on_load=True,
     ),
     ResumeRule(
         "ZeRO-3 files vs ZeRO-0/1/2 files (unless only weights are loaded)",
         lambda c: not c.weights_only and (c.saved_stage == 3) != (c.run_stage == 3),
         _zero3_message,
+        mended_on_load=True,
     ),
     ResumeRule(
         "how the ZeRO stage stores the optimizer state (0 | 1 and 2 | 3), when it is loaded",
         lambda c: c.optimizer_state and stage_family(c.saved_stage) != stage_family(c.run_stage),
         _stage_family_message,
+        mended_on_load=True,
     ),
     ResumeRule(
         "precision of the optimizer state, when it is loaded",
@@ -248,6 +283,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         "data-parallel size, when ZeRO partitioned the loaded state over it",
         lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
         _dp_message,
+        mended_on_load=True,
     ),
     ResumeRule(
         "MoE expert-parallel size, when the optimizer state is loaded",
@@ -259,16 +295,33 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
 first: ``weights_only.py`` reads any stage at any DP size."""
 
 
+def converts_on_load(case: ResumeCase | None) -> bool:
+    """Whether this load converts the checkpoint to the run's layout on the way in (``relayout.py``): a row marked
+    ``mended_on_load`` is broken, the optimizer state is loaded, the checkpoint is dense (no recorded EP size:
+    DeepSpeed's universal converter does not read expert files) and saved with ZeRO-1 or 2 (the converter reads the
+    ZeRO partitions; its ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into (ZeRO >= 1, or bf16; ZeRO-3
+    only at TP 1)."""
+    if case is None or not case.optimizer_state or case.saved_ep is not None:
+        return False
+    if case.saved_stage not in (1, 2) or (case.run_stage < 1 and case.run_precision != "bf16"):
+        return False  # ZeRO-3 sources: the universal converter writes flat tensors (relayout.py)
+    if case.run_stage == 3 and case.run_tp > 1:
+        return False  # DeepSpeed's ZeRO-3 universal loader reads whole tensors: no TP slices
+    return any(rule.mended_on_load and rule.broken(case) for rule in RESUME_RULES)
+
+
 def check_resume_compatibility(case: ResumeCase | None) -> None:
-    """Raise the message of the first broken row of :data:`RESUME_RULES` (None: nothing to compare).
+    """Raise the message of the first broken row of :data:`RESUME_RULES` (None: nothing to compare); where the
+    load :func:`converts_on_load`, the rows it mends are not errors.
 
     Raises:
         ValueError: naming the checkpoint, what it was saved with, what the run uses and the fix.
     """
     if case is None:
         return
+    converts = converts_on_load(case)
     for rule in RESUME_RULES:
-        if rule.broken(case):
+        if rule.broken(case) and not (converts and rule.mended_on_load):
             raise ValueError(rule.message(case))
 
 
@@ -449,6 +502,8 @@ def check_checkpoint_dirs(
         check_resume_compatibility(case)
         _check_model_state_files(root / tag, meta)
         _check_universal_stage(ck, plan)
+        if converts_on_load(case):
+            return None  # rank 0 checks every file of the tag before it converts (relayout.py)
         return _verify_checkpoint_files(
             root / tag, meta, ck, plan, ds_sequence_parallel_size=sp, background=background_hashes
         )

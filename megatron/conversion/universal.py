@@ -9,55 +9,26 @@
 - writes ``trident_meta.json`` (``"universal": true``) and moves ``latest_universal`` atomically;
 - writes the model's flags beside it (``model_args.sh``, ``megatron.checkpointing.model_args``).
 
-Training then resumes with ``--load DIR --universal-checkpoint`` (``latest_universal``, or --load-tag).
+Training then resumes with ``--load DIR --universal-checkpoint`` (``latest_universal``, or --load-tag). A plain
+``--load`` of the regular checkpoint at the new layout does the same conversion on the way in
+(``megatron.checkpointing.relayout``, which holds the converter steps shared with this module).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing.checksums import (
-    CHECKSUMS_KEY,
-    checksums_of_tree,
-    verify_checkpoint_files,
-)
+from megatron.checkpointing.checksums import CHECKSUMS_KEY, checksums_of_tree
 from megatron.checkpointing.meta import META_FILE, model_config_from_dict, read_meta
 from megatron.checkpointing.model_args import write_model_args
 from megatron.checkpointing.pointers import LATEST_UNIVERSAL_FILE, atomic_write, find_tag
-from megatron.checkpointing.safe_load import load_weights_only
-from megatron.deepspeed_internals import ds_to_universal, zero_checkpoint_classes
-from megatron.layout.names import pipe_layer_key, pipe_to_megatron_name
-
-
-def _aliases(name: str, num_layers: int) -> list[str]:
-    if name.startswith("language_model."):
-        idx, local = pipe_layer_key(name, num_layers)
-        out = [f"{idx}.{local}"]
-        if idx == 1:
-            out.append(f"tied_modules.embed.{local}")
-        return out
-    return [pipe_to_megatron_name(name, num_layers)]
-
-
-def add_name_aliases(universal_dir: Path, num_layers: int) -> int:
-    """Symlink every ``zero/<param>`` folder under its other-scheme names; returns how many were added."""
-    zero = universal_dir / "zero"
-    added = 0
-    for folder in sorted(p for p in zero.iterdir() if p.is_dir() and not p.is_symlink()):
-        try:
-            names = _aliases(folder.name, num_layers)
-        except ValueError:
-            continue  # not a GPT parameter (left as is)
-        for alias in names:
-            target = zero / alias
-            if not target.exists():
-                os.symlink(folder.name, target)
-                added += 1
-    return added
+from megatron.checkpointing.relayout import (
+    add_name_aliases,
+    check_converter_inputs,
+    write_universal_form,
+)
 
 
 def _check_has_optimizer_partitions(tag_dir: Path, meta: dict[str, Any]) -> None:
@@ -78,38 +49,6 @@ def _check_has_optimizer_partitions(tag_dir: Path, meta: dict[str, Any]) -> None
             "need a run saved with --zero-stage >= 1. To move just the weights to another layout use "
             "python -m tools.checkpoint.reshard."
         )
-
-
-_NOT_UNPICKLED = (".json", ".safetensors", ".txt")
-"""Files in a tag that ``ds_to_universal`` never unpickles (meta, RNG states, checksum records)."""
-
-
-def check_converter_inputs(tag_dir: Path, meta: dict[str, Any], *, hashes: bool = True) -> None:
-    """Before ``ds_to_universal`` (which unpickles with ``weights_only=False``, so a crafted file runs code): every
-    file it may read has its recorded size and SHA-256, and unpickles with ``torch.load(weights_only=True)``
-    allowing only tensors, plain containers and DeepSpeed's own checkpoint classes (``hashes=False``: sizes
-    only, ``--no-verify-checkpoint-checksums``; the restricted unpickling still runs).
-
-    Raises:
-        ValueError / FileNotFoundError: one line naming the first file that fails.
-    """
-    verify_checkpoint_files(tag_dir, meta, hashes=hashes)
-    allowed = zero_checkpoint_classes()
-    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()):
-        if path.suffix in _NOT_UNPICKLED:
-            continue
-        if path.is_symlink():
-            raise ValueError(
-                f"{path} is a symlink; to_universal converts only regular files of the checkpoint (a link could "
-                "make DeepSpeed unpickle a file from elsewhere). Copy the real file in its place."
-            )
-        try:
-            load_weights_only(path, allowed=allowed, mmap=True, kind="DeepSpeed checkpoint file")
-        except ValueError as err:
-            raise ValueError(
-                f"{err} to_universal refuses it: DeepSpeed's ds_to_universal unpickles every checkpoint file "
-                "without restrictions."
-            ) from None
 
 
 def refuse_moe_universal(model: dict, where: str) -> None:
@@ -149,16 +88,9 @@ def convert_to_universal(
         raise ValueError(f"{root / found} is already a universal checkpoint.")
     refuse_moe_universal(meta.get("model", {}), str(root / found))
     _check_has_optimizer_partitions(root / found, meta)
-    check_converter_inputs(root / found, meta, hashes=verify_checksums)
     out_tag = f"{found}_universal"
     out = root / out_tag
-    if out.exists():
-        shutil.rmtree(out)
-    try:
-        ds_to_universal(str(root / found), str(out), workers=workers)
-    except AssertionError as err:
-        raise ValueError(f"ds_to_universal refused {root / found}: {err}") from None
-    add_name_aliases(out, int(meta["model"]["num_layers"]))
+    write_universal_form(root / found, out, meta, workers=workers, hashes=verify_checksums)
     meta["universal"] = True
     meta["universal_source_tag"] = found
     # ds_to_universal writes with torch.save directly: hashed by reading back (offline, once).
@@ -167,3 +99,11 @@ def convert_to_universal(
     atomic_write(root / LATEST_UNIVERSAL_FILE, out_tag)
     write_model_args(root, out_tag)
     return out_tag
+
+
+__all__ = [
+    "add_name_aliases",
+    "check_converter_inputs",
+    "convert_to_universal",
+    "refuse_moe_universal",
+]

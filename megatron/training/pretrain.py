@@ -204,6 +204,7 @@ def build_trainer(
             tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
             tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
             expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+            ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
         )
     if hooks is not None and cfg.checkpoint.load:
         join_checksums(pre.checksums)

@@ -163,16 +163,30 @@ def test_preflight_save_and_finetune_rules(tmp_path: Path) -> None:
 def test_preflight_layout_and_zero3_rules(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _run_checkpoint(run, "global_step4", _TINY_MODEL)
-    # Layout: TP/PP always; DP when ZeRO partitions what is loaded.
-    with pytest.raises(ValueError, match=r"saved with --tensor-model-parallel-size 1 .* uses 2"):
-        check("--load", str(run), "--tensor-model-parallel-size", "2", world=2)
-    with pytest.raises(ValueError, match=r"saved by 1 data-parallel ranks with ZeRO-1"):
-        check("--load", str(run), world=2)
+    # Layout: a ZeRO >= 1 checkpoint loaded with its optimizer state converts on load (relayout.py); TP/PP
+    # otherwise always refused, DP when ZeRO partitions what is loaded.
+    check("--load", str(run), "--tensor-model-parallel-size", "2", world=2)  # converts
+    check("--load", str(run), world=2)  # converts
+    with pytest.raises(
+        ValueError, match=r"saved with --tensor-model-parallel-size 1 .* uses 2.* drop "
+    ):
+        check("--load", str(run), "--tensor-model-parallel-size", "2", "--no-load-optim", world=2)
     check("--load", str(run), "--no-load-optim", world=2)
+    z0 = tmp_path / "z0"
+    _run_checkpoint(z0, "global_step2", _TINY_MODEL, zero_stage=0)
+    with pytest.raises(
+        ValueError, match=r"uses 2 and 1\. Use the checkpoint's sizes, or it was saved with ZeRO-0"
+    ):
+        check("--load", str(z0), "--tensor-model-parallel-size", "2", world=2)
     z3 = tmp_path / "z3"
     _run_checkpoint(z3, "global_step2", _TINY_MODEL, zero_stage=3)
-    with pytest.raises(ValueError, match="ZeRO-3, whose weights and optimizer state"):
+    with pytest.raises(
+        ValueError, match="ZeRO-3, whose weights and optimizer state .* not converted on"
+    ):
         check("--load", str(z3), "--zero-stage", "3", world=2)
+    check("--load", str(run), "--zero-stage", "3", world=2)  # ZeRO-1 -> ZeRO-3 converts
+    with pytest.raises(ValueError, match="ZeRO-3 universal loader reads no TP slices"):
+        check("--load", str(run), "--zero-stage", "3", "--tensor-model-parallel-size", "2", world=2)
     # Without the optimizer state Trident reads ZeRO-3 weights itself: any DP size.
     check("--load", str(z3), "--no-load-optim", "--zero-stage", "3", world=2)
     check("--load", str(z3), "--finetune", world=2)  # weights only: any stage, any DP size
@@ -182,7 +196,7 @@ def test_preflight_layout_and_zero3_rules(tmp_path: Path) -> None:
     (old_z3 / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="saved with ZeRO-3; this run uses ZeRO-1"):
         check("--load", str(old_z3))
-    # 3 <-> 0/1/2 only for weights.
+    # 3 -> 0/1/2 only for weights (1/2 -> 3 converts on load, above).
     with pytest.raises(
         ValueError,
         match=r"saved with ZeRO-3; this run uses ZeRO-1, .* other files .* --zero-stage 3 to resume, or "
@@ -315,14 +329,15 @@ _WEIGHTS_ONLY = {"weights_only": True, "optimizer_state": False}  # --finetune
 _NO_OPTIM = {"optimizer_state": False}  # --no-load-optim
 RESUME_ROWS = [
     # (change that breaks the row, the fix its message names, message)
-    (
-        {"run_tp": 2, "run_dp": 1},
+    (  # not converted on load: weights only
+        {"run_tp": 2, "run_dp": 1, "optimizer_state": False},
         {"run_tp": 1, "run_dp": 2},
         r"saved with --tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1; this run uses 2 "
-        r"and 1\. Use the checkpoint's sizes, or resume at another layout through a universal checkpoint",
+        r"and 1\. Use the checkpoint's sizes, or drop --no-load-optim / --finetune: a load with the optimizer "
+        r"state converts to the new layout on the way in",
     ),
     (
-        {"run_stage": 3, "requested_stage": 3},
+        {"run_stage": 3, "requested_stage": 3, "optimizer_state": False},
         _WEIGHTS_ONLY,
         r"saved with ZeRO-1; this run uses ZeRO-3, and DeepSpeed keeps ZeRO-3's weights in other files "
         r"than ZeRO-0/1/2's\. Pass --zero-stage 1 to resume, or --finetune",
@@ -338,8 +353,8 @@ RESUME_ROWS = [
         _NO_OPTIM,
         r"trained in fp32; this run uses bf16, .* Pass neither --bf16 nor --fp16 as before, or --no-load-optim",
     ),
-    (
-        {"run_dp": 4},
+    (  # not converted on load: an MoE checkpoint
+        {"run_dp": 4, "saved_ep": 1},
         _NO_OPTIM,
         r"saved by 2 data-parallel ranks with ZeRO-1, whose optimizer state are partitioned over them; this "
         r"run has 4\. Launch 2 processes, pass --no-load-optim",
