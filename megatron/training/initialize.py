@@ -21,6 +21,7 @@ from megatron.config import ParallelConfig
 from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
 from megatron.launch.cpu_allocator import keep_freed_memory
 from megatron.launch.device import device_type, local_device
+from megatron.launch.elastic import round_store, uses_agent_store
 from megatron.launch.rendezvous import local_world_size
 from megatron.log import log_rank_0
 from megatron.mpu.mappings import all_gather_object
@@ -70,6 +71,8 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
 
     device = local_device(dev)
     timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
+    if uses_agent_store() and not dist.is_initialized():
+        _init_round_group(_backend(parallel, dev), timeout)
     # Also when the caller already created the default group (a library user, the test spawner): DeepSpeed then
     # wraps that group; without it DeepSpeed's own comm layer is unset and PipelineModule fails on get_rank().
     deepspeed.init_distributed(
@@ -90,6 +93,19 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
     if allocator is not None:
         log_rank_0(logger, "%s", allocator)
     return Distributed(device=device, state=state)
+
+
+def _init_round_group(backend: str, timeout: timedelta) -> None:
+    """Under torchrun's shared agent store: the default group on this restart round's own keys
+    (``megatron/launch/elastic.py``: the keys of a dead round would send gloo to dead ports)."""
+    store, _ = round_store(timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def agree_on_fused_kernels(device_type: str) -> None:
