@@ -29,7 +29,6 @@ hundred bytes per rank and round).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -122,27 +121,10 @@ def max_restarts(environ: Mapping[str, str] = os.environ) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def last_logged_iteration(metrics_file: str | None) -> tuple[int, float] | None:
-    """The last training iteration of a metrics JSONL and the file's modification time (when it was logged), or
-    None (no file, no training row). Read before the resumed run truncates the file to its resume point."""
-    if not metrics_file or not os.path.isfile(metrics_file):
-        return None
-    last = None
-    with open(metrics_file, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if '"lm_loss"' not in line:
-                continue
-            try:
-                last = int(json.loads(line)["iteration"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by the kill
-    return None if last is None else (last, os.path.getmtime(metrics_file))
-
-
 def restart_report(resumed_from: int, previous: tuple[int, float] | None) -> str | None:
     """The line a restarted torchrun round logs (rank 0), or None in the first round: the restart and the budget,
     the iteration it resumes from, the iterations lost and the time since the failed round's last logged iteration
-    (``previous``: :func:`last_logged_iteration` of the metrics file). The cause is in torchrun's own report above
+    (``previous``: ``supervisor.last_logged_iteration`` of the metrics file). The cause is in torchrun's own report above
     it (the failed rank's exit code or signal) and in the survivors' ``lost contact`` lines."""
     count = restart_count()
     if count == 0:

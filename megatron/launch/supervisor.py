@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from megatron.launch.elastic import last_logged_iteration
 from megatron.launch.exit_codes import (
     EXIT_HANG,
     EXIT_INTERRUPTED,
@@ -87,6 +86,23 @@ def latest_iteration(save: Path | None) -> int | None:
         return None
     found = re.fullmatch(r"global_step(\d+)", tag)
     return int(found.group(1)) if found else None
+
+
+def last_logged_iteration(metrics_file: str | None) -> tuple[int, float] | None:
+    """The last training iteration of a metrics JSONL and the file's modification time (when it was logged), or
+    None (no file, no training row). Read before the resumed run truncates the file to its resume point."""
+    if not metrics_file or not os.path.isfile(metrics_file):
+        return None
+    last = None
+    with open(metrics_file, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if '"lm_loss"' not in line:
+                continue
+            try:
+                last = int(json.loads(line)["iteration"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by the kill
+    return None if last is None else (last, os.path.getmtime(metrics_file))
 
 
 def last_metrics_iteration(metrics: Path | None) -> int | None:

@@ -32,7 +32,7 @@ from megatron.checkpointing.meta import tokenizer_record
 from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
 from megatron.diagnostics.watchdog import HangWatchdog
-from megatron.launch.elastic import last_logged_iteration, restart_report
+from megatron.launch.elastic import restart_report
 from megatron.launch.exit_codes import EXIT_OK, ConfigError
 from megatron.launch.peers import (
     Peer,
@@ -41,6 +41,7 @@ from megatron.launch.peers import (
     peer_lost_message,
     this_process,
 )
+from megatron.launch.supervisor import last_logged_iteration
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_gather_object
 from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token

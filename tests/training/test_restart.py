@@ -24,8 +24,14 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megatron.launch.elastic import agree_on_round, last_logged_iteration
-from megatron.launch.supervisor import describe_status, flag_value, latest_iteration, restartable
+from megatron.launch.elastic import agree_on_round
+from megatron.launch.supervisor import (
+    describe_status,
+    flag_value,
+    last_logged_iteration,
+    latest_iteration,
+    restartable,
+)
 from megatron.testing import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,3 +213,93 @@ GOLDEN_TP2_FINAL_LOSS = 5.710129737854004
 """lm loss at iteration 7 of an uninterrupted run of the flags above (torchrun, 2 ranks, TP 2). Compared with 1e-4
 relative tolerance as in ``test_golden_loss.py`` (another CPU's BLAS rounds differently); bit-identity on this
 machine is what the replayed rows show, and the slow test compares a whole curve with an uninterrupted run."""
+
+
+def test_supervisor_budget_and_causes(tmp_path: Path) -> None:
+    """A command that keeps failing is restarted ``--max-restarts`` times, each restart logged with its cause and
+    the iterations lost (metrics file vs `latest`), then one final line and its exit status; a configuration error
+    (exit 2) is not restarted."""
+    save = tmp_path / "ck"
+    save.mkdir()
+    (save / "latest").write_text("global_step10")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(f'{{"iteration": {i}, "lm_loss": 1.0}}\n' for i in range(1, 14)))
+    rounds = tmp_path / "rounds"
+    script = (
+        "import sys; open(sys.argv[1], 'a').write('x');"
+        "print('rank 0: lost contact with a peer (gloo: Connection reset by peer); rank 1 (pid 7) died with "
+        "signal 9 (SIGKILL); stopping', flush=True); sys.exit(8)"
+    )
+    cmd = [PY, "-m", "tools.supervise", "--max-restarts", "2", "--grace-seconds", "1", "--",
+           PY, "-c", script, str(rounds), "--save", str(save), "--metrics-file", str(metrics)]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 8 and rounds.read_text() == "xxx", run.stderr
+    lines = [x for x in run.stderr.splitlines() if x.startswith("supervise: ")]
+    assert lines[0] == (
+        "supervise: restart 1 of 2: exit code 8 (another rank died): rank 0: lost contact with a peer (gloo: "
+        "Connection reset by peer); rank 1 (pid 7) died with signal 9 (SIGKILL); stopping; reached iteration 13, "
+        "`latest` is iteration 10: 3 iteration(s) lost"
+    ), lines
+    assert lines[1].startswith("supervise: restart 2 of 2: exit code 8"), lines
+    assert lines[2].startswith("supervise: giving up: the restart budget (2) is spent; the last round ended with "
+                               "exit code 8 (another rank died)"), lines  # fmt: skip
+    bad = subprocess.run([PY, "-m", "tools.supervise", "--", PY, "-c", "import sys; sys.exit(2)"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "supervise: not restarted: exit code 2 (configuration error)"
+
+
+# ----------------------------------------------------------------------------------------------- slow: acceptance
+ACCEPT_ITERS = 200
+
+
+def _accept_flags(tmp: Path, name: str) -> list[str]:
+    return [
+        *TINY, "--global-batch-size", "4", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--train-iters", str(ACCEPT_ITERS), "--save-interval", "10",
+        "--save", str(tmp / name), "--load", str(tmp / name), "--metrics-file", str(tmp / f"{name}.jsonl"),
+        "--hang-timeout-minutes", "0.25", "--log-level", "WARNING",
+    ]  # fmt: skip
+
+
+def _restart_lines(out: str) -> list[str]:
+    return [x for x in out.splitlines() if "torchrun restart " in x]
+
+
+@pytest.mark.slow  # ~6 min: 7 rounds of a 200-iteration TP 2 x PP 2 run and the uninterrupted run
+def test_acceptance_five_kills_and_a_hang_under_torchrun(tmp_path: Path) -> None:
+    """TP 2 x PP 2, 200 iterations under ``torchrun --max-restarts 6``: a random rank SIGKILLed at 5 random moments
+    and one random rank stopped (SIGSTOP: the others' hang watchdogs exit 7, torchrun kills the stopped one). The job
+    finishes by itself; its whole metrics curve (everything after the last restart included) is bit-identical to
+    an uninterrupted run; each restart's iterations lost and time are printed."""
+    rng = random.Random(int(os.environ.get("TRIDENT_RESTART_SEED", "34")))
+    targets = sorted(rng.sample(range(12, ACCEPT_ITERS - 15, 6), 6))
+    events = ["kill"] * 5 + ["hang"]
+    rng.shuffle(events)
+    log = tmp_path / "job.log"
+    job = Job([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "--max-restarts", "6",
+               "pretrain_gpt.py", *_accept_flags(tmp_path, "ck")], log)  # fmt: skip
+    offset, done = 0, []
+    for target, event in zip(targets, events, strict=True):
+        offset = job.wait_for(_progress(target, ACCEPT_ITERS), after=offset, timeout=400)
+        time.sleep(rng.uniform(0.0, 0.4))
+        rank = rng.randrange(4)
+        job.signal_rank(rank, signal.SIGKILL if event == "kill" else signal.SIGSTOP)
+        done.append(f"{event} rank {rank} after iteration {target}")
+        offset = job.wait_for("torchrun restart ", after=offset, timeout=400)
+    code = job.finish(timeout=900)
+    out = job.text()
+    assert code == 0, out[-5000:]
+    restarts = _restart_lines(out)
+    assert len(restarts) == 6, (done, restarts, out[-5000:])
+    assert out.count("hang watchdog: rank") >= 1, out[-5000:]
+    assert "connectFullMesh" not in out
+    ref_log = tmp_path / "ref.log"
+    ref = Job([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py",
+               *_accept_flags(tmp_path, "ref")], ref_log)  # fmt: skip
+    assert ref.finish(timeout=900) == 0, ref.text()[-5000:]
+    got, want = _rows(tmp_path / "ck.jsonl"), _rows(tmp_path / "ref.jsonl")
+    assert [r["iteration"] for r in want] == list(range(1, ACCEPT_ITERS + 1))
+    assert got == want
+    for what, line in zip(done, restarts, strict=True):
+        print(f"{what}: {line.split('] ')[-1]}")
