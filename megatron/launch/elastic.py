@@ -34,6 +34,7 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -92,9 +93,66 @@ def agree_on_round(store: dist.Store, rank: int, world_size: int, timeout: timed
     return round_id
 
 
-def round_store(timeout: timedelta) -> tuple[dist.Store, str]:
+FAILURES_KEY = f"{_PREFIX}failures"
+"""Lines a dying round leaves in the agent's store for the next round's restart line (why its ranks stopped)."""
+
+
+def record_failure(text: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Under torchrun's agent store: leave one line saying why this rank stops (a survivor's ``lost contact``
+    line, the watchdog's) for the next round's restart line. Best effort, at most a few seconds: the agent may be
+    gone, and nothing here may keep a failing rank from exiting."""
+    if not uses_agent_store(environ):
+        return
+    try:
+        store = dist.TCPStore(
+            environ["MASTER_ADDR"],
+            int(environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=3),
+        )
+        store.append(FAILURES_KEY, " ".join(text.split()) + "\n")
+    except (RuntimeError, KeyError, ValueError, OSError):
+        pass
+
+
+def _take_failures(store: dist.Store) -> tuple[str, ...]:
+    """Rank 0 of a new round: the lines the failed round recorded (then removed)."""
+    if not store.check([FAILURES_KEY]):
+        return ()
+    lines = store.get(FAILURES_KEY).decode(errors="replace").splitlines()
+    store.delete_key(FAILURES_KEY)
+    return tuple(x for x in lines if x)
+
+
+def _telling(line: str) -> int:
+    """Sort key: a line naming a rank that died first, then the watchdog's, then the rest."""
+    if " died with " in line or " exited with code " in line:
+        return 0
+    return 1 if "watchdog" in line else 2
+
+
+def failure_summary(lines: tuple[str, ...]) -> str | None:
+    """The most telling of a failed round's lines, with how many more there were."""
+    if not lines:
+        return None
+    more = f" (+{len(lines) - 1} more line(s) from other ranks)" if len(lines) > 1 else ""
+    return sorted(lines, key=_telling)[0] + more
+
+
+@dataclass(frozen=True)
+class RoundStore:
+    """This round's store (the agent's, under the round's prefix), its id, and what the failed round recorded."""
+
+    store: dist.Store
+    round_id: str
+    failures: tuple[str, ...]
+    """Rank 0 only: :data:`FAILURES_KEY`'s lines (empty elsewhere and in the first round)."""
+
+
+def round_store(timeout: timedelta) -> RoundStore:
     """A store for this round's default group: the agent's store (MASTER_ADDR:MASTER_PORT) under the round's
-    prefix, and the round id. Call under :func:`uses_agent_store` only, before any process group exists."""
+    prefix, the round id, and (rank 0) the failed round's lines. Call under :func:`uses_agent_store` only, before
+    any process group exists."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -112,7 +170,8 @@ def round_store(timeout: timedelta) -> tuple[dist.Store, str]:
         restart_count(),
         time.perf_counter() - start,
     )
-    return dist.PrefixStore(f"{_PREFIX}round/{round_id}/", store), round_id
+    failures = _take_failures(store) if rank == 0 else ()
+    return RoundStore(dist.PrefixStore(f"{_PREFIX}round/{round_id}/", store), round_id, failures)
 
 
 def max_restarts(environ: Mapping[str, str] = os.environ) -> int:
@@ -121,19 +180,25 @@ def max_restarts(environ: Mapping[str, str] = os.environ) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def restart_report(resumed_from: int, previous: tuple[int, float] | None) -> str | None:
+def restart_report(
+    resumed_from: int, previous: tuple[int, float] | None, failures: tuple[str, ...] = ()
+) -> str | None:
     """The line a restarted torchrun round logs (rank 0), or None in the first round: the restart and the budget,
     the iteration it resumes from, the iterations lost and the time since the failed round's last logged iteration
-    (``previous``: ``supervisor.last_logged_iteration`` of the metrics file). The cause is in torchrun's own report above
-    it (the failed rank's exit code or signal) and in the survivors' ``lost contact`` lines."""
+    (``previous``: ``supervisor.last_logged_iteration`` of the metrics file), and the cause (``failures``: what the
+    failed round's ranks recorded, :func:`record_failure`; torchrun's own report names a rank killed before it
+    could record anything)."""
     count = restart_count()
     if count == 0:
         return None
     line = f"torchrun restart {count} of {max_restarts()}: resuming from iteration {resumed_from} (`latest`)"
     if previous is None:
-        return line + "; iterations lost: unknown (no --metrics-file rows of the failed round)"
-    reached, logged_at = previous
-    return (
-        f"{line}; the failed round logged iteration {reached}: {max(reached - resumed_from, 0)} iteration(s) "
-        f"lost; {time.time() - logged_at:.1f} s since that iteration"
-    )
+        line += "; iterations lost: unknown (no --metrics-file rows of the failed round)"
+    else:
+        reached, logged_at = previous
+        line += (
+            f"; the failed round logged iteration {reached}: {max(reached - resumed_from, 0)} iteration(s) "
+            f"lost; {time.time() - logged_at:.1f} s since that iteration"
+        )
+    cause = failure_summary(failures) or "see torchrun's report of the failed rank above"
+    return f"{line}; cause: {cause}"

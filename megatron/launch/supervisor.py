@@ -10,7 +10,8 @@ group, logs the restart and runs the same command again, which resumes from ``la
     round 2                                                                    |== load, train ==| exit 0
 
 Restarted: exit 1 (an unexpected error), 7 (the hang watchdog), 8 (another rank died) and a death by a signal
-(a negative status, or 128 + n as shells and launchers report it; 130, Ctrl-C, excepted). Not restarted: 0, 2 (bad
+(a negative status, 128 + n as shells and srun report it, 256 - n as DeepSpeed's launcher does; 130, Ctrl-C,
+excepted). Not restarted: 0, 2 (bad
 input), 3 and 4 (--exit-interval / --exit-duration-in-mins: stops the user asked for), 5 (SIGTERM), 6 (a NaN: the
 same checkpoint would fail again) and 130. Each restart is one line with its cause (the exit code, or the most
 telling line of the round's output: the watchdog's, a survivor's "lost contact" line, the launcher's report), the
@@ -50,9 +51,19 @@ _TELLING = ("hang watchdog:", "lost contact with a peer", "failed (exitcode:", "
 """Output lines that say why a round failed, most telling first."""
 
 
+def signal_of(code: int) -> int:
+    """The signal an exit status reports, else 0: ``-n`` (Python's ``Popen``), ``128 + n`` (shells, srun) and
+    ``256 - n`` (a launcher that passed ``-n`` to ``sys.exit``, as DeepSpeed's does); 130 (Ctrl-C) is an exit."""
+    if code < 0:
+        return -code
+    if 128 < code < 160 and code != EXIT_INTERRUPTED:
+        return code - 128
+    return 256 - code if 224 <= code < 256 else 0
+
+
 def describe_status(code: int) -> str:
     """An exit status in words: ``"exit code 8 (another rank died)"``, ``"signal 9 (SIGKILL)"``."""
-    sig = -code if code < 0 else code - 128 if 128 < code < 160 and code != EXIT_INTERRUPTED else 0
+    sig = signal_of(code)
     if sig:
         try:
             return f"signal {sig} ({signal.Signals(sig).name})"
@@ -64,7 +75,7 @@ def describe_status(code: int) -> str:
 
 def restartable(code: int) -> bool:
     """Whether a round that ended with ``code`` is relaunched (see the module docstring)."""
-    return code in RESTARTABLE_CODES or code < 0 or (128 < code < 160 and code != EXIT_INTERRUPTED)
+    return code in RESTARTABLE_CODES or signal_of(code) != 0
 
 
 def flag_value(command: list[str], flag: str) -> str | None:

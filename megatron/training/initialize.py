@@ -49,6 +49,8 @@ class Distributed:
     """This rank's device."""
     state: ParallelState
     """The model-parallel groups (``initialize_model_parallel``'s result): TP, PP, DP, Ulysses, ..."""
+    previous_failures: tuple[str, ...] = ()
+    """Under torchrun, after a restart (rank 0): why the failed round's ranks stopped (``launch/elastic.py``)."""
 
 
 def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = None) -> Distributed:
@@ -71,8 +73,9 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
 
     device = local_device(dev)
     timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
+    failures: tuple[str, ...] = ()
     if uses_agent_store() and not dist.is_initialized():
-        _init_round_group(_backend(parallel, dev), timeout)
+        failures = _init_round_group(_backend(parallel, dev), timeout)
     # Also when the caller already created the default group (a library user, the test spawner): DeepSpeed then
     # wraps that group; without it DeepSpeed's own comm layer is unset and PipelineModule fails on get_rank().
     deepspeed.init_distributed(
@@ -92,20 +95,22 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
     agree_on_fused_kernels(device.type)
     if allocator is not None:
         log_rank_0(logger, "%s", allocator)
-    return Distributed(device=device, state=state)
+    return Distributed(device=device, state=state, previous_failures=failures)
 
 
-def _init_round_group(backend: str, timeout: timedelta) -> None:
+def _init_round_group(backend: str, timeout: timedelta) -> tuple[str, ...]:
     """Under torchrun's shared agent store: the default group on this restart round's own keys
-    (``megatron/launch/elastic.py``: the keys of a dead round would send gloo to dead ports)."""
-    store, _ = round_store(timeout)
+    (``megatron/launch/elastic.py``: the keys of a dead round would send gloo to dead ports); returns what the
+    failed round recorded (rank 0)."""
+    rnd = round_store(timeout)
     dist.init_process_group(
         backend,
-        store=store,
+        store=rnd.store,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
     )
+    return rnd.failures
 
 
 def agree_on_fused_kernels(device_type: str) -> None:

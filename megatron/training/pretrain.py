@@ -251,7 +251,7 @@ def _run(
     state = TrainState()
     previous = last_logged_iteration(cfg.logging.metrics_file)  # before the writer truncates it
     trainer = build_trainer(pre, run, hooks, state)
-    report = restart_report(state.iteration, previous)
+    report = restart_report(state.iteration, previous, run.previous_failures)
     if report and global_rank() == 0:
         logger.warning("%s", report)
     spec = LoopSpec.of(cfg, plan)

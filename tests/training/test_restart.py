@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megatron.launch.elastic import agree_on_round
+from megatron.launch.elastic import agree_on_round, record_failure, restart_report, round_store
 from megatron.launch.supervisor import (
     describe_status,
     flag_value,
@@ -157,9 +157,50 @@ def test_round_agreement_ignores_a_dead_rounds_keys() -> None:
         agree_on_round(lonely, 0, 4, timedelta(seconds=0.3))
 
 
+def test_failed_round_records_reach_the_next_round(monkeypatch) -> None:
+    """Lines recorded by a dying round (survivors, watchdogs) are read once by rank 0 of the next round, the line
+    naming the rank that died first; outside torchrun nothing is recorded."""
+    port = find_free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=20))
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    record_failure("hang watchdog: rank 2, iteration 9: ...", env)
+    record_failure(
+        "rank 0: lost contact ...; rank 1 (pid 5) died with signal 9\n(SIGKILL); stopping", env
+    )
+    record_failure("not recorded", {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    for key, value in {
+        **env,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    rnd = round_store(timedelta(seconds=20))
+    assert rnd.failures == (
+        "hang watchdog: rank 2, iteration 9: ...",
+        "rank 0: lost contact ...; rank 1 (pid 5) died with signal 9 (SIGKILL); stopping",
+    )
+    assert round_store(timedelta(seconds=20)).failures == ()
+
+    line = restart_report(4, (7, 0.0), rnd.failures)
+    assert line is not None and line.startswith(
+        "torchrun restart 1 of 0: resuming from iteration 4 (`latest`); "
+    )
+    assert "logged iteration 7: 3 iteration(s) lost" in line
+    assert line.endswith("cause: rank 0: lost contact ...; rank 1 (pid 5) died with signal 9 (SIGKILL); stopping "
+                         "(+1 more line(s) from other ranks)")  # fmt: skip
+    del server
+
+
 def test_supervisor_units(tmp_path: Path) -> None:
     assert describe_status(8) == "exit code 8 (another rank died)"
-    assert describe_status(-9) == describe_status(137) == "signal 9 (SIGKILL)"
+    assert (
+        describe_status(-9) == describe_status(137) == describe_status(247) == "signal 9 (SIGKILL)"
+    )
     assert [restartable(c) for c in (0, 1, 2, 3, 5, 6, 7, 8, -9, 137, 130)] == [
         False, True, False, False, False, False, True, True, True, True, False,
     ]  # fmt: skip
@@ -258,7 +299,7 @@ def _accept_flags(tmp: Path, name: str) -> list[str]:
         *TINY, "--global-batch-size", "4", "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2", "--train-iters", str(ACCEPT_ITERS), "--save-interval", "10",
         "--save", str(tmp / name), "--load", str(tmp / name), "--metrics-file", str(tmp / f"{name}.jsonl"),
-        "--hang-timeout-minutes", "0.25", "--log-level", "WARNING",
+        "--hang-timeout-minutes", "0.25",
     ]  # fmt: skip
 
 
@@ -303,3 +344,46 @@ def test_acceptance_five_kills_and_a_hang_under_torchrun(tmp_path: Path) -> None
     assert got == want
     for what, line in zip(done, restarts, strict=True):
         print(f"{what}: {line.split('] ')[-1]}")
+
+
+@pytest.mark.slow  # ~60 s: three rounds of two ranks under the deepspeed launcher
+def test_supervisor_restarts_the_deepspeed_launcher_after_a_kill_and_a_hang(tmp_path: Path) -> None:
+    """``tools/supervise.py`` around ``deepspeed --num_gpus 2``: rank 1 SIGKILLed after iteration 3, then rank 0
+    stopped (SIGSTOP) after iteration 5 (rank 1's watchdog exits 7). Two restarts logged with their cause, the
+    iterations lost and the time taken; the run finishes with the golden uninterrupted final loss."""
+    ck, metrics, restarts = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "restarts.jsonl"
+    flags = [*TINY, "--global-batch-size", "2", "--tensor-model-parallel-size", "2", "--train-iters", "7",
+             "--save-interval", "2", "--save", str(ck), "--load", str(ck), "--metrics-file", str(metrics),
+             "--hang-timeout-minutes", "0.1"]  # fmt: skip
+    launcher = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port())]
+    job = Job([PY, "-m", "tools.supervise", "--max-restarts", "2", "--grace-seconds", "2", "--restarts-file",
+               str(restarts), "--", *launcher, "pretrain_gpt.py", *flags], tmp_path / "log")  # fmt: skip
+    offset = job.wait_for(_progress(3, 7))
+    job.signal_rank(1, signal.SIGKILL)
+    offset = job.wait_for("supervise: restart 1: training again", after=offset)
+    job.wait_for(_progress(5, 7), after=offset)
+    job.signal_rank(0, signal.SIGSTOP)
+    code = job.finish(timeout=300)
+    out = job.text()
+    assert code == 0, out[-5000:]
+    lines = [x for x in out.splitlines() if x.startswith("supervise: restart ")]
+    assert len(lines) == 4, lines
+    assert "(SIGKILL)" in lines[0] and "hang watchdog: rank 1" in lines[2], lines
+    records = [json.loads(x) for x in restarts.read_text().splitlines()]
+    for r, line in zip(
+        records, lines[::2], strict=True
+    ):  # a kill lands after iteration 3 (5) or just after 4 (6)
+        assert r["iterations_lost"] == r["reached_iteration"] - r["latest_iteration"] in (0, 1), (
+            records
+        )
+        assert f"`latest` is iteration {r['latest_iteration']}" in line and r["restart_s"] > 0, (
+            line,
+            r,
+        )
+    final = _rows(metrics)
+    assert [r["iteration"] for r in final] == list(range(1, 8))
+    assert final[-1]["lm_loss"] == pytest.approx(GOLDEN_TP2_FINAL_LOSS, rel=1e-4)
+    for r in records:
+        print(
+            f"restart {r['restart']}: {r['iterations_lost']} lost, back in {r['restart_s']:.1f} s: {r['cause']}"
+        )
