@@ -209,8 +209,6 @@ class Supervisor:
     def _rounds(self) -> int:
         while True:
             rnd = self._run_round()
-            if self.restarts and self.restarts[-1].restart_s is None and rnd.first_iteration_at:
-                self._came_back(rnd)
             if rnd.exit_code == 0 or self._stopping or not restartable(rnd.exit_code):
                 if rnd.exit_code not in (0,) and not self._stopping:
                     self.say(f"not restarted: {cause_of(rnd)}")
@@ -253,8 +251,11 @@ class Supervisor:
             found = _ITERATION.search(line)
             if found:
                 now = time.monotonic()
-                rnd.first_iteration_at = rnd.first_iteration_at or now
                 rnd.last_iteration, rnd.last_iteration_at = int(found.group(1)), now
+                if rnd.first_iteration_at is None:
+                    rnd.first_iteration_at = now
+                    if self.restarts:  # this round follows a restart: it is training again
+                        self._came_back(rnd)
 
     def _log_restart(self, rnd: Round) -> None:
         reached = last_metrics_iteration(self.metrics)

@@ -69,15 +69,19 @@ def _rows(metrics: Path) -> list[dict]:
 
 
 def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
+    """The process of ``rank`` among the launcher's descendants: the top-most one with that RANK running
+    pretrain_gpt.py (its forked helpers, e.g. DataLoader workers, inherit both)."""
+    found = {}
     for child in launcher.children(recursive=True):
         try:
             if child.environ().get("RANK") == str(rank) and "pretrain_gpt.py" in " ".join(
                 child.cmdline()
             ):
-                return child
+                found[child.pid] = child
         except psutil.Error:
             continue
-    return None
+    tops = [c for c in found.values() if c.ppid() not in found]
+    return tops[0] if len(tops) == 1 else None
 
 
 class Job:
@@ -346,22 +350,26 @@ def test_acceptance_five_kills_and_a_hang_under_torchrun(tmp_path: Path) -> None
         print(f"{what}: {line.split('] ')[-1]}")
 
 
-@pytest.mark.slow  # ~60 s: three rounds of two ranks under the deepspeed launcher
+@pytest.mark.slow  # ~90 s: three rounds of two ranks under the deepspeed launcher
 def test_supervisor_restarts_the_deepspeed_launcher_after_a_kill_and_a_hang(tmp_path: Path) -> None:
-    """``tools/supervise.py`` around ``deepspeed --num_gpus 2``: rank 1 SIGKILLed after iteration 3, then rank 0
-    stopped (SIGSTOP) after iteration 5 (rank 1's watchdog exits 7). Two restarts logged with their cause, the
-    iterations lost and the time taken; the run finishes with the golden uninterrupted final loss."""
+    """``tools/supervise.py`` around ``deepspeed --num_gpus 2``: rank 1 SIGKILLed after iteration 8, then rank 0
+    stopped (SIGSTOP) after iteration 20 (rank 1's watchdog exits 7). Two restarts logged with their cause, the
+    iterations lost and the time taken; the run finishes, and every iteration logged before a failure is replayed
+    bit for bit after it."""
     ck, metrics, restarts = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "restarts.jsonl"
-    flags = [*TINY, "--global-batch-size", "2", "--tensor-model-parallel-size", "2", "--train-iters", "7",
-             "--save-interval", "2", "--save", str(ck), "--load", str(ck), "--metrics-file", str(metrics),
+    flags = [*TINY, "--global-batch-size", "2", "--tensor-model-parallel-size", "2", "--train-iters", "40",
+             "--save-interval", "5", "--save", str(ck), "--load", str(ck), "--metrics-file", str(metrics),
              "--hang-timeout-minutes", "0.1"]  # fmt: skip
     launcher = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port())]
     job = Job([PY, "-m", "tools.supervise", "--max-restarts", "2", "--grace-seconds", "2", "--restarts-file",
                str(restarts), "--", *launcher, "pretrain_gpt.py", *flags], tmp_path / "log")  # fmt: skip
-    offset = job.wait_for(_progress(3, 7))
+    seen: list[dict] = []
+    offset = job.wait_for(_progress(8, 40))
+    seen += _rows(metrics)
     job.signal_rank(1, signal.SIGKILL)
     offset = job.wait_for("supervise: restart 1: training again", after=offset)
-    job.wait_for(_progress(5, 7), after=offset)
+    job.wait_for(_progress(20, 40), after=offset)
+    seen += _rows(metrics)
     job.signal_rank(0, signal.SIGSTOP)
     code = job.finish(timeout=300)
     out = job.text()
@@ -370,19 +378,17 @@ def test_supervisor_restarts_the_deepspeed_launcher_after_a_kill_and_a_hang(tmp_
     assert len(lines) == 4, lines
     assert "(SIGKILL)" in lines[0] and "hang watchdog: rank 1" in lines[2], lines
     records = [json.loads(x) for x in restarts.read_text().splitlines()]
-    for r, line in zip(
-        records, lines[::2], strict=True
-    ):  # a kill lands after iteration 3 (5) or just after 4 (6)
-        assert r["iterations_lost"] == r["reached_iteration"] - r["latest_iteration"] in (0, 1), (
+    for r, line in zip(records, lines[::2], strict=True):
+        assert 0 <= r["iterations_lost"] == r["reached_iteration"] - r["latest_iteration"] <= 5, (
             records
         )
         assert f"`latest` is iteration {r['latest_iteration']}" in line and r["restart_s"] > 0, (
             line,
             r,
         )
-    final = _rows(metrics)
-    assert [r["iteration"] for r in final] == list(range(1, 8))
-    assert final[-1]["lm_loss"] == pytest.approx(GOLDEN_TP2_FINAL_LOSS, rel=1e-4)
+    final = {r["iteration"]: r for r in _rows(metrics)}
+    assert sorted(final) == list(range(1, 41))
+    assert all(final[r["iteration"]] == r for r in seen)
     for r in records:
         print(
             f"restart {r['restart']}: {r['iterations_lost']} lost, back in {r['restart_s']:.1f} s: {r['cause']}"
