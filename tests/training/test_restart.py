@@ -235,7 +235,7 @@ def test_torchrun_restart_after_a_sigkill(tmp_path: Path) -> None:
     code = job.finish(timeout=240)
     out = job.text()
     assert code == 0, out[-4000:]
-    lost = [x for x in out.splitlines() if "lost contact" in x]
+    lost = [x for x in out.splitlines() if x.startswith("rank 0: lost contact")]
     assert len(lost) == 1 and lost[0].endswith(
         f"rank 1 (pid {killed}) died with signal 9 (SIGKILL); stopping"
     )
@@ -244,6 +244,9 @@ def test_torchrun_restart_after_a_sigkill(tmp_path: Path) -> None:
     assert len(restart) == 1 and "resuming from iteration 4 (`latest`)" in restart[0], out[-4000:]
     reached = first_round[-1]["iteration"]
     assert f"logged iteration {reached}: {reached - 4} iteration(s) lost" in restart[0], restart
+    assert restart[0].endswith(f"cause: {lost[0]}"), (
+        restart
+    )  # recorded by the survivor in the agent's store
     final = _rows(metrics)
     assert [r["iteration"] for r in final] == list(range(1, 8))
     assert (
