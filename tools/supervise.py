@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         grace_s=a.grace_seconds,
         restarts_file=a.restarts_file,
     )
-    return Supervisor(cfg).run()
+    try:
+        return Supervisor(cfg).run()
+    except OSError as err:  # the command cannot be started (not found, not executable)
+        print(f"error: cannot run {command[0]!r}: {err.strerror or err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ class Supervisor:
         while True:
             rnd = self._run_round()
             if rnd.exit_code == 0 or self._stopping or not restartable(rnd.exit_code):
-                if rnd.exit_code not in (0,) and not self._stopping:
+                if rnd.exit_code != 0 and not self._stopping:
                     self.say(f"not restarted: {cause_of(rnd)}")
                 return rnd.exit_code
             if len(self.restarts) >= self.cfg.max_restarts:

@@ -295,6 +295,13 @@ def test_supervisor_budget_and_causes(tmp_path: Path) -> None:
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.strip() == "supervise: not restarted: exit code 2 (configuration error)"
+    missing = subprocess.run([PY, "-m", "tools.supervise", "--", str(tmp_path / "nope")],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 2
+    assert (
+        missing.stderr.strip()
+        == f"error: cannot run '{tmp_path / 'nope'}': No such file or directory"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- slow: acceptance
