@@ -321,7 +321,7 @@ def _restart_lines(out: str) -> list[str]:
     return [x for x in out.splitlines() if "torchrun restart " in x]
 
 
-@pytest.mark.slow  # ~6 min: 7 rounds of a 200-iteration TP 2 x PP 2 run and the uninterrupted run
+@pytest.mark.slow  # ~7 min: 7 rounds of a 200-iteration TP 2 x PP 2 run and the uninterrupted run
 def test_acceptance_five_kills_and_a_hang_under_torchrun(tmp_path: Path) -> None:
     """TP 2 x PP 2, 200 iterations under ``torchrun --max-restarts 6``: a random rank SIGKILLed at 5 random moments
     and one random rank stopped (SIGSTOP: the others' hang watchdogs exit 7, torchrun kills the stopped one). The job
@@ -360,7 +360,7 @@ def test_acceptance_five_kills_and_a_hang_under_torchrun(tmp_path: Path) -> None
         print(f"{what}: {line.split('] ')[-1]}")
 
 
-@pytest.mark.slow  # ~90 s: three rounds of two ranks under the deepspeed launcher
+@pytest.mark.slow  # ~3 min (loaded machine): three rounds of two ranks under the deepspeed launcher
 def test_supervisor_restarts_the_deepspeed_launcher_after_a_kill_and_a_hang(tmp_path: Path) -> None:
     """``tools/supervise.py`` around ``deepspeed --num_gpus 2``: rank 1 SIGKILLed after iteration 8, then rank 0
     stopped (SIGSTOP) after iteration 20 (rank 1's watchdog exits 7). Two restarts logged with their cause, the
