@@ -51,6 +51,7 @@ def _read_checkpoint_model(load: str, load_tag: str | None, universal: bool) -> 
 
 def _main(cfg: TridentConfig) -> int:
     from megatron.checkpointing.engine import CheckpointSaveError
+    from megatron.launch.elastic import record_failure
     from megatron.launch.exit_codes import EXIT_CONFIG_ERROR, EXIT_PEER_LOST, ConfigError
     from megatron.launch.peers import PeerLostError
     from megatron.log import setup_logging
@@ -74,6 +75,7 @@ def _main(cfg: TridentConfig) -> int:
         return EXIT_CONFIG_ERROR
     except PeerLostError as e:  # the groups are broken: no teardown
         print(str(e), file=sys.stderr)
+        record_failure(str(e))  # for the restart line of torchrun's next round
         return EXIT_PEER_LOST
     destroy_distributed()  # every rank returns here together (after an exception, others may be mid-collective)
     return result.exit_code

@@ -94,7 +94,8 @@ ROLES: dict[str, str] = {
     "layout": "pure arithmetic: parameter names, TP split rule, QKV, vocab padding, PP stages",
     "tokenizer": "tokenizers, tokenizer training, the checkpoint's tokenizer record",
     "fused_kernels": "fused kernels with their PyTorch references; the loader and JIT build",
-    "launch": "spawning local ranks, rendezvous environment, device choice, CPU allocator, exit codes",
+    "launch": "spawning local ranks, rendezvous environment, restart rounds and the supervisor, device choice, "
+    "CPU allocator, exit codes",
     "model": "GPTModel / GPTModelPipe from a ModelConfig + an explicit ParallelContext",
     "data": ".bin/.idx, GPT sample index, blending, samplers, preprocessing",
     "checkpointing": "runtime save/load protocol, pointers, start-up rules, meta schema, weight readers",

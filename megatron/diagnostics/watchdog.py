@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TextIO
 
+from megatron.launch.elastic import record_failure
 from megatron.launch.exit_codes import EXIT_HANG
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,10 @@ class HangWatchdog:
             limit,
             flight,
             EXIT_HANG,
+        )
+        record_failure(
+            f"hang watchdog: rank {self.rank}, iteration {iteration}: the {what} ran past its limit of "
+            f"{limit:.1f} s; collective in flight: {flight}"
         )
         for handler in logging.getLogger().handlers:
             try:

@@ -21,6 +21,7 @@ from megatron.config import ParallelConfig
 from megatron.deepspeed_internals import set_default_group_timeout, skip_cpu_shm_build
 from megatron.launch.cpu_allocator import keep_freed_memory
 from megatron.launch.device import device_type, local_device
+from megatron.launch.elastic import round_store, uses_agent_store
 from megatron.launch.rendezvous import local_world_size
 from megatron.log import log_rank_0
 from megatron.mpu.mappings import all_gather_object
@@ -48,6 +49,8 @@ class Distributed:
     """This rank's device."""
     state: ParallelState
     """The model-parallel groups (``initialize_model_parallel``'s result): TP, PP, DP, Ulysses, ..."""
+    previous_failures: tuple[str, ...] = ()
+    """Under torchrun, after a restart (rank 0): why the failed round's ranks stopped (``launch/elastic.py``)."""
 
 
 def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = None) -> Distributed:
@@ -70,6 +73,9 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
 
     device = local_device(dev)
     timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
+    failures: tuple[str, ...] = ()
+    if uses_agent_store() and not dist.is_initialized():
+        failures = _init_round_group(_backend(parallel, dev), timeout)
     # Also when the caller already created the default group (a library user, the test spawner): DeepSpeed then
     # wraps that group; without it DeepSpeed's own comm layer is unset and PipelineModule fails on get_rank().
     deepspeed.init_distributed(
@@ -89,7 +95,22 @@ def init_distributed(parallel: ParallelConfig, *, planned_bytes: int | None = No
     agree_on_fused_kernels(device.type)
     if allocator is not None:
         log_rank_0(logger, "%s", allocator)
-    return Distributed(device=device, state=state)
+    return Distributed(device=device, state=state, previous_failures=failures)
+
+
+def _init_round_group(backend: str, timeout: timedelta) -> tuple[str, ...]:
+    """Under torchrun's shared agent store: the default group on this restart round's own keys
+    (``megatron/launch/elastic.py``: the keys of a dead round would send gloo to dead ports); returns what the
+    failed round recorded (rank 0)."""
+    rnd = round_store(timeout)
+    dist.init_process_group(
+        backend,
+        store=rnd.store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+    return rnd.failures
 
 
 def agree_on_fused_kernels(device_type: str) -> None:

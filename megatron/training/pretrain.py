@@ -32,6 +32,7 @@ from megatron.checkpointing.meta import tokenizer_record
 from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
 from megatron.diagnostics.watchdog import HangWatchdog
+from megatron.launch.elastic import restart_report
 from megatron.launch.exit_codes import EXIT_OK, ConfigError
 from megatron.launch.peers import (
     Peer,
@@ -40,6 +41,7 @@ from megatron.launch.peers import (
     peer_lost_message,
     this_process,
 )
+from megatron.launch.supervisor import last_logged_iteration
 from megatron.log import global_rank
 from megatron.mpu.mappings import all_gather_object
 from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token
@@ -116,12 +118,12 @@ def pretrain(
     planner = PlannerConfig.from_configs(pre.cfg.model, pre.cfg.parallel, pre.cfg.training)
     memory = plan_memory(planner, pre.plan, pre.ds_config)
     worst = memory.worst
-    run = initialize.init_distributed(
-        pre.cfg.parallel, planned_bytes=worst.total + worst.offloaded_bytes
-    )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
     lock: SaveLock | None = None
     peers: list[Peer] = []
     try:
+        run = initialize.init_distributed(
+            pre.cfg.parallel, planned_bytes=worst.total + worst.offloaded_bytes
+        )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
         peers = all_gather_object(this_process(global_rank()), group=dist.group.WORLD)
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
         return _run(pre, memory, run, checkpoint_hooks)
@@ -248,7 +250,11 @@ def _run(
         for line in format_plan(memory, plan):
             logger.info("%s", line)
     state = TrainState()
+    previous = last_logged_iteration(cfg.logging.metrics_file)  # before the writer truncates it
     trainer = build_trainer(pre, run, hooks, state)
+    report = restart_report(state.iteration, previous, run.previous_failures)
+    if report and global_rank() == 0:
+        logger.warning("%s", report)
     spec = LoopSpec.of(cfg, plan)
     rates = Throughput(
         tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,

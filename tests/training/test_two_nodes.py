@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -252,3 +253,54 @@ def test_multinode_example_writes_the_deepspeed_env(tmp_path: Path) -> None:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
+
+
+def _metrics_iterations(metrics: Path) -> list[int]:
+    if not metrics.exists():
+        return []
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip().endswith("}")]
+    return [r["iteration"] for r in rows if "lm_loss" in r]
+
+
+@pytest.mark.slow  # ~60 s: two rounds on two "nodes"
+def test_torchrun_restart_after_one_nodes_processes_are_killed(nodes, tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --max-restarts 1`` on each node (static rendezvous: the agent's store on node 0),
+    --save/--load on one folder: both ranks of node 1 SIGKILLed after iteration 5. Both agents restart their ranks,
+    the new round joins through the same store (its own keys, not the dead round's), resumes from `latest` and
+    finishes; the replayed iterations equal the first round's."""
+    import psutil
+
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    extra = ["--train-iters", "8", "--save-interval", "4", "--save", str(ck), "--load", str(ck),
+             "--metrics-file", str(metrics)]  # fmt: skip
+    procs, logs = [], []
+    for rank, ns in enumerate(nodes):
+        logs.append(tmp_path / f"node{rank}.log")
+        cmd = ["ip", "netns", "exec", ns, str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "2", "--max-restarts", "1", "--master-addr", ADDRS[0],
+               "--master-port", "29540", "pretrain_gpt.py", *FLAGS, *extra]  # fmt: skip
+        procs.append(_start(cmd, logs[-1], env=_env(**NODE_ENV)))
+    deadline = time.monotonic() + TIMEOUT
+    while 5 not in _metrics_iterations(metrics):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[
+            0
+        ].read_text()[-3000:]
+        time.sleep(0.05)
+    first = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip().endswith("}")]
+    victims = [
+        c
+        for c in psutil.Process(procs[1].pid).children(recursive=True)
+        if "pretrain_gpt.py" in c.cmdline()
+    ]
+    assert len(victims) == 2
+    for victim in victims:
+        victim.kill()
+    _wait_all(procs, logs)
+    out = logs[0].read_text() + logs[1].read_text()
+    assert "connectFullMesh" not in out and "torchrun restart 1 of 1" in out, out[-3000:]
+    final = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    assert [r["iteration"] for r in final if "lm_loss" in r] == list(range(1, 9))
+    keys = ("iteration", "lm_loss", "grad_norm", "lr")
+    assert [{k: r[k] for k in keys} for r in final[: len(first)]] == [
+        {k: r[k] for k in keys} for r in first
+    ]
