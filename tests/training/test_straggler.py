@@ -1,0 +1,179 @@
+"""Stragglers named (--log-straggler): the test on gathered times, the wait clock, and whole runs with one rank slowed.
+
+How a rank is slowed: on that rank's process only, the step function the trainer calls is wrapped to sleep before
+each step from a chosen iteration on. To its peers this is exactly a slower device: it arrives late at every
+collective of the step. A CPU quota (cgroups) needs root, and ``nice`` / affinity pinning only slow a rank while
+the machine is loaded, which on a CI machine shared with other jobs is luck either way; the sleep is a slowdown
+the test controls (its size, its start), so "named within two intervals" and "nothing named" are both checkable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron.config import parse_args, validate
+from megatron.testing import run_distributed
+from megatron.training.straggler import RankTimes, find_stragglers, format_stragglers, slowdowns
+from tests.training.test_token_schedule import TINY
+
+
+def _times(busy_ms: list[float], stages: list[int]) -> list[RankTimes]:
+    """Ranks whose 100 ms steps (the sync makes them equal) held ``busy_ms`` of their own work."""
+    return [RankTimes(b, 100.0, 100.0 - b, s) for b, s in zip(busy_ms, stages, strict=True)]
+
+
+def test_find_stragglers_compares_each_rank_with_its_pipeline_stage() -> None:
+    hosts = ["a", "a", "b", "b"]
+    # TP2 x PP2: stage 1 (ranks 2, 3) does more work than stage 0; rank 3 does 2.2x its TP peer's work
+    times = _times([20.0, 21.0, 30.0, 66.0], [0, 0, 1, 1])
+    found = find_stragglers(times, hosts, 1.5)
+    assert [(s.rank, s.host) for s in found] == [(3, "b")]
+    assert found[0].slowdown == pytest.approx(2.2) and found[0].peers_median_ms == pytest.approx(
+        30.0
+    )
+    line = format_stragglers(40, found, 1.5)
+    assert "iteration 40" in line and "rank 3 on b is 2.20x slower" in line and "66.0 ms" in line
+    # stage differences alone name no one (30 ms vs 20 ms would be 1.5x against the world's median)
+    assert find_stragglers(_times([20.0, 21.0, 30.0, 31.0], [0, 0, 1, 1]), hosts, 1.4) == []
+    # PP only (one rank per stage): compared with the world; a 2-rank world with the lower median
+    assert slowdowns(_times([10.0, 30.0], [0, 1])) == pytest.approx([1.0, 3.0])
+    assert slowdowns(_times([0.0, 0.0], [0, 0])) == [1.0, 1.0]  # nothing to compare with
+
+
+def test_straggler_flags_are_validated() -> None:
+    cfg = parse_args([*TINY, "--log-straggler", "--straggler-threshold", "2.5"])
+    assert cfg.logging.log_straggler and cfg.logging.straggler_threshold == 2.5
+    with pytest.raises(ValueError, match=r"--straggler-threshold \(1.0\) must be > 1; e.g. 1.5"):
+        validate(parse_args([*TINY, "--straggler-threshold", "1"]), world_size=1)
+
+
+def _clock_scenario() -> dict[str, Any]:
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron.mpu.wait_clock import WaitClock
+
+    rank, original = dist.get_rank(), dist.Work.wait
+    clock = WaitClock()
+    x = torch.ones(4)
+    with clock.running():
+        time.sleep(0.3 if rank == 1 else 0.0)
+        dist.all_reduce(x)  # rank 0 waits ~0.3 s for rank 1
+        time.sleep(0.2 if rank == 0 else 0.0)
+        handle = dist.all_reduce(x, async_op=True)
+        handle.wait()  # an async handle: rank 1 waits ~0.2 s
+        other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=None))
+        time.sleep(0.2 if rank == 1 else 0.0)
+        other.start()  # another thread's wait (rank 0: ~0.2 s) is not this clock's
+        other.join()
+    dist.all_reduce(x)  # after the clock stopped: not counted, and Work.wait is torch's again
+    restored = dist.Work.wait is original
+    return {"seconds": clock.seconds, "waits": clock.waits, "restored": restored}
+
+
+def _check_clock(r0: dict[str, Any], r1: dict[str, Any]) -> None:
+    assert r0["restored"] and r1["restored"] and r0["waits"] == r1["waits"] == 2
+    assert 0.25 < r0["seconds"] < 0.45, r0  # the sync wait only (the other thread's wait excluded)
+    assert 0.15 < r1["seconds"] < 0.35, r1  # the async handle's wait only
+
+
+def _run(tmp: str, flags: list[str], slow: tuple[int, int, float] | None) -> dict[str, Any]:
+    """``pretrain`` with --log-straggler; ``slow = (rank, from_iteration, seconds)`` sleeps on that rank."""
+    from megatron.training import pretrain, trainer
+
+    rank = int(os.environ["RANK"])
+    if slow is not None and slow[0] == rank:
+        steps = {"n": 0}
+        for name in ("train_step_engine", "train_step_pipe"):
+            real = getattr(trainer, name)
+
+            def slowed(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                steps["n"] += 1
+                if steps["n"] >= slow[1]:
+                    time.sleep(slow[2])
+                return _real(*args, **kwargs)
+
+            setattr(trainer, name, slowed)
+    warnings: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("megatron.training.straggler").addHandler(_Keep(level=logging.WARNING))
+    argv = [*TINY, "--log-straggler", "--metrics-file", f"{tmp}/m.jsonl", *flags]
+    start = time.perf_counter()
+    result = pretrain(parse_args([*argv, "--tensorboard-dir", f"{tmp}/tb"]))
+    seconds = time.perf_counter() - start
+    clock = (
+        _clock_scenario() if slow is not None and slow[2] >= 0.5 else None
+    )  # same spawn, cheaper
+    return {"exit": result.exit_code, "warnings": warnings, "seconds": seconds, "clock": clock}
+
+
+def _named(tmp: Path) -> dict[int, list[int]]:
+    """Iteration -> the ranks the metrics file names there."""
+    out = {}
+    for line in (tmp / "m.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "stragglers" in rec:
+            out[rec["iteration"]] = [s["rank"] for s in rec["stragglers"]]
+    return out
+
+
+def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_a_slowed_data_parallel_rank_is_named(tmp_path: Path) -> None:
+    """DP2 (log interval 3), rank 1 sleeps 0.5 s per step from its 4th step on: named at iteration 6 in the log,
+    the metrics file and TensorBoard; the first interval (warm-up) names no one. 0.5 s: more than any step of
+    this tiny model takes even on a loaded machine, so the slowdown exceeds the default threshold (1.5) however
+    slow the other rank runs. Then, in the same spawn, the wait clock alone: this thread's sync and async waits
+    are counted, another thread's are not, and ``Work.wait`` is torch's again after."""
+    flags = ["--train-iters", "6", "--log-interval", "3"]
+    r0, r1 = run_distributed(_run, 2, str(tmp_path), flags, (1, 4, 0.5), timeout=180)
+    assert r0["exit"] == r1["exit"] == 0
+    _check_clock(r0["clock"], r1["clock"])
+    assert _named(tmp_path) == {6: [1]}
+    assert len(r0["warnings"]) == 1 and "straggler at iteration 6" in r0["warnings"][0], r0
+    assert "rank 1 on " in r0["warnings"][0] and "x slower than its peers" in r0["warnings"][0]
+    tb = _scalars(tmp_path / "tb")
+    assert [s for s, _ in tb["straggler/rank 1 slowdown"]] == [6]
+    assert tb["straggler/rank 1 slowdown"][0][1] > 1.5
+    assert tb["straggler/slowest-rank"][-1] == (6, 1.0) and len(tb["straggler/max-slowdown"]) == 2
+
+
+@pytest.mark.slow
+def test_tp2_pp2_straggler_named_within_two_intervals_and_none_unslowed(tmp_path: Path) -> None:
+    """TP2 x PP2: rank 3 (stage 1) sleeps 50 ms per step from its 13th step: named by the second log boundary
+    after (interval 5: iteration 15 or 20), at every interval from there, no one before; then 100 iterations with
+    no slowdown name no one."""
+    flags = ["--train-iters", "30", "--log-interval", "5"]
+    flags += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    slowed = tmp_path / "slowed"
+    res = run_distributed(_run, 4, str(slowed), flags, (3, 13, 0.05), timeout=600)
+    assert [r["exit"] for r in res] == [0, 0, 0, 0]
+    named = _named(slowed)
+    assert named and min(named) <= 20 and all(it > 12 for it in named), named
+    assert all(named.get(it) == [3] for it in (20, 25, 30)), named
+    quiet = tmp_path / "quiet"
+    flags = [*flags[:1], "100", *flags[2:]]
+    res = run_distributed(_run, 4, str(quiet), flags, None, timeout=600)
+    assert [r["exit"] for r in res] == [0, 0, 0, 0]
+    assert _named(quiet) == {} and res[0]["warnings"] == []
+    maxima = [v for _, v in _scalars(quiet / "tb")["straggler/max-slowdown"]]
+    assert len(maxima) == 20 and max(maxima) <= 1.5, maxima
