@@ -308,6 +308,7 @@ def build_run_logging(
         step_log.straggler = StragglerDetector(
             o.straggler_threshold,
             stage=trainer.state.get_pipeline_model_parallel_rank(),
+            tp_rank=trainer.state.get_tensor_model_parallel_rank(),
             device=communication_device(dist.group.WORLD),
         )
     return writer, step_log

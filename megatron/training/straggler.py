@@ -3,11 +3,12 @@
 Every rank times its training steps (wall time) and, with a :class:`~megatron.mpu.wait_clock.WaitClock`, the part
 of them it spent blocked in collectives. Its own work in a step is ``step - wait``: in synchronous training the
 step times are equal, the slow rank is the one that waits least (``wait_clock.py``). Every --log-interval all ranks
-all-gather ``[busy, mean step, mean wait, pipeline stage]`` (4 floats per rank, one collective over the world;
+all-gather ``[busy, mean step, mean wait, pipeline stage, TP rank]`` (5 floats per rank, one collective over the world;
 ``busy`` is the median own work of the interval's steps) and every rank runs the same test:
 
-    peers(r)   = the ranks of r's pipeline stage (they run the same layers), or the whole world when r is alone
-                 in its stage (PP only: stages differ in work, so the threshold must cover that difference)
+    peers(r)   = r's data-parallel replicas (same pipeline stage and TP rank: the same work); without DP, the
+                 ranks of its stage (the same layers; TP rank 0 also loads the batch); alone in its stage, the
+                 world (stages differ in work: the threshold must cover that difference)
     slowdown_r = busy_r / median_low(busy of peers(r))
     named      : slowdown_r > --straggler-threshold
 
@@ -51,7 +52,9 @@ class RankTimes:
     wait_ms: float
     """Its mean time blocked in collectives."""
     stage: int
-    """Its pipeline stage (its peers are the ranks of the same stage)."""
+    """Its pipeline stage."""
+    tp_rank: int = 0
+    """Its tensor-parallel rank (TP rank 0 loads the batch its TP group shares)."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,13 @@ class Straggler:
 
 
 def _peers(times: list[RankTimes], rank: int) -> list[int]:
-    same = [r for r, t in enumerate(times) if t.stage == times[rank].stage]
-    return same if len(same) > 1 else list(range(len(times)))
+    """The ranks doing the same work as ``rank``: its data-parallel replicas, else its pipeline stage, else all."""
+    me = times[rank]
+    replicas = [r for r, t in enumerate(times) if (t.stage, t.tp_rank) == (me.stage, me.tp_rank)]
+    if len(replicas) > 1:
+        return replicas
+    stage = [r for r, t in enumerate(times) if t.stage == me.stage]
+    return stage if len(stage) > 1 else list(range(len(times)))
 
 
 def slowdowns(times: list[RankTimes]) -> list[float]:
@@ -111,11 +119,13 @@ class StragglerDetector:
     Args:
         threshold: --straggler-threshold.
         stage: this rank's pipeline stage.
+        tp_rank: this rank's tensor-parallel rank.
         device: where the world group's collectives run.
     """
 
-    def __init__(self, threshold: float, *, stage: int, device: torch.device) -> None:
-        self.threshold, self.stage, self._device = threshold, stage, device
+    def __init__(self, threshold: float, *, stage: int, tp_rank: int, device: torch.device) -> None:
+        self.threshold, self._device = threshold, device
+        self._where = (float(stage), float(tp_rank))
         self.clock = WaitClock()
         self.hosts: list[str] = all_gather_object(socket.gethostname(), group=dist.group.WORLD)
         self._busy: list[float] = []
@@ -138,17 +148,17 @@ class StragglerDetector:
             self._busy.append(step - wait)
 
     def gather(self) -> list[RankTimes]:
-        """Every rank's times since the last call (one all-gather of 4 floats per rank); resets them."""
+        """Every rank's times since the last call (one all-gather of 5 floats per rank); resets them."""
         n = max(1, len(self._busy))
         mine = torch.tensor(
-            [statistics.median(self._busy or [0.0]), self._step / n, self._wait / n, self.stage],
+            [statistics.median(self._busy or [0.0]), self._step / n, self._wait / n, *self._where],
             dtype=torch.float64,
             device=self._device,
         )
         self._busy, self._step, self._wait = [], 0.0, 0.0
-        rows = all_gather_first_dim(mine.reshape(1, 4), group=dist.group.WORLD)  # [world, 4]
+        rows = all_gather_first_dim(mine.reshape(1, 5), group=dist.group.WORLD)  # [world, 5]
         return [
-            RankTimes(1000.0 * r[0], 1000.0 * r[1], 1000.0 * r[2], int(r[3]))
+            RankTimes(1000.0 * r[0], 1000.0 * r[1], 1000.0 * r[2], int(r[3]), int(r[4]))
             for r in rows.cpu().tolist()
         ]
 
