@@ -24,12 +24,12 @@ from megatron.testing import run_distributed
 from megatron.training.straggler import RankTimes, find_stragglers, format_stragglers, slowdowns
 from tests.training.test_token_schedule import TINY
 
-QUIET_THRESHOLD = ["--straggler-threshold", "3"]
-"""The slow test's run with no slowdown: on the 2-core machine the suite runs on, shared with other jobs (load
-average 9-22 measured), their bursts made a random rank up to 2.0-2.4x slower than its peers over a whole 10-step
-interval: real stragglers by the detector's definition, but not this test's. 3 checks that nothing structural
-(TP rank 0 loading the batch, stage differences, warm-up) is named; the slowed run keeps the default 1.5 and its
-slowed rank is also more than 3x slower, so one threshold separates both runs."""
+THRESHOLD = ["--straggler-threshold", "3"]
+"""The slow test's threshold: on the 2-core machine the suite runs on, shared with other jobs (load average 9-22
+measured), their bursts made a random rank up to 2.0-2.4x slower than its peers over a whole 10-step interval: real
+stragglers by the detector's definition, but not this test's. At 3 the run with no slowdown checks that nothing
+structural (TP rank 0 loading the batch, stage differences, warm-up) is named, and the slowed rank (5-7.6x
+measured) is named by the same threshold."""
 
 
 def _times(busy_ms: list[float], stages: list[int], tp: list[int] | None = None) -> list[RankTimes]:
@@ -242,21 +242,20 @@ def test_a_slowed_data_parallel_rank_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tp2_pp2_straggler_named_within_two_intervals_and_none_unslowed(tmp_path: Path) -> None:
-    """TP2 x PP2, log interval 5: rank 3 (stage 1) sleeps 0.3 s per step from its 13th step: named by the second
-    log boundary after (iteration 15 or 20) and at every boundary from there, no one before. Then 100 iterations
-    with no slowdown (log interval 10) name no one, and the measurement costs < 1 % of the step time."""
+    """TP2 x PP2, log interval 5, --straggler-threshold 3 (:data:`THRESHOLD`): rank 3 (stage 1) sleeps 0.3 s per
+    step from its 13th step: named by the second log boundary after (iteration 15 or 20) and at every boundary from
+    there, no one before. Then 100 iterations with no slowdown (log interval 10) name no one, and the measurement
+    costs < 1 % of the step time."""
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     slowed = tmp_path / "slowed"
-    flags = [*layout, "--train-iters", "30", "--log-interval", "5"]
+    flags = [*layout, "--train-iters", "30", "--log-interval", "5", *THRESHOLD]
     res = run_distributed(_run, 4, str(slowed), flags, (3, 13, 0.3), timeout=600)
     assert [r["exit"] for r in res] == [0, 0, 0, 0]
     named = _named(slowed)
     assert named and min(named) <= 20 and all(it > 12 for it in named), named
     assert all(named.get(it) == [3] for it in (20, 25, 30)), named
-    slowdown = dict(_scalars(slowed / "tb")["straggler/rank 3 slowdown"])
-    assert all(slowdown[it] > 3.0 for it in (20, 25, 30)), slowdown
     quiet = tmp_path / "quiet"
-    flags = [*layout, "--train-iters", "100", "--log-interval", "10", *QUIET_THRESHOLD]
+    flags = [*layout, "--train-iters", "100", "--log-interval", "10", *THRESHOLD]
     res = run_distributed(_run, 4, str(quiet), flags, None, timeout=600)
     assert [r["exit"] for r in res] == [0, 0, 0, 0]
     maxima = [v for _, v in _scalars(quiet / "tb")["straggler/max-slowdown"]]
