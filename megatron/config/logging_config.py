@@ -50,6 +50,12 @@ class LoggingConfig:
     """Compute the L2 norm of the parameters (progress line and TensorBoard)."""
     log_num_zeros_in_grad: bool = False
     """Count the zero entries of the gradients the optimizer applies (progress line and TensorBoard)."""
+    log_straggler: bool = False
+    """Every --log-interval, name the ranks slower than --straggler-threshold x the median of their peers (rank,
+    host, slowdown) in the log, the metrics file and TensorBoard."""
+    straggler_threshold: float = 1.5
+    """--log-straggler names a rank whose own work per iteration (step time less the time it waited in
+    collectives) exceeds this multiple of its peers' median."""
     wandb_project: str | None = None
     """Log to Weights & Biases in this project (needs pip install wandb; offline unless WANDB_MODE is set)."""
     wandb_exp_name: str | None = None

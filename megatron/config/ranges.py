@@ -33,6 +33,7 @@ class Rule:
 POSITIVE_INT = Rule(lambda v: v >= 1, "a positive integer")
 NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
 POSITIVE = Rule(lambda v: v > 0, "> 0")
+ABOVE_ONE = Rule(lambda v: v > 1, "> 1")
 UNIT_OPEN = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
 SEED = Rule(lambda v: 0 <= v <= 2**32 - 1, "in [0, 2**32 - 1] (NumPy's seed range)")
 
@@ -126,6 +127,12 @@ BOUNDS: tuple[Bound, ...] = (
     ),
     Bound(
         "--peak-tflops", "training.peak_tflops", POSITIVE, f"{_DEFAULT} (looked up for known GPUs)"
+    ),
+    Bound(
+        "--straggler-threshold",
+        "logging.straggler_threshold",
+        ABOVE_ONE,
+        "e.g. 1.5 (a rank 50% slower than its peers' median is named)",
     ),
     Bound("--vocab-size", "data.vocab_size", POSITIVE_INT),
     Bound("--train-data-exact-num-epochs", "data.train_data_exact_num_epochs", POSITIVE_INT),

@@ -29,6 +29,7 @@ import logging
 import math
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -358,7 +359,8 @@ class _Loop:
         seqlen = spec.seqlen_at(state.iteration + 1)
         trainer.set_seqlen(seqlen)
         lr = trainer.apply_lr()
-        with self.watchdog.watch("train step", state.iteration + 1):
+        timed = self.step_log.timed_step() if self.step_log is not None else nullcontext()
+        with self.watchdog.watch("train step", state.iteration + 1), timed:
             result = trainer.train_step()
         state.iteration += 1
         state.consumed_train_samples += batch

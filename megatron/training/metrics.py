@@ -15,6 +15,8 @@ Progress line (every --log-interval iterations)::
      "tokens_per_sec", "tflops_per_device", "mfu"}               per logged training iteration
     {"iteration", "valid_loss", "valid_ppl"}                     per evaluation
     {"iteration", "test_loss", "test_ppl"}                       the test-split evaluation at the end
+    {"iteration", "stragglers": [{"rank", "host", "slowdown",    a log interval that named stragglers
+                                  "busy_ms", "peers_median_ms"}]}  (--log-straggler, ``straggler.py``)
 
 ``lm_loss`` is the loss of that iteration averaged over the whole global batch (every micro-batch and DP rank);
 ``grad_norm`` is null when clipping is off, ``mfu`` null when no peak is known; ``skipped_iter`` is 0 or 1.
@@ -291,6 +293,11 @@ class MetricsWriter:
             for e, n in enumerate(counts):
                 self.scalar(f"moe-load/layer {layer} expert {e}", float(n), step)
             self.scalar(f"moe-dropped/layer {layer}", float(dropped), step)
+
+    def stragglers(self, iteration: int, found: list[dict[str, Any]]) -> None:
+        """Record the stragglers a log interval named (``straggler.Straggler`` as dicts)."""
+        if self.enabled:
+            self._write({"iteration": iteration, "stragglers": found})
 
     def evaluation(self, rec: EvalRecord) -> None:
         """Record one evaluation (the perplexity in TensorBoard with --log-validation-ppl-to-tensorboard)."""

@@ -7,7 +7,8 @@ iterations, decided by the flags alone); only the writing rank (global rank 0) w
                                        their flags: batch size, world size, params norm, num zeros, memory,
                                        optimizer states, timers (max over ranks, running mean of the interval)
     every --log-interval               params norm / num zeros in the progress line, the timer block in the console,
-                                       iteration-time to TensorBoard (--log-timers-to-tensorboard)
+                                       iteration-time to TensorBoard (--log-timers-to-tensorboard), stragglers
+                                       named (--log-straggler, ``straggler.py``)
 
 Definitions (Megatron's where it has one):
 
@@ -27,9 +28,11 @@ Definitions (Megatron's where it has one):
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.config import LoggingConfig, RunPlan, TridentConfig
 from megatron.log import global_rank
@@ -40,6 +43,7 @@ from megatron.training.metrics import MetricsWriter, TrainRecord
 from megatron.training.model_setup import EngineBundle
 from megatron.training.state import TrainState
 from megatron.training.step import StepResult
+from megatron.training.straggler import StragglerDetector
 from megatron.training.timers import Timers
 from megatron.training.trainer import Trainer
 from megatron.training.wandb_writer import WandbWriter, flat_config, wandb_dir, wandb_requested
@@ -181,6 +185,8 @@ class StepLogger:
         state: ParallelState,
     ) -> None:
         self.o, self.writer, self.timers = options, writer, timers
+        self.straggler: StragglerDetector | None = None
+        """The straggler detector (--log-straggler; ``build_run_logging`` sets it), or None."""
         self._module, self._optimizer = bundle.engine.module, bundle.client_optimizer
         self._pipe, self._state = bundle.is_pipe, state
         self._partitioned = zero_stage > 0
@@ -245,9 +251,15 @@ class StepLogger:
         if self.o.log_timers_to_tensorboard and self.timers.log_level > 0:
             self.timers.write(w, it, normalizer=float(self._iters_in_interval))
 
+    def timed_step(self) -> AbstractContextManager[None]:
+        """Around each training step: the straggler detector's timing (--log-straggler), else nothing."""
+        return nullcontext() if self.straggler is None else self.straggler.step()
+
     def at_log_interval(self, iteration: int, seconds_per_iteration: float) -> None:
-        """Every rank, at each progress line: the timer block to the console (timers reset for the next interval)
-        and the iteration time to TensorBoard."""
+        """Every rank, at each progress line: stragglers named (--log-straggler), the timer block to the console
+        (timers reset for the next interval) and the iteration time to TensorBoard."""
+        if self.straggler is not None:
+            self.straggler.at_log_interval(iteration, self.writer)
         if self.o.log_timers_to_tensorboard:
             self.writer.scalar("iteration-time/iteration-time", seconds_per_iteration, iteration)
         iters, self._iters_in_interval = max(1, self._iters_in_interval), 0
@@ -292,6 +304,13 @@ def build_run_logging(
         device=trainer.device,
         state=trainer.state,
     )
+    if o.log_straggler:
+        step_log.straggler = StragglerDetector(
+            o.straggler_threshold,
+            stage=trainer.state.get_pipeline_model_parallel_rank(),
+            tp_rank=trainer.state.get_tensor_model_parallel_rank(),
+            device=communication_device(dist.group.WORLD),
+        )
     return writer, step_log
 
 

@@ -16,6 +16,7 @@ from megatron.config.arguments import SECTIONS, _unwrap_optional
 from megatron.config.flags import NOT_FLAGS
 from megatron.config.moe import MoEConfig
 from megatron.config.ranges import (
+    ABOVE_ONE,
     BOUNDS,
     NON_NEGATIVE,
     POSITIVE,
@@ -29,7 +30,14 @@ BASE = (
     "--train-iters", "10", "--eval-iters", "0",
 )  # fmt: skip
 
-BAD = {POSITIVE_INT: "0", NON_NEGATIVE: "-1", POSITIVE: "0", UNIT_OPEN: "1", SEED: "-1"}
+BAD = {
+    POSITIVE_INT: "0",
+    NON_NEGATIVE: "-1",
+    POSITIVE: "0",
+    UNIT_OPEN: "1",
+    SEED: "-1",
+    ABOVE_ONE: "1",
+}
 """An out-of-range value of each rule (the edge just outside it)."""
 
 
