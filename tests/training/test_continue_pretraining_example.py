@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -65,6 +66,7 @@ def _run_example(tmp_path: Path, hf_dir: Path, out: Path) -> subprocess.Complete
     )
 
 
+@pytest.mark.slow  # ~26 s; the converters, --use-checkpoint-args and family round trips run in the default suite
 def test_continue_pretraining_llama3_example(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -219,6 +219,7 @@ def test_supervisor_units(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- torchrun, 2 ranks
+@pytest.mark.slow  # ~12-40 s (two torchrun rounds); the round agreement is unit-tested in the default suite
 def test_torchrun_restart_after_a_sigkill(tmp_path: Path) -> None:
     """Two ranks (TP 2) under ``torchrun --max-restarts 1``, --save/--load on one folder; rank 1 SIGKILLed after
     iteration 5 (`latest` at 4): the survivor prints one line, torchrun restarts the group, the new round logs the

@@ -171,6 +171,7 @@ def _hostfile(tmp: Path, nodes: tuple[str, str]) -> Path:
     return hostfile
 
 
+@pytest.mark.slow  # ~21 s; the torchrun two-node path runs in the default suite (suite time)
 def test_deepspeed_launcher_no_ssh(nodes, single_node, tmp_path: Path) -> None:
     metrics, hostfile = tmp_path / "m.jsonl", _hostfile(tmp_path, nodes)
     before = _rx_bytes(nodes[1])
@@ -199,7 +200,7 @@ def test_torchrun_two_nodes(nodes, single_node, tmp_path: Path) -> None:
     assert _losses(metrics) == single_node
 
 
-@pytest.mark.slow  # ~25 s; the --no_ssh and torchrun paths run in the default suite
+@pytest.mark.slow  # ~25 s; the torchrun path runs in the default suite
 def test_deepspeed_env_reaches_the_other_node_through_pdsh(
     nodes, single_node, tmp_path: Path
 ) -> None:
