@@ -46,25 +46,11 @@ def _engine_and_schedule(pre: Any, run: Any) -> tuple[Any, Any]:
     return bundle, sched
 
 
-def _checkpointer(pre: Any, run: Any, *, record_checksums: bool = True) -> Any:
-    """The run's ``DeepSpeedCheckpointer`` (``record_checksums=False``: DeepSpeed's own ``torch.save``)."""
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
-    from megatron.checkpointing.meta import tokenizer_record
-
-    return DeepSpeedCheckpointer(
-        pre.cfg.checkpoint,
-        pre.plan,
-        model=pre.cfg.model,
-        tokenizer=tokenizer_record(pre.cfg.data, pre.tokenizer_fingerprint),
-        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-        record_checksums=record_checksums,
-    )
-
-
 def _bench(root: Path, repeats: int) -> dict[str, list[float]]:
     from megatron import mpu
     from megatron.config import parse_args
     from megatron.training import initialize, preflight
+    from megatron.training.pretrain import build_checkpointer
     from megatron.training.state import TrainState
 
     save = root / "ck"
@@ -77,8 +63,8 @@ def _bench(root: Path, repeats: int) -> dict[str, list[float]]:
     try:
         bundle, sched = _engine_and_schedule(pre, run)
         checkpointers = {
-            "on": _checkpointer(pre, run),
-            "off": _checkpointer(pre, run, record_checksums=False),
+            "on": build_checkpointer(pre, run),
+            "off": build_checkpointer(pre, run, record_checksums=False),
         }
         ck = checkpointers["on"]
         n = sum(p.numel() for p in bundle.engine.module.parameters())
@@ -143,7 +129,7 @@ def _resume(save: Path, verify: bool, run: Any) -> float:
     schedule, the join of the digests, the load."""
     from megatron.config import parse_args
     from megatron.training import preflight
-    from megatron.training.pretrain import join_checksums
+    from megatron.training.pretrain import build_checkpointer, join_checksums
     from megatron.training.state import TrainState
 
     off = [] if verify else ["--no-verify-checkpoint-checksums"]
@@ -151,7 +137,7 @@ def _resume(save: Path, verify: bool, run: Any) -> float:
     pre = preflight(parse_args([*FLAGS, "--load", str(save), *off]))
     bundle, sched = _engine_and_schedule(pre, run)
     join_checksums(pre.checksums)
-    _checkpointer(pre, run).load(bundle.engine, sched, TrainState())
+    build_checkpointer(pre, run).load(bundle.engine, sched, TrainState())
     return time.perf_counter() - t
 
 

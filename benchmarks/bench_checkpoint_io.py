@@ -88,19 +88,6 @@ def _flags(hidden: int, layers: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _checkpointer(pre: Any, run: Any) -> Any:
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
-    from megatron.checkpointing.meta import tokenizer_record
-
-    return DeepSpeedCheckpointer(
-        pre.cfg.checkpoint,
-        pre.plan,
-        model=pre.cfg.model,
-        tokenizer=tokenizer_record(pre.cfg.data, pre.tokenizer_fingerprint),
-        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-    )
-
-
 def _files(tag: Path) -> list[Path]:
     return [p for p in tag.rglob("*") if p.is_file()]
 
@@ -122,6 +109,7 @@ def measure_trident(
     from megatron.training import initialize, preflight
     from megatron.training.lr_scheduler import build_lr_scheduler
     from megatron.training.model_setup import build_engine
+    from megatron.training.pretrain import build_checkpointer
     from megatron.training.state import TrainState
 
     save = root / "ck"
@@ -149,7 +137,7 @@ def measure_trident(
         n = sum(p.numel() for p in bundle.engine.module.parameters())
         print(f"model: {n / 1e6:.1f} M parameters")
         _create_optimizer_states(bundle.engine)
-        sync_ck, async_ck = _checkpointer(pre, run), _checkpointer(pre_async, run)
+        sync_ck, async_ck = build_checkpointer(pre, run), build_checkpointer(pre_async, run)
         for i in range(repeats):
             disk = measure_disk(root, disk_gb)
             out["disk_write"].append(disk["write"])

@@ -173,6 +173,24 @@ def join_checksums(pending: PendingVerification | None) -> None:
         raise ConfigError(errors[0])
 
 
+def build_checkpointer(
+    pre: Preflight, run: Distributed, *, record_checksums: bool = True
+) -> DeepSpeedCheckpointer:
+    """The run's checkpointer: its checkpoint flags, plan, model, tokenizer record and parallel degrees
+    (``record_checksums=False``: DeepSpeed's own ``torch.save``, for measuring what the checksums cost)."""
+    cfg = pre.cfg
+    return DeepSpeedCheckpointer(
+        cfg.checkpoint,
+        pre.plan,
+        model=cfg.model,
+        tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
+        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
+        expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+        record_checksums=record_checksums,
+        ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
+    )
+
+
 def build_trainer(
     pre: Preflight, run: Distributed, hooks: CheckpointHooks | None, state: TrainState
 ) -> Trainer:
@@ -199,15 +217,7 @@ def build_trainer(
         train_samples=plan.train_samples,
     )
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
-        hooks = DeepSpeedCheckpointer(
-            cfg.checkpoint,
-            plan,
-            model=cfg.model,
-            tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
-            tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-            expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
-            ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
-        )
+        hooks = build_checkpointer(pre, run)
     if hooks is not None and cfg.checkpoint.load:
         join_checksums(pre.checksums)
         hooks.load(bundle.engine, scheduler, state)

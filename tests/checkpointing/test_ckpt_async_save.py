@@ -61,19 +61,6 @@ def test_snapshot_is_a_private_host_copy() -> None:
     assert [b.data_ptr() for b in again.buffers] == [b.data_ptr() for b in snap.buffers]
 
 
-def _checkpointer(pre: Any, run: Any) -> Any:
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
-    from megatron.checkpointing.meta import tokenizer_record
-
-    return DeepSpeedCheckpointer(
-        pre.cfg.checkpoint,
-        pre.plan,
-        model=pre.cfg.model,
-        tokenizer=tokenizer_record(pre.cfg.data, pre.tokenizer_fingerprint),
-        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-    )
-
-
 def _inject(write_gate: threading.Event, copy_gate: threading.Event) -> None:
     """Fault injection: every rank's copies wait for ``copy_gate``; rank 1's file writes wait for ``write_gate``
     and, once ``_FAIL`` is set, fail as a full disk does."""
@@ -161,11 +148,12 @@ def _protocol(save: str) -> dict[str, Any]:
     from megatron.checkpointing.commit import CheckpointSaveError
     from megatron.config import parse_args
     from megatron.training import preflight
+    from megatron.training.pretrain import build_checkpointer
     from megatron.training.state import TrainState
 
     root = Path(save)
     pre, run, engine, sched = _setup(save)
-    ck = _checkpointer(pre, run)
+    ck = build_checkpointer(pre, run)
     out: dict[str, Any] = {}
     saved = _first_save(root, ck, engine, sched, out)
     state = TrainState()
@@ -190,7 +178,7 @@ def _protocol(save: str) -> dict[str, Any]:
     # The checkpoint of iteration 1 holds the values of the moment it was saved, not the stepped ones.
     loaded = TrainState()
     pre1 = preflight(parse_args([*FLAGS, "--load", save, "--load-tag", "global_step1"]))
-    _checkpointer(pre1, run).load(engine, sched, loaded)
+    build_checkpointer(pre1, run).load(engine, sched, loaded)
     out["loaded_iteration"] = loaded.iteration
     out["loaded_equal"] = all(torch.equal(p, s) for p, s in zip(engine.module.parameters(), saved))
     mpu.destroy_model_parallel()

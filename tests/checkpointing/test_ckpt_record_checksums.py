@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from megatron.testing import run_distributed
 
@@ -17,20 +16,6 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def _checkpointer(pre: Any, run: Any, *, record_checksums: bool = True) -> Any:
-    from megatron.checkpointing.engine import DeepSpeedCheckpointer
-    from megatron.checkpointing.meta import tokenizer_record
-
-    return DeepSpeedCheckpointer(
-        pre.cfg.checkpoint,
-        pre.plan,
-        model=pre.cfg.model,
-        tokenizer=tokenizer_record(pre.cfg.data, pre.tokenizer_fingerprint),
-        tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-        record_checksums=record_checksums,
-    )
-
-
 def _save_both_ways(save: str) -> dict[int, list[str]]:
     """Iteration 1 saved with checksums, 2 without; then 2 loaded back. Per iteration: its meta's keys."""
     from megatron import mpu
@@ -38,6 +23,7 @@ def _save_both_ways(save: str) -> dict[int, list[str]]:
     from megatron.training import initialize, preflight
     from megatron.training.lr_scheduler import build_lr_scheduler
     from megatron.training.model_setup import build_engine
+    from megatron.training.pretrain import build_checkpointer
     from megatron.training.state import TrainState
 
     pre = preflight(parse_args([*FLAGS, "--save", save]))
@@ -49,11 +35,11 @@ def _save_both_ways(save: str) -> dict[int, list[str]]:
     for iteration, record in ((1, True), (2, False)):
         state = TrainState()
         state.iteration = iteration
-        _checkpointer(pre, run, record_checksums=record).save(bundle.engine, sched, state)
+        build_checkpointer(pre, run, record_checksums=record).save(bundle.engine, sched, state)
         meta = Path(save) / f"global_step{iteration}" / "trident_meta.json"
         keys[iteration] = sorted(json.loads(meta.read_text()))
     loaded = TrainState()
-    _checkpointer(preflight(parse_args([*FLAGS, "--load", save])), run).load(
+    build_checkpointer(preflight(parse_args([*FLAGS, "--load", save])), run).load(
         bundle.engine, sched, loaded
     )
     mpu.destroy_model_parallel()
