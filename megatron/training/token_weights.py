@@ -60,6 +60,12 @@ class GlobalTokenWeights:
             torch.zeros((), dtype=torch.float64, device=device),
         )
         total = int(all_reduce_sum_(local.reshape(1), group=self.group).item())
-        scale = gas * self.data_parallel_size / max(total, 1)
-        weighted = [{**b, "loss_mask": b["loss_mask"].float() * scale} for b in batches]
-        return weighted, total
+        dp = self.data_parallel_size
+        return weigh(batches, total=total, gas=gas, data_parallel_size=dp), total
+
+
+def weigh(batches: list[Batch], *, total: int, gas: int, data_parallel_size: int) -> list[Batch]:
+    """``batches`` with ``loss_mask`` ``m`` replaced by ``m * gas * dp / total`` (fp32; all zero when ``total`` is
+    0): summed per micro-batch, divided by ``gas`` and averaged over ``dp`` ranks, the global per-token mean."""
+    scale = gas * data_parallel_size / max(total, 1)
+    return [{**b, "loss_mask": b["loss_mask"].float() * scale} for b in batches]
