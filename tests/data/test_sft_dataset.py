@@ -141,3 +141,36 @@ def test_missing_or_mismatched_loss_mask_is_one_line(tmp_path) -> None:
         FileNotFoundError, match=r"missing .*chat_loss_mask.idx; --sft reads the loss"
     ):
         check_loss_mask(prefix, "--data-path")
+
+
+def test_builders_make_sft_datasets_and_blends(tmp_path) -> None:
+    """--sft through the trainer's builder: each split packs its own conversations; a blend of two prefixes."""
+    from megatron.config import DataConfig
+    from megatron.data.blendable_dataset import BlendableDataset
+    from megatron.data.builders import build_train_valid_test_datasets
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_sft_dataset(a, LENGTHS, vocab=300)
+    write_sft_dataset(b, [7] * 20, vocab=300, seed=1)
+    cfg = DataConfig(data_path=(a,), split="80,20,0", sft=True)
+    train, valid, test = build_train_valid_test_datasets(
+        cfg, seq_length=S, seed=3, train_valid_test_num_samples=(6, 2, 0)
+    )
+    assert isinstance(train, SFTDataset) and isinstance(valid, SFTDataset) and test is None
+    assert set(train.doc_idx.tolist()) == set(range(12))
+    assert set(valid.doc_idx.tolist()) == {12, 13, 14}
+    blend_cfg = DataConfig(data_path=("0.5", a, "0.5", b), split="100,0,0", sft=True)
+    blend, _, _ = build_train_valid_test_datasets(
+        blend_cfg, seq_length=S, seed=3, train_valid_test_num_samples=(8, 0, 0)
+    )
+    assert isinstance(blend, BlendableDataset) and len(blend) >= 8
+    assert {int(blend[i]["dataset_idx"]) for i in range(len(blend))} == {0, 1}
+    assert sorted(blend[0]) == ["dataset_idx", "document_ids", "loss_mask", "text"]
+    # no loss mask beside a prefix: one line before any index is built
+    (tmp_path / "b_loss_mask.bin").unlink()
+    with pytest.raises(
+        FileNotFoundError, match=r"--sft --data-path .*b: missing .*b_loss_mask.bin"
+    ):
+        build_train_valid_test_datasets(
+            blend_cfg, seq_length=S, seed=3, train_valid_test_num_samples=(8, 0, 0)
+        )
