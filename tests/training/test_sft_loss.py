@@ -214,3 +214,35 @@ def test_sft_flag_rules() -> None:
         ValueError, match=r"--sft with --reset-attention-mask, --eod-mask-loss: --sft packs"
     ):
         validate(parse_args([*sft, "--reset-attention-mask", "--eod-mask-loss"]), world_size=1)
+
+
+def test_dense_mask_path_equals_document_ids(tmp_path) -> None:
+    """--sft with --attention-dropout > 0 at PP 1 keeps the dense [b, 1, s, s] mask: the same attention."""
+    from megatron.training.data_iterators import BatchRecipe
+    from megatron.training.step import model_attention_mask
+
+    prefix = str(tmp_path / "chat")
+    write_sft_dataset(prefix, LENGTHS, vocab=V)
+    batch = max(_packed_batches(prefix), key=lambda b: int(b["document_ids"].max()))
+    assert (
+        int(batch["document_ids"].max()) >= 2
+    )  # conversations after others: a causal mask would differ
+    raw = {
+        "text": torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1),
+        "loss_mask": torch.zeros(MBS, S + 1, dtype=torch.int64),
+        "document_ids": torch.cat([batch["document_ids"], batch["document_ids"][:, -1:]], dim=1),
+    }
+    dense = BatchRecipe(DataConfig(sft=True), eod=0, dense_mask=True).make_item(raw)
+    assert "document_ids" not in dense and dense["attention_mask"].shape == (MBS, 1, S, S)
+    model = GPTModel(LLAMA, ParallelContext(seed=SEED))
+    with torch.no_grad():
+        want = model(
+            batch["tokens"],
+            batch["position_ids"],
+            model_attention_mask(batch),
+            labels=batch["labels"],
+        )
+        got = model(
+            dense["tokens"], dense["position_ids"], dense["attention_mask"], labels=dense["labels"]
+        )
+    assert _rel(got, want) <= TOL
