@@ -151,7 +151,10 @@ class Trainer:
         weights = self.iterators.token_weights
         if weights is None:
             return micro, 0
+        timer = self.timers("batch-generator", 2)  # the data of the whole global batch is read here
+        timer.start()
         batches, total = weights.take(micro, self.gas)
+        timer.stop()
         if self.bundle.is_pipe:
             return iter([pipe_batch(b) for b in batches]), total
         return iter(batches), total
