@@ -52,6 +52,8 @@ class DataConfig:
     """Read the training split's shuffle_idx from this Megatron index .npy instead of building it."""
     train_data_exact_num_epochs: int | None = None
     """Build the training dataset from exactly this many epochs of its documents."""
+    sft: bool = False
+    """Supervised fine-tuning: conversations of --data-path P (with their loss mask P_loss_mask) packed whole."""
     return_data_index: bool = False
     """Dataset items also carry 'index', the sample's position (Megatron-DeepSpeed's data-efficiency hook)."""
     extra: dict[str, str] = field(default_factory=dict)

@@ -73,14 +73,48 @@ def _check_recompute(cfg: TridentConfig) -> None:
 
 
 def _check_packed_documents(cfg: TridentConfig) -> None:
-    """--reset-attention-mask at PP > 1 carries document ids through the pipeline (no dense mask); their attention
-    has no dropout, so --attention-dropout must be 0 there (PP = 1 keeps the dense-mask path with dropout)."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if cfg.data.reset_attention_mask and pp > 1 and cfg.model.attention_dropout > 0:
+    """--reset-attention-mask (and --sft, which packs conversations) at PP > 1 carries document ids through the
+    pipeline (no dense mask); their attention has no dropout, so --attention-dropout must be 0 there (PP = 1 keeps
+    the dense-mask path with dropout). --sft needs real conversations and their loss mask: no --mock-data."""
+    d, pp = cfg.data, cfg.parallel.pipeline_model_parallel_size
+    flag = "--sft" if d.sft else "--reset-attention-mask"
+    if (d.reset_attention_mask or d.sft) and pp > 1 and cfg.model.attention_dropout > 0:
         raise ValueError(
-            f"--reset-attention-mask at --pipeline-model-parallel-size {pp} needs --attention-dropout 0 "
+            f"{flag} at --pipeline-model-parallel-size {pp} needs --attention-dropout 0 "
             f"(got {cfg.model.attention_dropout}): the pipeline carries document ids, whose attention has no "
             "dropout; set --attention-dropout 0, or use --pipeline-model-parallel-size 1 (dense mask, dropout)."
+        )
+
+
+def _check_sft(cfg: TridentConfig) -> None:
+    """--sft reads conversations and their loss mask, packed by its own index: no --mock-data, no GPT index
+    files or epoch count, and no EOD-based document flags (the conversations are the documents)."""
+    d = cfg.data
+    if not d.sft:
+        return
+    if d.mock_data:
+        raise ValueError(
+            "--sft trains on conversations and their loss mask, which --mock-data does not have; give "
+            "--data-path P (P and P_loss_mask from tools/preprocess_data.py's SFT mode)."
+        )
+    given = [
+        flag
+        for flag, on in (
+            ("--train-doc-idx-path", d.train_doc_idx_path is not None),
+            ("--train-sample-idx-path", d.train_sample_idx_path is not None),
+            ("--train-shuffle-idx-path", d.train_shuffle_idx_path is not None),
+            ("--train-data-exact-num-epochs", d.train_data_exact_num_epochs is not None),
+            ("--reset-attention-mask", d.reset_attention_mask),
+            ("--reset-position-ids", d.reset_position_ids),
+            ("--eod-mask-loss", d.eod_mask_loss),
+        )
+        if on
+    ]
+    if given:
+        raise ValueError(
+            f"--sft with {', '.join(given)}: --sft packs whole conversations with an index of its own, "
+            "each conversation its own document (positions restart, no attention across them) and the loss "
+            "mask read from P_loss_mask; drop the flag(s)."
         )
 
 
@@ -324,6 +358,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_model(cfg)
     _check_recompute(cfg)
     _check_packed_documents(cfg)
+    _check_sft(cfg)
     _check_deepspeed_checkpointing(cfg, device_type)
     _check_parallel(cfg, world_size)
     check_ulysses(cfg, world_size)

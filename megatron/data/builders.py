@@ -28,6 +28,12 @@ from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec, get_train_valid_
 from megatron.data.helpers import num_blend_samples
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
+from megatron.data.sft_dataset import (
+    SFTDataset,
+    SFTIndexSpec,
+    check_loss_mask,
+    loss_mask_prefix,
+)
 from megatron.log import log_rank_0
 
 logger = logging.getLogger(__name__)
@@ -108,8 +114,20 @@ def _gpt_dataset(
     indexed: MMapIndexedDataset,
     data_cfg: DataConfig,
     use_cpp: bool | None,
-) -> GPTDataset:
-    """One GPTDataset with the Megatron-DeepSpeed data flags; the index flags apply to the train split."""
+) -> GPTDataset | SFTDataset:
+    """One GPTDataset with the Megatron-DeepSpeed data flags; the index flags apply to the train split. With
+    --sft the packed conversations of the same split instead (``sft_dataset.py``)."""
+    if data_cfg.sft:
+        sft = SFTIndexSpec(
+            spec.name,
+            spec.data_prefix,
+            spec.splits_string,
+            spec.num_samples,
+            spec.seq_length,
+            spec.seed,
+        )
+        mask = MMapIndexedDataset(loss_mask_prefix(spec.data_prefix))
+        return SFTDataset(sft, documents, indexed, mask, data_cache_path=data_cfg.data_cache_path)
     train = spec.name == "train"
     if train:
         spec = dataclasses.replace(spec, exact_num_epochs=data_cfg.train_data_exact_num_epochs)
@@ -154,13 +172,15 @@ def check_index_flags(data_cfg: DataConfig, num_train_prefixes: int) -> None:
         )
 
 
-def _open_indexed(prefix: str, flag: str) -> MMapIndexedDataset:
+def _open_indexed(prefix: str, flag: str, *, sft: bool = False) -> MMapIndexedDataset:
     if not MMapIndexedDataset.exists(prefix):
         missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         raise FileNotFoundError(
             f"{flag}: dataset prefix {prefix!r} not found ({', '.join(missing)} missing). Pass the prefix without "
             "extension as written by tools/preprocess_data.py, e.g. data/my-gpt2_text_document."
         )
+    if sft:
+        check_loss_mask(prefix, flag)
     return MMapIndexedDataset(prefix)
 
 
@@ -173,7 +193,7 @@ def _split_datasets(
     use_cpp: bool | None,
 ) -> list[GPTDataset | None]:
     """One prefix cut by ``--split`` into up to three GPTDatasets (None for an empty split)."""
-    indexed = _open_indexed(prefix, "--data-path")
+    indexed = _open_indexed(prefix, "--data-path", sft=data_cfg.sft)
     splits = get_train_valid_test_split_(data_cfg.split, len(indexed.sizes))
     out: list[GPTDataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -199,7 +219,7 @@ def _whole_file_dataset(
     """``--{name}-data-path``: a prefix or a weighted blend of whole files (``--split`` ignored)."""
     prefixes, weights = parse_data_path(values, flag)
     indexed = [
-        _open_indexed(p, flag) for p in prefixes
+        _open_indexed(p, flag, sft=data_cfg.sft) for p in prefixes
     ]  # check every file before building anything
     counts = (
         [num_samples]
@@ -316,7 +336,7 @@ def build_train_valid_test_datasets(
         get_train_valid_test_split_(data_cfg.split, 1)  # validate the string before touching files
         prefixes, weights = parse_data_path(data_cfg.data_path)
         for p in prefixes:
-            _open_indexed(p, "--data-path")
+            _open_indexed(p, "--data-path", sft=data_cfg.sft)
         if len(prefixes) == 1:
             log_rank_0(
                 logger, "building GPT datasets from %s (split %s)", prefixes[0], data_cfg.split

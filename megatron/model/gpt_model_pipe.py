@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -221,6 +221,7 @@ def pipe_loss_fn(
     moe_losses: list[torch.Tensor] | None = None,
     sequence_group: ProcessGroup | None = None,
     context_parallel_size: int = 1,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> torch.Tensor:
     """``loss_fn`` of the pipeline: masked mean of the vocab-parallel cross entropy (+ an MoE model's MoE term,
     appended to ``moe_losses`` for the log).
@@ -233,10 +234,11 @@ def pipe_loss_fn(
             gradient over ``logits``.
         sequence_group, context_parallel_size: context parallelism (``loss_func``): the loss is the mean over the
             whole sequence, split over ``sequence_group``; the pipe carries this rank's ``[s/cp, b, h]`` tokens.
+        reduction: ``loss_func``'s: ``"sum"`` when the loss mask holds --sft's global per-token weights.
     """
     if isinstance(logits, tuple):  # an MoE model: (logits, moe_loss [1])
         logits, moe_loss = logits
-        lm = pipe_loss_fn(logits, labels_and_mask, group=group, fused=fused)
+        lm = pipe_loss_fn(logits, labels_and_mask, group=group, fused=fused, reduction=reduction)
         return lm + record_moe_loss(moe_loss, moe_losses)
     labels, loss_mask = labels_and_mask
     kernels = fused_kernels.cross_entropy_kernels(logits) if fused else None
@@ -248,6 +250,7 @@ def pipe_loss_fn(
         loss_mask,
         sequence_parallel_group=sequence_group,
         context_parallel_size=context_parallel_size,
+        reduction=reduction,
     )  # [s, b] -> [b, s] -> scalar
 
 
@@ -298,6 +301,8 @@ class GPTModelPipe(PipelineModule):
         topology: ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``, over the same TP groups.
         activation_checkpoint_interval: layers per checkpointed chunk (0 = off); only chunks made entirely of
             ``ParallelTransformerLayerPipe`` are checkpointed, through ``_checkpoint_chunk``.
+        loss_reduction: ``"sum"`` when the loss mask holds per-token weights that already normalize (--sft's
+            global per-token mean, ``training/token_weights.py``); ``"mean"``: the masked mean per micro-batch.
 
     Raises:
         ValueError: bad shapes for the TP size; RuntimeError: topology and ``parallel`` disagree.
@@ -310,6 +315,7 @@ class GPTModelPipe(PipelineModule):
         *,
         topology: ProcessTopology,
         activation_checkpoint_interval: int = 0,
+        loss_reduction: Literal["mean", "sum"] = "mean",
     ) -> None:
         check_tensor_parallel_shapes(config, parallel.tp_size)
         _check_topology(topology, parallel)
@@ -357,6 +363,7 @@ class GPTModelPipe(PipelineModule):
                 moe_losses=moe_losses,
                 sequence_group=parallel.sequence_group,
                 context_parallel_size=parallel.cp_size,
+                reduction=loss_reduction,
             ),
             partition_method="type:transformer",
             activation_checkpoint_interval=activation_checkpoint_interval,

@@ -11,7 +11,7 @@ Names and seeds (the layout-invariance contract): every parameter's FULL value i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,8 +48,10 @@ def loss_func(
     *,
     sequence_parallel_group: ProcessGroup | None = None,
     context_parallel_size: int = 1,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> torch.Tensor:
-    """Masked mean of a per-token loss: ``sum(loss * mask) / sum(mask)`` in fp32.
+    """Masked mean of a per-token loss: ``sum(loss * mask) / sum(mask)`` in fp32 (``reduction="sum"``: the
+    weighted sum ``sum(loss * mask)``, the mask holding per-token weights that already normalize).
 
     Args:
         per_token_loss: ``[b, s]`` (any float dtype); ``[b, s/N]`` when the sequence is split over N ranks
@@ -62,6 +64,8 @@ def loss_func(
             gradients over DP x CP (``(dp * cp * sp) / sp`` ranks: it knows the Ulysses degree only), while the
             gradient of the whole sequence is the SUM of its CP ranks' shares; Megatron-LM scales its CP loss
             the same way. ZeRO-3 + Ulysses is corrected apart (``training/ulysses.py``).
+        reduction: ``"mean"`` (pretraining: the mean of this micro-batch) or ``"sum"`` (--sft: the weights of the
+            global per-token mean, ``training/token_weights.py``; no division).
 
     Returns:
         A 0-dim fp32 tensor. A mask summing to 0 gives 0 (not NaN), so an all-masked micro-batch is harmless.
@@ -77,7 +81,7 @@ def loss_func(
     if sequence_parallel_group is not None:
         sums = reduce_from_ulysses_region(torch.stack([total, count]), sequence_parallel_group)
         total, count = sums[0], sums[1]  # [2] summed over the CP x Ulysses group
-    loss = total / count.clamp_min(1.0)
+    loss = total if reduction == "sum" else total / count.clamp_min(1.0)
     if context_parallel_size > 1:
         loss = _ScaleGradient.apply(loss, float(context_parallel_size))
     return loss

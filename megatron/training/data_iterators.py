@@ -27,12 +27,14 @@ import torch
 from megatron.config import DataConfig, RunPlan, TridentConfig
 from megatron.data.batch import prepare_gpt_batch, take_positions
 from megatron.data.samplers import BatchLayout, build_pretraining_data_loader
+from megatron.data.sft_dataset import dense_document_attention_mask, prepare_sft_batch
 from megatron.launch.exit_codes import ConfigError
 from megatron.log import log_rank_0
 from megatron.model.token_layout import document_ids, load_balanced_positions
 from megatron.mpu.parallel_state import ParallelState
 from megatron.training.curriculum import CurrentSeqlen, truncate_batch
 from megatron.training.initialize import Distributed
+from megatron.training.token_weights import GlobalTokenWeights
 
 Batch = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ def _check_data_files(cfg: TridentConfig) -> None:
     from megatron.data.builders import parse_data_path
     from megatron.data.gpt_dataset import get_train_valid_test_split_
     from megatron.data.indexed_dataset import MMapIndexedDataset
+    from megatron.data.sft_dataset import check_loss_mask
 
     d = cfg.data
     if d.data_path:
@@ -105,6 +108,8 @@ def _check_data_files(cfg: TridentConfig) -> None:
                 docs = len(MMapIndexedDataset(prefix))
             except (ValueError, OSError) as err:
                 raise ValueError(f"{flag} {prefix}: unreadable dataset ({err}).") from None
+            if d.sft:
+                check_loss_mask(prefix, flag)  # P_loss_mask beside P, document by document
             train_docs = docs
             if flag == "--data-path":
                 bounds = get_train_valid_test_split_(d.split, docs)
@@ -279,11 +284,23 @@ class BatchRecipe:
             out["document_ids"] = document_ids(out["tokens"], self.eod)  # [b, s] int64
         return out
 
+    def make_item(self, raw: dict[str, torch.Tensor]) -> Batch:
+        """A collated batch of dataset items -> model inputs: :meth:`make` of its ``text``, or with --sft the
+        packed conversations (``data/sft_dataset.py``: document ids, per-conversation positions, the stored loss
+        mask aligned to the labels; the dense ``[b, 1, s, s]`` mask instead of the ids when ``dense_mask``)."""
+        if not self.data.sft:
+            return self.make(raw["text"])
+        batch = prepare_sft_batch(raw["text"], raw["loss_mask"], raw["document_ids"])
+        if self.dense_mask:
+            batch["attention_mask"] = dense_document_attention_mask(batch.pop("document_ids"))
+        return batch
+
 
 def dense_document_mask(cfg: TridentConfig) -> bool:
-    """True where packed documents keep the dense ``[b, 1, s, s]`` mask: --reset-attention-mask with
+    """True where packed documents keep the dense ``[b, 1, s, s]`` mask: --reset-attention-mask or --sft with
     --attention-dropout > 0 (the document-id attention has no dropout; at PP > 1 ``validate()`` refuses it)."""
-    return cfg.data.reset_attention_mask and cfg.model.attention_dropout > 0
+    packed = cfg.data.reset_attention_mask or cfg.data.sft
+    return packed and cfg.model.attention_dropout > 0
 
 
 @dataclass(frozen=True)
@@ -343,7 +360,7 @@ def _micro_batches(
     """``split``: this rank's tokens of each sequence; ``loss_tokens``: counts the loss tokens of every
     micro-batch yielded (training only)."""
     for raw in loader:
-        batch = recipe.make(raw["text"])
+        batch = recipe.make_item(raw)
         if seqlen is not None:
             batch = truncate_batch(batch, seqlen.value)
         batch = split.apply(batch)  # CP x Ulysses: this rank's s/(cp*sp) tokens
@@ -352,11 +369,17 @@ def _micro_batches(
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def pipe_batch(b: Batch) -> Any:
+    """The pipe tuple ``((tokens, position_ids[, document_ids]), (labels, loss_mask))`` of a micro-batch
+    (``gpt_model_pipe.py``)."""
+    docs = (b["document_ids"],) if "document_ids" in b else ()
+    return (b["tokens"], b["position_ids"], *docs), (b["labels"], b["loss_mask"])
+
+
 def _pipe_batches(micro: Iterator[Batch]) -> Iterator[Any]:
-    """Pipe tuples ``((tokens, position_ids[, document_ids]), (labels, loss_mask))`` (``gpt_model_pipe.py``)."""
+    """:func:`pipe_batch` of every micro-batch."""
     for b in micro:
-        docs = (b["document_ids"],) if "document_ids" in b else ()
-        yield (b["tokens"], b["position_ids"], *docs), (b["labels"], b["loss_mask"])
+        yield pipe_batch(b)
 
 
 @dataclass
@@ -370,6 +393,10 @@ class RunIterators:
     """The length training micro-batches are cut to (the DeepSpeed JSON's curriculum; evaluation is never cut)."""
     loss_tokens: LossTokenCount | None = None
     """Counts the loss tokens of the training micro-batches drawn (None: not counted)."""
+    token_weights: GlobalTokenWeights | None = None
+    """--sft: the global per-token loss weights of each global batch (the iterators then yield dicts, also for
+    the pipeline engine: the trainer weighs a global batch, then makes its pipe tuples); None: mean per
+    micro-batch."""
 
 
 def build_iterators(
@@ -424,7 +451,7 @@ def build_iterators(
     if recipe.dense_mask:
         log_rank_0(
             logger,
-            "--reset-attention-mask with --attention-dropout %s: packed documents use the dense [b, 1, s, s] "
+            "packed documents with --attention-dropout %s use the dense [b, 1, s, s] "
             "mask (the document-id path has no attention dropout; --attention-dropout 0 selects it)",
             cfg.model.attention_dropout,
             level=logging.WARNING,
@@ -447,12 +474,15 @@ def build_iterators(
             seqlen=cut,
             loss_tokens=tokens,
         )
-        return _pipe_batches(micro) if plan.pipeline_engine else micro
+        # --sft: the trainer weighs each global batch's dicts first (``token_weights.py``), then makes pipe tuples
+        return _pipe_batches(micro) if plan.pipeline_engine and weights is None else micro
 
+    weights = GlobalTokenWeights.of(state) if cfg.data.sft else None
     return RunIterators(
         train=batches(train_loader, seqlen, loss_tokens) or iter(()),
         valid=batches(valid_loader),
         test=batches(test_loader),
         seqlen=seqlen,
         loss_tokens=loss_tokens,
+        token_weights=weights,
     )

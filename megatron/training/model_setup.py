@@ -16,7 +16,7 @@ DP as each module is built, directly in the run's dtype (the same fp32 draw, cas
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -52,12 +52,15 @@ def build_model(
     *,
     seed: int,
     ds_config: dict[str, Any] | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
 ) -> torch.nn.Module:
     """``GPTModel`` or ``GPTModelPipe`` of ``model_cfg`` (vocabulary = the plan's true one), on the TP group of
     ``run.state`` with the build settings of ``parallel``; parameters drawn from ``(seed, name)``.
 
     With ``ds_config`` and ZeRO-3 (PP = 1) the model is built inside ``deepspeed.zero.Init`` (partitioned over DP as
     it is built; ``zero_init.py``); without ``ds_config`` it is built whole (conversion tools, tests).
+    ``loss_reduction``: the pipeline's loss (``"sum"``: --sft's global per-token weights; ``GPTModel`` returns
+    per-token losses and the step reduces them).
     """
     model_cfg = replace(model_cfg, vocab_size=plan.true_vocab_size)
     zero3_config = ds_config if ds_config is not None and uses_zero3_init(plan) else None
@@ -76,7 +79,13 @@ def build_model(
         num_dp=plan.data_parallel_size * plan.context_parallel_size,
     )  # CP ranks sit between DP and TP (parallel_state): DeepSpeed's "data" axis is DP x CP
     interval = model_cfg.recompute_num_layers if model_cfg.recompute_granularity == "full" else 0
-    return GPTModelPipe(model_cfg, ctx, topology=topology, activation_checkpoint_interval=interval)
+    return GPTModelPipe(
+        model_cfg,
+        ctx,
+        topology=topology,
+        activation_checkpoint_interval=interval,
+        loss_reduction=loss_reduction,
+    )
 
 
 def build_engine(
@@ -88,16 +97,26 @@ def build_engine(
     run: Distributed,
     *,
     model: torch.nn.Module | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
 ) -> EngineBundle:
     """Model (``model``, or :func:`build_model` with ``ds_config``: inside ``zero.Init`` under ZeRO-3) + torch
-    optimizer (Megatron param groups, ``training``) + ``deepspeed.initialize`` with ``mpu=run.state``."""
+    optimizer (Megatron param groups, ``training``) + ``deepspeed.initialize`` with ``mpu=run.state``.
+    ``loss_reduction``: see :func:`build_model`."""
     import deepspeed
 
     configure_deepspeed_checkpointing(
         model_cfg, run.state
     )  # before the first forward; no-op without the flag
     if model is None:
-        model = build_model(model_cfg, parallel, plan, run, seed=training.seed, ds_config=ds_config)
+        model = build_model(
+            model_cfg,
+            parallel,
+            plan,
+            run,
+            seed=training.seed,
+            ds_config=ds_config,
+            loss_reduction=loss_reduction,
+        )
     optimizer = build_optimizer(model, training, moe_groups=model_cfg.moe.create_moe_param_group)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

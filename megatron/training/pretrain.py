@@ -197,7 +197,15 @@ def build_trainer(
     """Engine, schedule, checkpoint load (into ``state``) and data iterators of the run."""
     cfg, plan = pre.cfg, pre.plan
     start = time.perf_counter()
-    bundle = build_engine(cfg.model, cfg.training, cfg.parallel, plan, pre.ds_config, run)
+    bundle = build_engine(
+        cfg.model,
+        cfg.training,
+        cfg.parallel,
+        plan,
+        pre.ds_config,
+        run,
+        loss_reduction="sum" if cfg.data.sft else "mean",  # --sft: global per-token weights
+    )
     logger.info(
         "rank %d: engine ready in %.1f s (%s, ZeRO-%d, global batch %d, micro %d, gas %d, vocab %d -> %d)",
         global_rank(),

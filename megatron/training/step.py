@@ -19,6 +19,10 @@ CP x Ulysses group in ``loss_func``), and the gradients are summed over that gro
 sequence-data-parallel group (DP x CP x SP) divided by ``dp * cp``, and ``loss_func`` multiplies the backward by
 ``cp`` (ZeRO-3 with Ulysses: ``ulysses.py``), so the step equals the ``N = 1`` step.
 
+--sft: the loss masks hold the weights of the global per-token mean (``token_weights.py``) and the loss of a
+micro-batch is their weighted SUM (``loss_reduction="sum"``): the same averaging over micro-batches and DP then
+gives the mean over every loss token of the global batch, at PP 1 and PP > 1.
+
 Either way the loss is the GLOBAL-batch mean: every micro-batch is a fixed slice of the global batch whatever the
 layout, so the number is identical (to rounding) on every layout.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,6 +46,7 @@ from megatron.training.timers import Timers
 from megatron.training.ulysses import ulysses_backward_scale
 
 Batch = dict[str, torch.Tensor]
+Reduction = Literal["mean", "sum"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ def model_attention_mask(batch: Batch) -> torch.Tensor | PackedDocuments | None:
     return PackedDocuments(ids) if ids is not None else batch.get("attention_mask")
 
 
-def _forward_loss(engine: Any, batch: Batch, groups: StepGroups) -> torch.Tensor:
+def _forward_loss(
+    engine: Any, batch: Batch, groups: StepGroups, reduction: Reduction = "mean"
+) -> torch.Tensor:
     per_token = engine(
         batch["tokens"],
         batch["position_ids"],
@@ -112,6 +119,7 @@ def _forward_loss(engine: Any, batch: Batch, groups: StepGroups) -> torch.Tensor
         batch["loss_mask"],
         sequence_parallel_group=groups.sequence,
         context_parallel_size=groups.context_parallel_size,
+        reduction=reduction,
     )
 
 
@@ -136,8 +144,11 @@ def train_step_engine(
     groups: StepGroups,
     explicit_boundary: bool = False,
     timers: Timers | None = None,
+    loss_reduction: Reduction = "mean",
 ) -> StepResult:
     """One step with ``DeepSpeedEngine`` (PP = 1): ``gas`` micro-batches from ``micro_batches``.
+
+    ``loss_reduction="sum"``: the loss masks hold --sft's global per-token weights (``token_weights.py``).
 
     ``explicit_boundary``: mark the last micro-batch as the accumulation boundary instead of DeepSpeed's
     ``micro_steps % gas`` count, which is off once the batch size changed (--rampup-batch-size).
@@ -164,7 +175,7 @@ def train_step_engine(
         batch_gen.stop()
         fwd.start()
         clear_moe_state(engine.module)
-        loss = _forward_loss(engine, batch, groups)
+        loss = _forward_loss(engine, batch, groups, loss_reduction)
         moe_loss = moe_aux_loss(engine.module)  # --moe-loss-coeff x the layers' aux losses, or None
         fwd.stop()
         bwd.start()
@@ -244,13 +255,17 @@ def _pipe_moe_loss(engine: Any, groups: StepGroups) -> float | None:
 
 @torch.no_grad()
 def eval_step_engine(
-    engine: Any, micro_batches: Iterator[Batch], gas: int, groups: StepGroups
+    engine: Any,
+    micro_batches: Iterator[Batch],
+    gas: int,
+    groups: StepGroups,
+    loss_reduction: Reduction = "mean",
 ) -> float:
     """Validation loss of one global batch with ``DeepSpeedEngine`` (mean over micro-batches and DP)."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for _ in range(gas):
-        total += _forward_loss(engine, next(micro_batches), groups).float()
+        total += _forward_loss(engine, next(micro_batches), groups, loss_reduction).float()
     return float(dp_mean(total / gas, groups.data_parallel).item())
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from megatron.config import RunPlan
 from megatron.training.checkpoint_hooks import CheckpointHooks
-from megatron.training.data_iterators import RunIterators
+from megatron.training.data_iterators import RunIterators, pipe_batch
 from megatron.training.initialize import Distributed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.model_setup import EngineBundle, optimizers_for_lr
@@ -98,6 +98,10 @@ class Trainer:
         """DeepSpeed's pipeline grid counts CP ranks as data-parallel: its batch is the global batch x CP."""
         self.ramped = False
         """True once --rampup-batch-size changed the batch: micro-step boundaries are then set explicitly."""
+        self.loss_reduction: Literal["mean", "sum"] = (
+            "mean" if iterators.token_weights is None else "sum"
+        )
+        """How the step reduces per-token losses: ``"sum"`` of --sft's global per-token weights."""
 
     def set_global_batch(self, global_batch: int) -> None:
         """Train (and evaluate) the next steps with ``global_batch`` samples (--rampup-batch-size): the
@@ -127,16 +131,33 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step over the next global batch."""
+        batches, _ = self._global_batch(self.iterators.train)
         if self.bundle.is_pipe:
-            return train_step_pipe(self.engine, self.iterators.train, self.groups, self.timers)
+            return train_step_pipe(self.engine, batches, self.groups, self.timers)
         return train_step_engine(
             self.engine,
-            self.iterators.train,
+            batches,
             self.gas,
             groups=self.groups,
             explicit_boundary=self.ramped,
             timers=self.timers,
+            loss_reduction=self.loss_reduction,
         )
+
+    def _global_batch(self, micro: Iterator[Any]) -> tuple[Iterator[Any], int]:
+        """The micro-batches of the next global batch as the engine takes them, and its loss tokens (0 when not
+        counted). --sft: this rank's ``gas`` micro-batches with the global per-token weights (``token_weights.py``,
+        one all-reduce), as pipe tuples for the pipeline engine; otherwise ``micro`` itself."""
+        weights = self.iterators.token_weights
+        if weights is None:
+            return micro, 0
+        timer = self.timers("batch-generator", 2)  # the data of the whole global batch is read here
+        timer.start()
+        batches, total = weights.take(micro, self.gas)
+        timer.stop()
+        if self.bundle.is_pipe:
+            return iter([pipe_batch(b) for b in batches]), total
+        return iter(batches), total
 
     def take_loss_tokens(self) -> int | None:
         """Loss tokens this rank drew for training since the last call (None: the iterators do not count)."""
@@ -153,13 +174,19 @@ class Trainer:
         if batches is None or self.eval_iters <= 0:
             raise RuntimeError(f"no {split} data to evaluate (check can_evaluate first)")
         self._reshape_pipe(None)  # evaluation batches are whole samples
-        total = 0.0
+        total, tokens = 0.0, 0
         for _ in range(self.eval_iters):
+            micro, count = self._global_batch(batches)
             if self.bundle.is_pipe:
-                total += eval_step_pipe(self.engine, batches, self.groups)
+                loss = eval_step_pipe(self.engine, micro, self.groups)
             else:
-                total += eval_step_engine(self.engine, batches, self.gas, self.groups)
-        return total / self.eval_iters
+                loss = eval_step_engine(
+                    self.engine, micro, self.gas, self.groups, self.loss_reduction
+                )
+            # --sft: each batch's per-token mean weighed by its loss tokens (the mean over all of them)
+            weight = count if self.loss_reduction == "sum" else 1
+            total, tokens = total + loss * weight, tokens + weight
+        return total / max(tokens, 1)
 
     def save(self, state: Any) -> None:
         """Write a checkpoint of ``state.iteration`` (no-op without --save)."""

@@ -128,6 +128,14 @@ def _merge_corrupt_input(tmp: Path, ws: Path) -> None:
 
 
 CASES: list[Case] = [
+    # ------------------------------------------------------------------------------------------ --sft
+    Case(
+        "sft-missing-loss-mask",
+        (*TRAIN, "--data-path", TINY, "--sft", "--attention-dropout", "0"),
+        2,
+        "tiny_text_document_loss_mask.idx; --sft reads the loss mask beside the conversations",
+        needs=("data",),
+    ),
     # ------------------------------------------------------------------------------------------ preprocess
     Case(
         "preprocess-missing-input",
