@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from megatron.data.jsonl_input import describe_keys, parse_object
-from megatron.tokenizer import HFTokenizer, MegatronTokenizer, TokenizerFileError
+from megatron.tokenizer import HFTokenizer, MegatronTokenizer, TokenizerFileError, build_tokenizer
 from megatron.tokenizer.chat_template import (
     ChatTemplate,
     ConversationError,
@@ -94,31 +94,40 @@ class Example:
     """A chat line (else a prompt/response pair)."""
 
 
-def _tokenizer_folder(tokenizer: MegatronTokenizer, tokenizer_model: str | None) -> str | None:
-    if not isinstance(tokenizer, HFTokenizer) or not tokenizer_model:
-        return None
-    return tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model)
-
-
 def load_template(
-    tokenizer: MegatronTokenizer, tokenizer_model: str | None, override: str | None
+    tokenizer_type: str | None, tokenizer_model: str | None, override: str | None
 ) -> ChatTemplate | None:
-    """The chat template of the tokenizer's folder (or ``override``), None when there is none.
+    """The chat template of the tokenizer folder ``tokenizer_model`` (or ``override``), None when there is none.
 
     Raises:
         TokenizerFileError: the template is unreadable or does not compile, or the tokenizer is not an
             ``HFTokenizer`` (a template needs the folder's special tokens and the character offsets of tokens).
     """
-    folder = _tokenizer_folder(tokenizer, tokenizer_model)
+    folder = None
+    if tokenizer_type == "HFTokenizer" and tokenizer_model:
+        folder = (
+            tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model)
+        )
     source = find_chat_template(folder, override)
     if source is None:
         return None
-    if not isinstance(tokenizer, HFTokenizer):
+    if tokenizer_type != "HFTokenizer":
         raise TokenizerFileError(
             f"--chat-template needs --tokenizer-type HFTokenizer (a tokenizer folder: its special tokens and "
-            f"token offsets), not {tokenizer.name}; or drop --chat-template to write prompt + response + EOS."
+            f"token offsets), not {tokenizer_type}; or drop --chat-template to write prompt + response + EOS."
         )
     return ChatTemplate(source, template_tokens(folder))
+
+
+def build_sft_tokenizer(
+    tokenizer_kwargs: dict[str, Any], template: ChatTemplate | None
+) -> MegatronTokenizer:
+    """The tokenizer; with a template an ``HFTokenizer`` without the fast encoder (chats are tokenized by the
+    reference, which gives the offsets), so its start-up skips building and probing it."""
+    model = tokenizer_kwargs.get("tokenizer_model")
+    if template is None or not model:  # (no model: build_tokenizer names the missing flag)
+        return build_tokenizer(**tokenizer_kwargs)
+    return HFTokenizer(model, fast=False)
 
 
 def target_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -36,8 +36,13 @@ from megatron.data.preprocess import (
     line_too_long,
     output_prefix_for,
 )
-from megatron.data.sft_examples import BadExample, SftExampleEncoder, SftOptions, load_template
-from megatron.tokenizer import build_tokenizer
+from megatron.data.sft_examples import (
+    BadExample,
+    SftExampleEncoder,
+    SftOptions,
+    build_sft_tokenizer,
+    load_template,
+)
 
 LOSS_MASK_SUFFIX = "_loss_mask"
 
@@ -79,10 +84,12 @@ class SftChunkEncoder:
     def __init__(
         self, tokenizer_kwargs: dict[str, Any], options: SftOptions, max_line_bytes: int
     ) -> None:
-        tokenizer = build_tokenizer(**tokenizer_kwargs)
         template = load_template(
-            tokenizer, tokenizer_kwargs.get("tokenizer_model"), options.chat_template
+            tokenizer_kwargs.get("tokenizer_type"),
+            tokenizer_kwargs.get("tokenizer_model"),
+            options.chat_template,
         )
+        tokenizer = build_sft_tokenizer(tokenizer_kwargs, template)
         self.examples = SftExampleEncoder(tokenizer, template, options)
         self.max_line_bytes = max_line_bytes
         self.dtype = np.dtype(best_fitting_dtype(tokenizer.vocab_size))
