@@ -20,9 +20,22 @@ A tokenizer whose own configuration adds ids around a text (Llama 3's ``tokenize
 ``<|begin_of_text|>``) gets them around every document; ``--append-eod`` appends its EOS. Token ids are stored as
 uint16 below a 65,500 vocabulary, else int32 (Llama 3's 128,256, Qwen2.5's 151,665).
 
+``--sft`` writes an SFT dataset instead (docs/preprocessing.md, "SFT / chat data"): chat lines
+(``{"messages": [{"role": ..., "content": ...}, ...]}``) rendered by the tokenizer folder's chat template (or
+``--chat-template FILE``), and prompt/response lines (``{"prompt": ..., "response": ...}``), into
+``{output_prefix}_text_document`` (the ids of ``apply_chat_template``) and ``{output_prefix}_text_document_loss_mask``
+(uint8, 1 on the tokens of the ``--sft-loss-roles`` messages: by default each assistant message's content and the
+end-of-turn token(s) closing it):
+
+    python tools/preprocess_data.py --sft --input chats.jsonl --tokenizer-type HFTokenizer \
+        --tokenizer-model models/Qwen2.5-7B-Instruct --output-prefix data/chat --workers 4
+
+then train with ``pretrain_gpt.py --sft --data-path data/chat_text_document``.
+
 Exit codes: 0 ok, 1 bad input or a failed run (one ``error:`` line; nothing written), 2 bad flags (argparse,
---partitions other than 1) or tokenizer files (a missing flag or file, a tokenizer.json that is not JSON or has an
-unknown model type), 130 interrupted.
+--partitions other than 1, flags of --sft without it or the reverse) or tokenizer files (a missing flag or file, a
+tokenizer.json that is not JSON or has an unknown model type, a chat template that is missing or does not compile),
+130 interrupted.
 """
 
 from __future__ import annotations

@@ -26,8 +26,13 @@ from megatron.data.sft_examples import (
     target_mask,
 )
 from megatron.testing.tokenizers import family_tokenizer
-from megatron.tokenizer import HFTokenizer
-from megatron.tokenizer.chat_template import ChatTemplate, TemplateSource
+from megatron.tokenizer import HFTokenizer, TokenizerFileError
+from megatron.tokenizer.chat_template import (
+    ChatTemplate,
+    TemplateSource,
+    find_chat_template,
+    template_tokens,
+)
 from tools import preprocess_data
 
 pytestmark = pytest.mark.timeout(180)
@@ -310,3 +315,118 @@ def test_cli_writes_tokens_and_mask_and_stops_at_a_bad_line(
     broken.write_text("{% for m in messages %}")
     assert preprocess_data.main([*bad, "--chat-template", str(broken)]) == 2
     assert "broken.jinja: the chat template does not compile (line 1" in capsys.readouterr().err
+
+
+def test_template_sources_in_a_folder(tmp_path: Path) -> None:
+    config = tmp_path / "tokenizer_config.json"
+    assert find_chat_template(str(tmp_path)) is None  # no files at all
+    config.write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": "T"},
+                    {"name": "default", "template": "D"},
+                ]
+            }
+        )
+    )
+    assert find_chat_template(str(tmp_path)).text == "D"  # type: ignore[union-attr]
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}]}))
+    with pytest.raises(TokenizerFileError, match="named templates tool_use but no 'default'"):
+        find_chat_template(str(tmp_path))
+    config.write_text(json.dumps({"chat_template": 3}))
+    with pytest.raises(TokenizerFileError, match="chat_template is a int"):
+        find_chat_template(str(tmp_path))
+    (tmp_path / "chat_templates").mkdir()
+    (tmp_path / "chat_templates" / "default.jinja").write_text("F")
+    assert find_chat_template(str(tmp_path)).text == "F"  # type: ignore[union-attr]
+    with pytest.raises(TokenizerFileError, match="--chat-template .*nope.jinja does not exist"):
+        find_chat_template(str(tmp_path), str(tmp_path / "nope.jinja"))
+    config.write_text(
+        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": None})
+    )
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"unk_token": "<unk>", "eos_token": "<x>"})
+    )
+    assert template_tokens(str(tmp_path)) == {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+
+
+def _generated_conversations(n: int) -> list[list[dict[str, str]]]:
+    """``n`` conversations of 1-4 turns cut from the pydoc topics (some with a system message, one in seven with
+    an empty answer, some ending on a user turn)."""
+    from megatron.data.demo_corpus import pydoc_topics
+
+    texts = [t[: 40 + (i * 37) % 400] for i, t in enumerate(pydoc_topics())]
+    out = []
+    for i in range(n):
+        pick = [texts[(i * 7 + k) % len(texts)] for k in range(9)]
+        messages = [{"role": "system", "content": pick[0]}] if i % 3 == 0 else []
+        for turn in range(1 + i % 4):
+            messages.append({"role": "user", "content": pick[1 + 2 * turn]})
+            answer = "" if (i + turn) % 7 == 0 else pick[2 + 2 * turn]
+            messages.append({"role": "assistant", "content": answer})
+        if i % 5 == 0:
+            messages.append({"role": "user", "content": pick[8]})
+        out.append(messages)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_many_conversations_equal_transformers(folders: dict[str, Path], kind: str) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(folders[kind]), local_files_only=True)
+    encoder = _encoder(folders[kind])
+    for messages in _generated_conversations(150):
+        example = encoder.example(_line({"messages": messages}))
+        assert example.ids == list(hf.apply_chat_template(messages, return_dict=False))
+        if kind == "qwen2":
+            ref = hf.apply_chat_template(messages, return_assistant_tokens_mask=True)
+            assert example.mask.tolist() == ref["assistant_masks"]
+        else:
+            runs = [encoder.tokenizer.detokenize(example.ids[a:b]) for a, b in _runs(example.mask)]
+            answers = [
+                m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant"
+            ]
+            assert runs == answers
+
+
+@pytest.mark.slow
+def test_same_bytes_for_any_worker_count_gz_and_tokenizer_json(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    rows = [{"messages": m} for m in _generated_conversations(300)]
+    rows += [{"q": f"prompt {i}", "a": f"answer {i}"} for i in range(50)]
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "in.jsonl").write_bytes(data)
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(data, mtime=0))
+    base = ["--sft", "--tokenizer-type", "HFTokenizer", "--prompt-key", "q", "--response-key", "a"]
+    base += ["--log-interval", "40"]
+    outputs = {}
+    for name, source, workers, model in (
+        ("w1", "in.jsonl", 1, folders["llama3"]),
+        ("w3", "in.jsonl", 3, folders["llama3"]),
+        ("gz", "in.jsonl.gz", 2, folders["llama3"] / "tokenizer.json"),
+    ):
+        argv = [*base, "--input", str(tmp_path / source), "--workers", str(workers)]
+        argv += ["--tokenizer-model", str(model), "--output-prefix", str(tmp_path / name)]
+        assert preprocess_data.main(argv) == 0
+        assert "done: 300 conversations, 50 prompt/response pairs" in capsys.readouterr().err
+        outputs[name] = [
+            (tmp_path / f"{name}_text_document{suffix}{ext}").read_bytes()
+            for suffix in ("", "_loss_mask")
+            for ext in (".bin", ".idx")
+        ]
+    assert outputs["w1"] == outputs["w3"] == outputs["gz"]
+    every = [*base, "--input", str(tmp_path / "in.jsonl"), "--sft-loss-roles", "all"]
+    every += ["--tokenizer-model", str(folders["qwen2"]), "--output-prefix", str(tmp_path / "all")]
+    assert preprocess_data.main(every) == 0
+    mask = MMapIndexedDataset(str(tmp_path / "all_text_document_loss_mask"))
+    assert len(mask) == len(rows) and all(mask[i].all() for i in range(len(mask)))
