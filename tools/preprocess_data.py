@@ -175,11 +175,25 @@ def _flag_error(args: argparse.Namespace) -> tuple[int, str] | None:
                     "pair (--prompt-key, --response-key), and the chat template decides the end-of-turn tokens "
                     "(pairs without a template end with EOS); drop it."
                 )
+        try:
+            _sft_options(args).check()
+        except ValueError as e:
+            return 2, str(e)
         return None
     for name, default in _SFT_DEFAULTS.items():
         if getattr(args, name) != default:
             return 2, f"--{name.replace('_', '-')} is an option of --sft; add --sft or drop it."
     return None
+
+
+def _sft_options(args: argparse.Namespace) -> SftOptions:
+    return SftOptions(
+        messages_key=args.messages_key,
+        prompt_key=args.prompt_key,
+        response_key=args.response_key,
+        loss_roles=tuple(args.sft_loss_roles),
+        chat_template=args.chat_template,
+    )
 
 
 def _run(args: argparse.Namespace) -> Summary:
@@ -192,18 +206,11 @@ def _run(args: argparse.Namespace) -> Summary:
     }
     execution = Execution(workers=args.workers, log_interval=args.log_interval)
     if args.sft:
-        options = SftOptions(
-            messages_key=args.messages_key,
-            prompt_key=args.prompt_key,
-            response_key=args.response_key,
-            loss_roles=tuple(args.sft_loss_roles),
-            chat_template=args.chat_template,
-        )
         return preprocess_sft(
             resolve_inputs(args.input),
             output_prefix=args.output_prefix,
             tokenizer_kwargs=tokenizer_kwargs,
-            options=options,
+            options=_sft_options(args),
             skip_bad_lines=args.skip_bad_lines,
             max_line_bytes=args.max_line_bytes,
             execution=execution,

@@ -199,7 +199,13 @@ class ChatTemplate:
     """
 
     def __init__(self, source: TemplateSource, tokens: Mapping[str, str]) -> None:
-        import jinja2
+        try:
+            import jinja2
+        except ImportError:
+            raise TokenizerFileError(
+                f"{source.origin}: rendering a chat template needs Jinja2 (pip install Jinja2==3.1.6, as "
+                "requirements.txt pins it)."
+            ) from None
 
         self.origin = source.origin
         self.tokens = dict(tokens)
@@ -232,8 +238,10 @@ class ChatTemplate:
                     **self.tokens,
                 )
             )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+        except jinja2.TemplateError as e:
             raise ConversationError(f"the chat template raised: {e}") from None
+        except Exception as e:  # noqa: BLE001 (any error of an untrusted template is this conversation's)
+            raise ConversationError(f"the chat template raised {type(e).__name__}: {e}") from None
 
     def spans(
         self, messages: Sequence[Mapping[str, Any]], roles: Sequence[str]

@@ -245,6 +245,11 @@ def test_unstable_template_and_chat_without_template(folders: dict[str, Path]) -
         match=r"not prefix-stable: its rendering of the first 1 message\(s\) with the generation prompt differs",
     ):
         encoder.example(_line({"messages": _chat("user: a", "assistant: b", "user: c")}))
+    encoder.template = ChatTemplate(
+        TemplateSource("{{ (messages | length) / 0 }}", "div.jinja"), {}
+    )
+    with pytest.raises(BadExample, match="the chat template raised ZeroDivisionError"):
+        encoder.example(_line({"messages": CONVERSATIONS[0]}))
     with pytest.raises(BadExample, match="a chat needs a chat template.*--chat-template FILE"):
         _encoder(folders["plain"]).example(_line({"messages": CONVERSATIONS[0]}))
 
@@ -430,3 +435,27 @@ def test_same_bytes_for_any_worker_count_gz_and_tokenizer_json(
     assert preprocess_data.main(every) == 0
     mask = MMapIndexedDataset(str(tmp_path / "all_text_document_loss_mask"))
     assert len(mask) == len(rows) and all(mask[i].all() for i in range(len(mask)))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sft", "--append-eod"], "--append-eod does not apply to --sft"),
+        (["--sft", "--json-keys", "text"], "--json-keys does not apply to --sft"),
+        (["--sft", "--sft-loss-roles", "all", "user"], "'all' alone for every token"),
+        (
+            ["--sft", "--prompt-key", "q", "--response-key", "q"],
+            "both 'q'; give two different keys",
+        ),
+        (["--chat-template", "t.jinja"], "--chat-template is an option of --sft; add --sft"),
+        (["--sft-loss-roles", "user"], "--sft-loss-roles is an option of --sft"),
+    ],
+)
+def test_flags_that_do_not_go_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o")]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", *flags]
+    assert preprocess_data.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1
