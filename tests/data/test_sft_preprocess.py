@@ -380,17 +380,53 @@ def _generated_conversations(n: int) -> list[list[dict[str, str]]]:
     return out
 
 
+QWEN25_LIKE = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {%- set ns.turns = ns.turns + 1 %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>assistant\n' + message.content | trim + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+"""Qwen2.5's template without its tool branches (whitespace control, ``namespace``, attribute access, a default
+system message, ``| trim``): the dialect of the templates models ship."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
-def test_many_conversations_equal_transformers(folders: dict[str, Path], kind: str) -> None:
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen2.5-like"])
+def test_many_conversations_equal_transformers(
+    folders: dict[str, Path], kind: str, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(folders[kind]), local_files_only=True)
-    encoder = _encoder(folders[kind])
+    folder = folders[kind.split(".")[0]]
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    template = None
+    if kind == "qwen2.5-like":
+        template = QWEN25_LIKE
+        (tmp_path / "t.jinja").write_text(template, encoding="utf-8")
+    encoder = _encoder(folder, SftOptions(chat_template=template and str(tmp_path / "t.jinja")))
     for messages in _generated_conversations(150):
         example = encoder.example(_line({"messages": messages}))
-        assert example.ids == list(hf.apply_chat_template(messages, return_dict=False))
-        if kind == "qwen2":
+        ref = hf.apply_chat_template(messages, chat_template=template, return_dict=False)
+        assert example.ids == list(ref)
+        if kind == "qwen2.5-like":
+            runs = [encoder.tokenizer.detokenize(example.ids[a:b]) for a, b in _runs(example.mask)]
+            answers = [
+                m["content"].strip() + "<|im_end|>" for m in messages if m["role"] == "assistant"
+            ]
+            assert runs == answers
+        elif kind == "qwen2":
             ref = hf.apply_chat_template(messages, return_assistant_tokens_mask=True)
             assert example.mask.tolist() == ref["assistant_masks"]
         else:
