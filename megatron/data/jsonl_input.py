@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 CHUNK_LINES = 128
 CHUNK_BYTES = 256 * 1024
@@ -141,8 +141,8 @@ def plan_chunks(
                 start = end
 
 
-def parse_line(line: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str]:
-    """The values of ``keys`` as lists of strings, or None and the reason the line is bad."""
+def parse_object(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The JSON object on ``line``, or None and the reason the line is bad."""
     try:
         obj = json.loads(line)
     except UnicodeDecodeError as e:
@@ -151,11 +151,26 @@ def parse_line(line: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None
         return None, f"invalid JSON: {getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got a {type(obj).__name__}"
+    return obj, ""
+
+
+def describe_keys(obj: dict[str, Any]) -> str:
+    """The first keys of a line's object, for an error message."""
+    return ", ".join(repr(k) for k in list(obj)[:10]) or "none"
+
+
+def parse_line(line: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str]:
+    """The values of ``keys`` as lists of strings, or None and the reason the line is bad."""
+    obj, reason = parse_object(line)
+    if obj is None:
+        return None, reason
     values = []
     for key in keys:
         if key not in obj:
-            have = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
-            return None, f"missing key {key!r} (the line has keys: {have}); check --json-keys"
+            return (
+                None,
+                f"missing key {key!r} (the line has keys: {describe_keys(obj)}); check --json-keys",
+            )
         value = obj[key]
         if isinstance(value, str):
             values.append([value])

@@ -102,6 +102,20 @@ class Summary:
     """Which encoder tokenized (e.g. tiktoken, or the tokenizers reference and why)."""
 
 
+def line_too_long(line: bytes, max_line_bytes: int) -> str:
+    """Why ``line`` is refused unread ("" when, without its newline, it is within ``max_line_bytes``)."""
+    if len(line) <= max_line_bytes:
+        return ""
+    size = len(line) - line.endswith(b"\n")
+    if size <= max_line_bytes:
+        return ""
+    return (
+        f"the line is {size} bytes, more than --max-line-bytes ({max_line_bytes}); tokenizing takes "
+        "about 40 times a line's size in memory: split the document into several lines, or raise "
+        "--max-line-bytes where the memory allows it"
+    )
+
+
 class Encoder:
     """Turns chunks of JSONL lines into token arrays (runs in each worker, or in-process for one worker)."""
 
@@ -169,19 +183,6 @@ class Encoder:
             sizes[np.cumsum(seqs_per_doc)[has] - 1] += 1
         return KeyResult(tokens, sizes.astype(np.int32), seqs_per_doc.astype(np.int64))
 
-    def _too_long(self, line: bytes) -> str:
-        """Why ``line`` is refused unread ("" when, without its newline, it is within the limit)."""
-        if len(line) <= self.max_line_bytes:
-            return ""
-        size = len(line) - line.endswith(b"\n")
-        if size <= self.max_line_bytes:
-            return ""
-        return (
-            f"the line is {size} bytes, more than --max-line-bytes ({self.max_line_bytes}); tokenizing takes "
-            "about 40 times a line's size in memory: split the document into several lines, or raise "
-            "--max-line-bytes where the memory allows it"
-        )
-
     def encode(self, chunk: Chunk | ByteRange) -> ChunkResult:
         """Parse, validate and tokenize one chunk (read first when a byte range); bad lines are reported by their
         index in the chunk, not raised."""
@@ -190,7 +191,7 @@ class Encoder:
         bad: dict[int, str] = {}
         docs: list[tuple[int, list[list[str]]]] = []
         for i, line in enumerate(chunk.lines):
-            if reason := self._too_long(line):
+            if reason := line_too_long(line, self.max_line_bytes):
                 bad[i] = reason
                 continue
             if not line.strip():
@@ -244,7 +245,7 @@ def _results(
     yield from ordered_map(encoder.encode, chunks, workers)
 
 
-class _Progress:
+class Progress:
     def __init__(self, interval: int) -> None:
         self.interval = max(1, interval)
         self.start = time.monotonic()
@@ -373,7 +374,7 @@ def _add_results(
     summary: Summary,
     *,
     skip_bad_lines: bool,
-    progress: _Progress,
+    progress: Progress,
 ) -> None:
     """Append every encoded chunk to the builders, in input order, counting into ``summary``.
 
@@ -445,7 +446,7 @@ def preprocess(
         encoder=getattr(encoder.tokenizer, "encoder", encoder.tokenizer.name),
     )
     start = time.monotonic()
-    progress = _Progress(execution.log_interval)
+    progress = Progress(execution.log_interval)
     try:
         for key, prefix in prefixes.items():
             builders[key] = make_builder(

@@ -175,6 +175,12 @@ class _HFBackedTokenizer(MegatronTokenizer):
             return self._tiktoken.encode(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (no special tokens added) from the reference encoder, and each token's character span
+        ``[start, end)`` in ``text`` (a character split over several tokens is in each of their spans)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._tiktoken is not None:
             return self._tiktoken.encode_batch(texts)
