@@ -95,7 +95,7 @@ def _check_sft(cfg: TridentConfig) -> None:
     if d.mock_data:
         raise ValueError(
             "--sft trains on conversations and their loss mask, which --mock-data does not have; give "
-            "--data-path P (P and P_loss_mask from tools/preprocess_data.py's SFT mode)."
+            "--data-path P (P and P_loss_mask from tools/preprocess_data.py --sft)."
         )
     given = [
         flag

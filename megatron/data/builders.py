@@ -26,13 +26,12 @@ from megatron.config.data import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset, normalize_weights
 from megatron.data.gpt_dataset import GPTDataset, GPTIndexSpec, get_train_valid_test_split_
 from megatron.data.helpers import num_blend_samples
-from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.indexed_dataset import MMapIndexedDataset, loss_mask_prefix
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.data.sft_dataset import (
     SFTDataset,
     SFTIndexSpec,
     check_loss_mask,
-    loss_mask_prefix,
 )
 from megatron.log import log_rank_0
 

@@ -89,6 +89,15 @@ def best_fitting_dtype(vocab_size: int | None = None) -> type[np.generic]:
     return np.int32
 
 
+LOSS_MASK_SUFFIX = "_loss_mask"
+"""--sft: the loss mask of the conversations at ``P`` is the indexed dataset ``P + LOSS_MASK_SUFFIX``."""
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    """The loss-mask dataset of the conversations at ``prefix`` (issue #33's SFT format)."""
+    return prefix + LOSS_MASK_SUFFIX
+
+
 def data_file_path(prefix_path: str) -> str:
     """``{prefix}.bin``."""
     return prefix_path + ".bin"

@@ -39,21 +39,15 @@ import torch
 
 from megatron.data.index_budget import DatasetRequestError
 from megatron.data.index_cache import load_or_build
-from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.indexed_dataset import MMapIndexedDataset, loss_mask_prefix
 from megatron.log import log_rank_0
 
 logger = logging.getLogger(__name__)
 
-LOSS_MASK_SUFFIX = "_loss_mask"
 SFT_INDEX_NAMES = ("doc_idx", "pack_idx")
 PAD_TOKEN = 0
 """Token id of the padding at the end of a pack (its own document, loss weight 0: the value never matters)."""
 _MAX_DOC_IDX_ENTRIES = 1 << 31
-
-
-def loss_mask_prefix(prefix: str) -> str:
-    """The loss-mask dataset of the conversations at ``prefix``."""
-    return prefix + LOSS_MASK_SUFFIX
 
 
 def check_loss_mask(prefix: str, flag: str) -> None:
@@ -68,7 +62,7 @@ def check_loss_mask(prefix: str, flag: str) -> None:
     if missing:
         raise FileNotFoundError(
             f"--sft {flag} {prefix}: missing {', '.join(missing)}; --sft reads the loss mask beside the "
-            "conversations: preprocess them with tools/preprocess_data.py's chat-template (SFT) mode, which "
+            "conversations: preprocess them with tools/preprocess_data.py --sft, which "
             "writes P and P_loss_mask, or drop --sft."
         )
     sizes, mask_sizes = MMapIndexedDataset(prefix).sizes, MMapIndexedDataset(mask).sizes

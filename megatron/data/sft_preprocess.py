@@ -24,7 +24,12 @@ import numpy as np
 
 from megatron.data.fork_workers import WorkerDied, ordered_map
 from megatron.data.indexed_builder import MMapIndexedDatasetBuilder, make_builder
-from megatron.data.indexed_dataset import best_fitting_dtype, data_file_path, index_file_path
+from megatron.data.indexed_dataset import (
+    best_fitting_dtype,
+    data_file_path,
+    index_file_path,
+    loss_mask_prefix,
+)
 from megatron.data.jsonl_input import CHUNK_LINES, ByteRange, Chunk, PreprocessError, plan_chunks
 from megatron.data.preprocess import (
     MAX_LINE_BYTES,
@@ -43,13 +48,6 @@ from megatron.data.sft_examples import (
     build_sft_tokenizer,
     load_template,
 )
-
-LOSS_MASK_SUFFIX = "_loss_mask"
-
-
-def loss_mask_prefix(prefix: str) -> str:
-    """The loss mask dataset of the SFT dataset ``prefix``: ``prefix + "_loss_mask"``."""
-    return prefix + LOSS_MASK_SUFFIX
 
 
 @dataclass
