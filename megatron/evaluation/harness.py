@@ -224,8 +224,10 @@ class TridentLM(TemplateLM):
         out = [""] * len(args)
         for rows in groups.values():
             plan = _GenerationPlan.from_kwargs(args[rows[0]][1], self)
-            contexts = {
-                i: self.tok_encode(args[i][0], left_truncate_len=plan.max_context) for i in rows
+            contexts = {  # an empty context starts from the prefix token (as an empty loglikelihood one)
+                i: self.tok_encode(args[i][0], left_truncate_len=plan.max_context)
+                or [self.prefix_token_id]
+                for i in rows
             }
             order = sorted(rows, key=lambda i: (-len(contexts[i]), args[i][0]))
             for start in range(0, len(order), self.batch_size):

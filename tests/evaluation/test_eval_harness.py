@@ -144,19 +144,40 @@ def test_trident_lm_answers_every_request_like_the_hf_backend(hf_dir: Path) -> N
     print(f"largest |ours - hf| per request type: {worst}")
     assert_same_metrics(ours, ref_metrics)
 
-    # Greedy flags on sequences where they are true: transformers' own greedy continuation scores all-greedy,
-    # its log p within TOL of transformers', and one changed token is not greedy.
-    from transformers import AutoModelForCausalLM
+    assert_greedy_flags(score_tokens(engine, greedy_requests(hf_dir)), hf_dir)
+
+
+GREEDY_PROMPT = "The left-hand side target is always set"
+GREEDY_NEW = 6
+
+
+def greedy_requests(hf_dir: Path) -> list[ScoreRequest]:
+    """transformers' greedy continuation of a prompt (all its tokens greedy), and the same with its last token
+    changed (that one not greedy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-    prompt = tokenizer.tokenize("The left-hand side target is always set")
+    prompt = AutoTokenizer.from_pretrained(str(hf_dir))(GREEDY_PROMPT)["input_ids"]
     with torch.no_grad():
-        seq = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0].tolist()
-        logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+        seq = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_NEW, do_sample=False)[
+            0
+        ].tolist()
     wrong = seq[:-1] + [(seq[-1] + 1) % 512]
-    greedy, other = score_tokens(engine, [ScoreRequest(seq, 6), ScoreRequest(wrong, 2)])
-    assert greedy.greedy == [True] * 6 and other.greedy == [True, False]
-    want = [float(logp[i - 1, seq[i]]) for i in range(len(seq) - 6, len(seq))]
+    return [ScoreRequest(seq, GREEDY_NEW), ScoreRequest(wrong, 2)]
+
+
+def assert_greedy_flags(scored: list[Any], hf_dir: Path) -> None:
+    """:func:`score_tokens` on :func:`greedy_requests`: all greedy, then the changed token not; log p within TOL
+    of ``log_softmax`` of transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    seq = greedy_requests(hf_dir)[0].tokens
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+    greedy, other = scored
+    assert greedy.greedy == [True] * GREEDY_NEW and other.greedy == [True, False]
+    want = [float(logp[i - 1, seq[i]]) for i in range(len(seq) - GREEDY_NEW, len(seq))]
     assert all(close(a, b) for a, b in zip(greedy.log_probs, want, strict=True))
 
 
