@@ -19,7 +19,8 @@ Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration
 
 The start-up checks that make a load safe run before any process group exists: :mod:`megatron.checkpointing.rules`.
 A checkpoint of another TP / PP / DP size or ZeRO stage is converted on the way in where those rules allow it
-(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`).
+(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`), an MoE checkpoint of another expert-parallel
+size too (:mod:`megatron.checkpointing.relayout_moe`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from megatron.checkpointing.relayout import (
     remove_relayout_dir,
     saved_param_groups,
 )
+from megatron.checkpointing.relayout_moe import load_at_new_expert_parallel_size
 from megatron.checkpointing.rng import (
     load_rng_file,
     rng_file_bytes,
@@ -105,6 +107,8 @@ class DeepSpeedCheckpointer:
             the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
         ds_sequence_parallel_size: --ds-sequence-parallel-size (the ZeRO partition count of the run, compared
             with the checkpoint's to decide whether the load converts it: ``rules.converts_on_load``).
+        expert_parallel_rank: this rank's EP rank (which experts it holds: an MoE checkpoint of another EP size
+            is converted by global expert id, ``relayout_moe.py``).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class DeepSpeedCheckpointer:
         expert_parallel_size: int = 1,
         record_checksums: bool = True,
         ds_sequence_parallel_size: int = 1,
+        expert_parallel_rank: int = 0,
     ) -> None:
         self.checkpoint = checkpoint
         self.record_checksums = record_checksums
@@ -125,6 +130,7 @@ class DeepSpeedCheckpointer:
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
         self.expert_parallel_size = expert_parallel_size
+        self.expert_parallel_rank = expert_parallel_rank
         self.ds_sequence_parallel_size = ds_sequence_parallel_size
         self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
@@ -348,7 +354,8 @@ class DeepSpeedCheckpointer:
             expert_parallel_size=self.expert_parallel_size,
         )
         if converts_on_load(case) and case is not None:
-            client = self._load_converted(engine, meta, tag, case)
+            convert = self._load_converted_moe if case.saved_ep is not None else self._load_converted
+            client = convert(engine, meta, tag, case)
         else:
             client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
         if not finetune:  # weights only: iteration 0, the schedule from its start, fresh RNG states
@@ -471,6 +478,29 @@ class DeepSpeedCheckpointer:
             )
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load the converted copy of {load_dir}/{tag}.")
+        return client
+
+    def _load_converted_moe(
+        self, engine: Any, meta: dict[str, Any], tag: str, case: ResumeCase
+    ) -> dict[str, Any]:
+        """Load the MoE checkpoint ``tag`` saved at another expert-parallel size (``relayout_moe.py``)."""
+
+        def words(ep: int | None, dp: int) -> str:
+            return f"EP{ep} " + layout_words(tp=case.run_tp, pp=case.run_pp, dp=dp, stage=0)
+
+        client, seconds = load_at_new_expert_parallel_size(
+            engine,
+            self.checkpoint.load or "",
+            tag,
+            meta,
+            self.model,
+            layouts=(words(case.saved_ep, case.saved_dp), words(case.run_ep, case.run_dp)),
+            run_ep=self.expert_parallel_size,
+            ep_rank=self.expert_parallel_rank,
+            tp_rank=self.tensor_model_parallel_rank,
+            hashes=self.checkpoint.verify_checkpoint_checksums,
+        )
+        self.last_conversion_seconds = seconds
         return client
 
     def _convert(

@@ -8,8 +8,9 @@ over the data-parallel ranks, so loading the optimizer state needs them to agree
 (``--finetune``, converted checkpoints) needs only the TP/PP sizes (``weights_only.py`` reads the rest).
 
 Rows marked ``mended_on_load`` (TP / PP size, ZeRO-3 vs 0/1/2 files, how the stage stores the optimizer state, DP
-size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded with its
-optimizer state into a run that can load a universal checkpoint, is converted on the way in (``relayout.py``).
+size, MoE EP size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded
+with its optimizer state into a run that can load a universal checkpoint, is converted on the way in
+(``relayout.py``); an fp32 ZeRO-0 MoE checkpoint at another EP size too (``relayout_moe.py``).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class ResumeCase:
         reshard = "reshard the weights offline (python -m tools.checkpoint.reshard; fresh optimizer state)."
         if self.saved_ep is not None:
             return (
-                "for an MoE checkpoint (DeepSpeed's universal converter does not read its expert files) "
-                f"{reshard}"
+                "for an MoE checkpoint only another --moe-expert-parallel-size is converted on load (fp32 ZeRO-0, "
+                f"same TP and PP): {reshard}"
             )
         if self.saved_stage == 0:
             return (
@@ -240,14 +241,32 @@ def _dp_message(c: ResumeCase) -> str:
     )
 
 
+def _moe_refusal(c: ResumeCase) -> str:
+    """Why an MoE checkpoint at another EP size is not converted on load (:func:`moe_converts_on_load`)."""
+    if c.saved_stage != 0 or c.run_stage != 0:
+        stage = c.saved_stage if c.saved_stage != 0 else c.run_stage
+        return (
+            f"with ZeRO-{stage} DeepSpeed keeps the experts' optimizer state flattened in partitions of the "
+            "expert-data-parallel groups, which Trident does not convert (it converts fp32 ZeRO-0 MoE "
+            "checkpoints on load)"
+        )
+    if c.run_precision != "fp32" or c.saved_precision not in (None, "fp32"):
+        return (
+            "DeepSpeed's bf16/fp16 optimizers keep fp32 master groups by EP rank, which Trident does not "
+            "convert (it converts fp32 ZeRO-0 MoE checkpoints on load)"
+        )
+    return (
+        "Trident converts an MoE checkpoint on load only at the saved tensor- and pipeline-parallel sizes with "
+        "PP = 1"
+    )
+
+
 def _ep_message(c: ResumeCase) -> str:
-    # No on-load conversion of the expert optimizer state exists (yet): the fixes are the saved size, or no state.
     return (
         f"--load {c.load_dir} (tag {c.tag}) was saved with --moe-expert-parallel-size {c.saved_ep}; this run "
-        f"uses {c.run_ep}, and DeepSpeed splits the MoE optimizer state by the expert-parallel groups (it cannot "
-        f"load it at another size). Resume with --moe-expert-parallel-size {c.saved_ep} (on a data-parallel "
-        "size divisible by it), or pass --no-load-optim (same iteration and expert weights, fresh optimizer "
-        "state)."
+        f"uses {c.run_ep}, and {_moe_refusal(c)}. Resume with --moe-expert-parallel-size {c.saved_ep} (on a "
+        "data-parallel size divisible by it), or pass --no-load-optim (same iteration and expert weights, fresh "
+        "optimizer state)."
     )
 
 
@@ -289,20 +308,40 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         "MoE expert-parallel size, when the optimizer state is loaded",
         lambda c: c.optimizer_state and c.saved_ep is not None and c.saved_ep != c.run_ep,
         _ep_message,
+        mended_on_load=True,
     ),
 )
 """Checked in order; the first broken row is the error. A row that loads weights only never breaks a row past the
 first: ``weights_only.py`` reads any stage at any DP size."""
 
 
+def moe_converts_on_load(case: ResumeCase) -> bool:
+    """Whether an MoE checkpoint is converted to the run's expert-parallel size on load (``relayout_moe.py``): its
+    optimizer state is loaded at another EP size, both sides are fp32 ZeRO-0 (one torch optimizer state per EP
+    rank, rebuilt by parameter name), at the saved TP size and PP = 1."""
+    return (
+        case.saved_ep is not None
+        and case.optimizer_state
+        and case.saved_ep != case.run_ep
+        and case.saved_stage == 0
+        and case.run_stage == 0
+        and case.run_precision == "fp32"
+        and case.saved_precision in (None, "fp32")
+        and (case.saved_tp, case.saved_pp) == (case.run_tp, case.run_pp)
+        and case.run_pp == 1
+    )
+
+
 def converts_on_load(case: ResumeCase | None) -> bool:
-    """Whether this load converts the checkpoint to the run's layout on the way in (``relayout.py``): a row marked
-    ``mended_on_load`` is broken, the optimizer state is loaded, the checkpoint is dense (no recorded EP size:
-    DeepSpeed's universal converter does not read expert files) and saved with ZeRO-1 or 2 (the converter reads the
-    ZeRO partitions; its ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into (ZeRO >= 1, or bf16; ZeRO-3
-    only at TP 1)."""
-    if case is None or not case.optimizer_state or case.saved_ep is not None:
+    """Whether this load converts the checkpoint to the run's layout on the way in: an MoE checkpoint where
+    :func:`moe_converts_on_load`; a dense one (``relayout.py``) where a row marked ``mended_on_load`` is broken,
+    the optimizer state is loaded, it was saved with ZeRO-1 or 2 (the converter reads the ZeRO partitions; its
+    ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into
+    (ZeRO >= 1, or bf16; ZeRO-3 only at TP 1)."""
+    if case is None or not case.optimizer_state:
         return False
+    if case.saved_ep is not None:
+        return moe_converts_on_load(case)
     if case.saved_stage not in (1, 2) or (case.run_stage < 1 and case.run_precision != "bf16"):
         return False  # ZeRO-3 sources: the universal converter writes flat tensors (relayout.py)
     if case.run_stage == 3 and case.run_tp > 1:
