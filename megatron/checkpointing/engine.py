@@ -100,15 +100,14 @@ class DeepSpeedCheckpointer:
         tokenizer: the meta's ``"tokenizer"`` record of the run (``meta.tokenizer_record``: the tokenizer flags
             and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
         tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
-        expert_parallel_size: --moe-expert-parallel-size, recorded in the meta of an MoE model (``rules.py``
-            refuses to load its optimizer state at another size).
+        expert_parallel: (--moe-expert-parallel-size, this rank's EP rank). The size is recorded in the meta of an
+            MoE model (``rules.py`` compares it at load); an fp32 ZeRO-0 checkpoint of another size is converted by
+            global expert id (``relayout_moe.py``, which needs the rank).
         record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
             an engine that cannot be routed does; a load then checks their archives only). For measuring what
             the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
         ds_sequence_parallel_size: --ds-sequence-parallel-size (the ZeRO partition count of the run, compared
             with the checkpoint's to decide whether the load converts it: ``rules.converts_on_load``).
-        expert_parallel_rank: this rank's EP rank (which experts it holds: an MoE checkpoint of another EP size
-            is converted by global expert id, ``relayout_moe.py``).
     """
 
     def __init__(
@@ -119,18 +118,16 @@ class DeepSpeedCheckpointer:
         model: ModelConfig,
         tokenizer: dict[str, str] | None,
         tensor_model_parallel_rank: int,
-        expert_parallel_size: int = 1,
+        expert_parallel: tuple[int, int] = (1, 0),
         record_checksums: bool = True,
         ds_sequence_parallel_size: int = 1,
-        expert_parallel_rank: int = 0,
     ) -> None:
         self.checkpoint = checkpoint
         self.record_checksums = record_checksums
         self.plan = plan
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
-        self.expert_parallel_size = expert_parallel_size
-        self.expert_parallel_rank = expert_parallel_rank
+        self.expert_parallel_size, self.expert_parallel_rank = expert_parallel
         self.ds_sequence_parallel_size = ds_sequence_parallel_size
         self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
@@ -354,7 +351,9 @@ class DeepSpeedCheckpointer:
             expert_parallel_size=self.expert_parallel_size,
         )
         if converts_on_load(case) and case is not None:
-            convert = self._load_converted_moe if case.saved_ep is not None else self._load_converted
+            convert = (
+                self._load_converted_moe if case.saved_ep is not None else self._load_converted
+            )
             client = convert(engine, meta, tag, case)
         else:
             client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
@@ -490,13 +489,11 @@ class DeepSpeedCheckpointer:
 
         client, seconds = load_at_new_expert_parallel_size(
             engine,
-            self.checkpoint.load or "",
-            tag,
+            Path(self.checkpoint.load or "") / tag,
             meta,
             self.model,
             layouts=(words(case.saved_ep, case.saved_dp), words(case.run_ep, case.run_dp)),
-            run_ep=self.expert_parallel_size,
-            ep_rank=self.expert_parallel_rank,
+            expert_parallel=(self.expert_parallel_size, self.expert_parallel_rank),
             tp_rank=self.tensor_model_parallel_rank,
             hashes=self.checkpoint.verify_checkpoint_checksums,
         )

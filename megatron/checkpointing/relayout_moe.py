@@ -199,28 +199,26 @@ def _raise_any(error: str | None, what: str) -> None:
 
 def load_at_new_expert_parallel_size(
     engine: Any,
-    load_dir: str,
-    tag: str,
+    tag_dir: Path,
     meta: dict[str, Any],
     config: ModelConfig,
     *,
     layouts: tuple[str, str],
-    run_ep: int,
-    ep_rank: int,
+    expert_parallel: tuple[int, int],
     tp_rank: int,
     hashes: bool = True,
 ) -> tuple[dict[str, Any], float]:
-    """Load ``tag`` of ``load_dir`` (an fp32 ZeRO-0 MoE checkpoint of another EP size, ``meta``) into ``engine``:
-    rank 0 checks every file against its checksums, every rank loads the weights through DeepSpeed and rebuilds
-    its optimizer state (:func:`load_saved_moe_optimizer`; this rank is EP rank ``ep_rank`` of ``run_ep`` and TP
-    rank ``tp_rank``); ``layouts``: (saved, run) as the log names them.
+    """Load the checkpoint tag ``tag_dir`` (an fp32 ZeRO-0 MoE checkpoint of another EP size, ``meta``) into
+    ``engine``: rank 0 checks every file against its checksums, every rank loads the weights through DeepSpeed and
+    rebuilds its optimizer state (:func:`load_saved_moe_optimizer`; ``expert_parallel``: the run's EP size and this
+    rank's EP rank; ``tp_rank``: its TP rank); ``layouts``: (saved, run) as the log names them.
     Returns (the client state, the seconds taken).
 
     Raises:
         ConfigError: on every rank, when any rank could not read the checkpoint.
     """
     start = time.perf_counter()
-    tag_dir = Path(load_dir) / tag
+    load_dir, tag = str(tag_dir.parent), tag_dir.name
     what = f"--load {load_dir} (tag {tag}): converting it from {layouts[0]} to this run's {layouts[1]} failed"
     error = None
     if global_rank() == 0:
@@ -246,8 +244,8 @@ def load_at_new_expert_parallel_size(
             tag_dir,
             config,
             saved_ep=int(meta["moe_expert_parallel_size"]),
-            run_ep=run_ep,
-            ep_rank=ep_rank,
+            run_ep=expert_parallel[0],
+            ep_rank=expert_parallel[1],
             mp_rank=tp_rank,
         )
     except (OSError, ValueError, RuntimeError) as err:

@@ -299,15 +299,15 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         _precision_message,
     ),
     ResumeRule(
-        "data-parallel size, when ZeRO partitioned the loaded state over it",
-        lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
-        _dp_message,
-        mended_on_load=True,
-    ),
-    ResumeRule(
         "MoE expert-parallel size, when the optimizer state is loaded",
         lambda c: c.optimizer_state and c.saved_ep is not None and c.saved_ep != c.run_ep,
         _ep_message,
+        mended_on_load=True,
+    ),
+    ResumeRule(
+        "data-parallel size, when ZeRO partitioned the loaded state over it",
+        lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
+        _dp_message,
         mended_on_load=True,
     ),
 )

@@ -195,7 +195,9 @@ def expert_order_at(
             out.append(names[i])
             i += 1
             continue
-        local = _experts_of_layer(names[i], config) // ep  # (a ValueError for a key outside the layers)
+        local = (
+            _experts_of_layer(names[i], config) // ep
+        )  # (a ValueError for a key outside the layers)
         end = i
         while end < len(names) and _expert_layer(names[end]) == _expert_layer(names[i]):
             end += 1

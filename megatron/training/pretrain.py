@@ -186,17 +186,19 @@ def build_checkpointer(
         model=cfg.model,
         tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
         tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-        expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+        expert_parallel=(
+            cfg.parallel.moe_expert_parallel_size,
+            expert_parallel_rank(
+                run.state.rank,
+                world_size=pre.plan.world_size,
+                tensor_model_parallel_size=pre.plan.tensor_model_parallel_size,
+                pipeline_model_parallel_size=pre.plan.pipeline_model_parallel_size,
+                expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+                expert_tensor_parallel=cfg.parallel.enable_expert_tensor_parallelism,
+            ),
+        ),
         record_checksums=record_checksums,
         ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
-        expert_parallel_rank=expert_parallel_rank(
-            run.state.rank,
-            world_size=pre.plan.world_size,
-            tensor_model_parallel_size=pre.plan.tensor_model_parallel_size,
-            pipeline_model_parallel_size=pre.plan.pipeline_model_parallel_size,
-            expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
-            expert_tensor_parallel=cfg.parallel.enable_expert_tensor_parallelism,
-        ),
     )
 
 
