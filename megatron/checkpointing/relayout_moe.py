@@ -21,7 +21,9 @@ source is only read, with restricted unpickling.
 
 Not converted (refused at start-up by ``rules.py``): ZeRO-1/2 checkpoints, whose expert state lies flattened in
 partitions of the expert-data-parallel groups; bf16/fp16 (DeepSpeed's ZeRO-0 wrappers keep fp32 master groups);
-pipelines (other parameter names) and a TP or PP change.
+TP > 1 (without --enable-expert-tensor-parallelism DeepSpeed's expert-parallel groups span the TP ranks, so TP rank
+t's expert files hold other experts than rank 0's: a TP2 x EP2 checkpoint has ``layer_0_expert_2_mp_rank_01`` but
+no ``..._mp_rank_00``); pipelines (other parameter names).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class ResumeCase:
         if self.saved_ep is not None:
             return (
                 "for an MoE checkpoint only another --moe-expert-parallel-size is converted on load (fp32 ZeRO-0, "
-                f"same TP and PP): {reshard}"
+                f"TP = PP = 1): {reshard}"
             )
         if self.saved_stage == 0:
             return (
@@ -255,10 +255,12 @@ def _moe_refusal(c: ResumeCase) -> str:
             "DeepSpeed's bf16/fp16 optimizers keep fp32 master groups by EP rank, which Trident does not "
             "convert (it converts fp32 ZeRO-0 MoE checkpoints on load)"
         )
-    return (
-        "Trident converts an MoE checkpoint on load only at the saved tensor- and pipeline-parallel sizes with "
-        "PP = 1"
-    )
+    if c.run_tp > 1:
+        return (
+            "at TP > 1 DeepSpeed's expert-parallel groups span the tensor-parallel ranks (each TP rank's files "
+            "hold other experts), which Trident does not convert (it converts at TP = PP = 1)"
+        )
+    return "Trident converts an MoE checkpoint on load only at TP = PP = 1"
 
 
 def _ep_message(c: ResumeCase) -> str:
@@ -318,7 +320,8 @@ first: ``weights_only.py`` reads any stage at any DP size."""
 def moe_converts_on_load(case: ResumeCase) -> bool:
     """Whether an MoE checkpoint is converted to the run's expert-parallel size on load (``relayout_moe.py``): its
     optimizer state is loaded at another EP size, both sides are fp32 ZeRO-0 (one torch optimizer state per EP
-    rank, rebuilt by parameter name), at the saved TP size and PP = 1."""
+    rank, rebuilt by parameter name), at TP = PP = 1 (at TP > 1 DeepSpeed's EP groups span the TP ranks, so each
+    TP rank's expert files hold other experts)."""
     return (
         case.saved_ep is not None
         and case.optimizer_state
@@ -327,8 +330,7 @@ def moe_converts_on_load(case: ResumeCase) -> bool:
         and case.run_stage == 0
         and case.run_precision == "fp32"
         and case.saved_precision in (None, "fp32")
-        and (case.saved_tp, case.saved_pp) == (case.run_tp, case.run_pp)
-        and case.run_pp == 1
+        and (case.saved_tp, case.saved_pp, case.run_tp, case.run_pp) == (1, 1, 1, 1)
     )
 
 
