@@ -155,7 +155,11 @@ CONVERTS = [
     ({"run_stage": 1}, False, "ZeRO-0's optimizer state DeepSpeed stores|stores differently"),
     ({"run_precision": "bf16", "saved_precision": "bf16"}, False, "bf16/fp16 optimizers"),
     ({"run_tp": 2, "run_dp": 1}, False, "only another --moe-expert-parallel-size"),
-    ({"saved_tp": 2, "run_tp": 2, "saved_dp": 1, "run_dp": 1}, False, "span the tensor-parallel ranks"),
+    (
+        {"saved_tp": 2, "run_tp": 2, "saved_dp": 1, "run_dp": 1},
+        False,
+        "span the tensor-parallel ranks",
+    ),
     ({"saved_pp": 2, "run_pp": 2, "saved_dp": 1, "run_dp": 1}, False, "PP = 1"),
 ]
 
@@ -285,4 +289,3 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tmp_path: Path) 
     assert parity <= TOL and max(worst.values()) <= TOL, (parity, worst)
     assert fresh > 100 * TOL, fresh  # the optimizer state matters: a wrong one would be seen
     assert "from EP2 TP1 PP1 DP2 ZeRO-0 to EP1 TP1 PP1 DP1 ZeRO-0" in one["ep2 -> ep1"]["log"][0]
-
