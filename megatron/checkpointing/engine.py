@@ -60,7 +60,7 @@ from megatron.checkpointing.relayout import (
     remove_relayout_dir,
     saved_param_groups,
 )
-from megatron.checkpointing.relayout_moe import load_at_new_expert_parallel_size
+from megatron.checkpointing.relayout_moe import MoeConversion, load_at_new_expert_parallel_size
 from megatron.checkpointing.rng import (
     load_rng_file,
     rng_file_bytes,
@@ -482,19 +482,30 @@ class DeepSpeedCheckpointer:
     def _load_converted_moe(
         self, engine: Any, meta: dict[str, Any], tag: str, case: ResumeCase
     ) -> dict[str, Any]:
-        """Load the MoE checkpoint ``tag`` saved at another expert-parallel size (``relayout_moe.py``)."""
+        """Load the MoE checkpoint ``tag`` saved at another expert-parallel or ZeRO data-parallel size
+        (``relayout_moe.py``)."""
 
-        def words(ep: int | None, dp: int) -> str:
-            return f"EP{ep} " + layout_words(tp=case.run_tp, pp=case.run_pp, dp=dp, stage=0)
-
+        saved = f"EP{case.saved_ep} " + layout_words(
+            tp=case.saved_tp, pp=case.saved_pp, dp=case.saved_dp, stage=case.saved_stage
+        )
+        run = f"EP{case.run_ep} " + layout_words(
+            tp=case.run_tp, pp=case.run_pp, dp=case.run_dp, stage=case.run_stage
+        )
+        conv = MoeConversion(
+            saved_ep=int(case.saved_ep or 1),
+            saved_dp=case.saved_dp,
+            run_ep=self.expert_parallel_size,
+            ep_rank=self.expert_parallel_rank,
+            tp_rank=self.tensor_model_parallel_rank,
+            zero=case.run_stage > 0,
+        )
         client, seconds = load_at_new_expert_parallel_size(
             engine,
             Path(self.checkpoint.load or "") / tag,
             meta,
             self.model,
-            layouts=(words(case.saved_ep, case.saved_dp), words(case.run_ep, case.run_dp)),
-            expert_parallel=(self.expert_parallel_size, self.expert_parallel_rank),
-            tp_rank=self.tensor_model_parallel_rank,
+            layouts=(saved, run),
+            conv=conv,
             hashes=self.checkpoint.verify_checkpoint_checksums,
         )
         self.last_conversion_seconds = seconds

@@ -1,29 +1,37 @@
-"""Resume an MoE checkpoint at another expert-parallel size (and so another data-parallel size) on load.
+"""Resume an fp32 MoE checkpoint at another expert-parallel size (and, with ZeRO-1/2, another data-parallel size)
+on load, keeping the optimizer state.
 
-What depends on the EP size in a DeepSpeed-MoE checkpoint saved with fp32 ZeRO-0 (``moe_files.py`` lists the
-files), and what does not::
+What depends on the layout in a DeepSpeed-MoE checkpoint (``moe_files.py`` lists the files), and what does not::
 
-    mp_rank_XX_model_states.pt            every non-expert weight, the client state          any EP
-    layer_{l}_expert_{e}_mp_rank_XX_...   one per global expert e                            any EP (DeepSpeed picks
-                                                                                              each rank's experts)
-    expp_rank_{r}_mp_rank_XX_optim_states.pt   EP rank r's torch optimizer state:            THIS EP only
-                                          Adam moments and step of every parameter it holds,
-                                          keyed by position in its parameter groups (the
-                                          dense parameters, then for each MoE layer its
-                                          experts r * El .. (r + 1) * El - 1)
+    mp_rank_XX_model_states.pt            every non-expert weight, the client state          any EP / DP
+    layer_{l}_expert_{e}_mp_rank_XX_...   one per global expert e                            any EP / DP (DeepSpeed
+                                                                                              picks each rank's)
+    expp_rank_{r}_mp_rank_XX_optim_...    ZeRO-0: EP rank r's torch optimizer state, keyed   THIS EP only
+                                          by position in its parameter groups (the dense
+                                          parameters, then each MoE layer's experts
+                                          r * El .. (r + 1) * El - 1)
+    zero_pp_rank_{d}_mp_rank_XX_optim_... ZeRO-1/2: DP rank d's flat fp32 partition of each   THIS EP and DP only
+                                          group and its Adam moments; dense groups split
+                                          over the DP group, expert groups over the expert-
+                                          data-parallel group of EP rank d % ep; the file
+                                          names each fragment (``param_slice_mappings``)
 
-So the weights load through DeepSpeed's own ``load_checkpoint`` at any EP size (``load_optimizer_states=False``);
-this module then rebuilds each rank's optimizer state by NAME: the run's parameter groups (global expert ids) give
-the names in the order EP rank r of the saved size listed them (:func:`megatron.layout.experts.expert_order_at`),
-which turns the saved positions into names; each of the run's parameters takes the state saved under its name
-(the dense ones from EP rank 0's file: ZeRO-0 steps every data-parallel rank alike). Nothing is written: the
-source is only read, with restricted unpickling.
+So the weights load through DeepSpeed's own ``load_checkpoint`` at any layout (``load_optimizer_states=False``; the
+ZeRO fp32 partitions then take the loaded weights), and this module rebuilds each rank's optimizer state by NAME
+(global expert ids), reading the source only, with restricted unpickling:
 
-Not converted (refused at start-up by ``rules.py``): ZeRO-1/2 checkpoints, whose expert state lies flattened in
-partitions of the expert-data-parallel groups; bf16/fp16 (DeepSpeed's ZeRO-0 wrappers keep fp32 master groups);
-TP > 1 (without --enable-expert-tensor-parallelism DeepSpeed's expert-parallel groups span the TP ranks, so TP rank
-t's expert files hold other experts than rank 0's: a TP2 x EP2 checkpoint has ``layer_0_expert_2_mp_rank_01`` but
-no ``..._mp_rank_00``); pipelines (other parameter names).
+* ZeRO-0: the run's parameter groups give the names in the order EP rank r of the saved size listed them
+  (:func:`megatron.layout.experts.expert_order_at`), which turns the saved positions into names; each parameter
+  takes the state saved under its name (the dense ones from EP rank 0's file: ZeRO-0 steps every rank alike);
+* ZeRO-1/2: each parameter's fragments, joined in DP-rank order, give its whole Adam moments
+  (:func:`zero_states_by_name`); they are cut into the run's partitions by the fragment addresses DeepSpeed keeps on
+  every parameter (``deepspeed_internals.set_zero_partition_states``).
+
+Not converted (refused at start-up by ``rules.py``): ZeRO-0 <-> ZeRO-1/2 (as for dense checkpoints); bf16/fp16
+(DeepSpeed's optimizers keep fp32 master groups of their own); TP > 1 (without --enable-expert-tensor-parallelism
+DeepSpeed's expert-parallel groups span the TP ranks, so TP rank t's expert files hold other experts than rank 0's:
+a TP2 x EP2 checkpoint has ``layer_0_expert_2_mp_rank_01`` but no ``..._mp_rank_00``); pipelines (other parameter
+names). ZeRO-3 is refused for MoE models at start-up already.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +49,7 @@ import torch.distributed as dist
 from megatron.checkpointing.checksums import verify_checkpoint_files
 from megatron.checkpointing.safe_load import load_weights_only
 from megatron.config import ModelConfig
-from megatron.deepspeed_internals import zero_checkpoint_classes
+from megatron.deepspeed_internals import set_zero_partition_states, zero_checkpoint_classes
 from megatron.launch.exit_codes import ConfigError
 from megatron.layout.experts import expert_id, expert_order_at, to_global_expert
 from megatron.log import global_rank
@@ -154,38 +163,144 @@ def rebuilt_optimizer_state(
     return {"state": state, "param_groups": live["param_groups"]}
 
 
-def load_saved_moe_optimizer(
-    optimizer: torch.optim.Optimizer,
-    module: torch.nn.Module,
-    tag_dir: Path,
-    config: ModelConfig,
-    *,
-    saved_ep: int,
-    run_ep: int,
-    ep_rank: int,
-    mp_rank: int,
-) -> int:
-    """Set ``optimizer``'s state (the run's, EP rank ``ep_rank`` of ``run_ep``) from the ZeRO-0 optimizer files
-    of ``tag_dir`` (saved at ``saved_ep``); returns the parameters given a state.
+@dataclass(frozen=True)
+class MoeConversion:
+    """The layouts of an MoE conversion on load, as this rank sees them."""
+
+    saved_ep: int
+    """--moe-expert-parallel-size of the checkpoint."""
+    saved_dp: int
+    """Its data-parallel size (the ZeRO-1/2 optimizer files are one per DP rank)."""
+    run_ep: int
+    """--moe-expert-parallel-size of the run."""
+    ep_rank: int
+    """This rank's EP rank in the run (its experts: ``ep_rank * El`` ..)."""
+    tp_rank: int = 0
+    """This rank's TP rank (the ``mp_rank_XX`` of the files it reads)."""
+    zero: bool = False
+    """Both sides are ZeRO-1/2 (else both ZeRO-0)."""
+
+
+def zero_optimizer_file(tag_dir: Path, dp_rank: int, mp_rank: int) -> Path:
+    """DeepSpeed's fp32 ZeRO-1/2 optimizer file of DP rank ``dp_rank``."""
+    return tag_dir / f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def read_zero_partitions(tag_dir: Path, saved_dp: int, mp_rank: int) -> list[dict[str, Any]]:
+    """The ZeRO-1/2 optimizer state of every saved DP rank (in DP-rank order), read restricted and mapped.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`read_saved_optimizers`, :func:`saved_states_by_name`,
-            :func:`rebuilt_optimizer_state`.
+        FileNotFoundError: a file is missing.
+        ValueError: a file cannot be read safely or lacks the partitions' names.
     """
-    names_of = {id(p): n for n, p in module.named_parameters()}
+    out = []
+    for d in range(saved_dp):
+        path = zero_optimizer_file(tag_dir, d, mp_rank)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing (MoE checkpoint saved by {saved_dp} data-parallel ranks with ZeRO-1/2); "
+                "copy the whole checkpoint directory."
+            )
+        state = load_weights_only(
+            path,
+            allowed=zero_checkpoint_classes(),
+            mmap=True,
+            kind="DeepSpeed ZeRO optimizer state",
+        )
+        osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+        if not isinstance(osd, dict) or not {"base_optimizer_state", "param_slice_mappings"} <= set(
+            osd
+        ):
+            raise ValueError(
+                f"{path} holds no ZeRO partitions with parameter names (param_slice_mappings); is it a "
+                "checkpoint of DeepSpeed >= 0.10?"
+            )
+        out.append(osd)
+    return out
+
+
+def _group_state(base: Any, g: int) -> Mapping[str, Any]:
+    """Group ``g``'s flat-partition state in a ZeRO file's ``base_optimizer_state`` (a torch state dict, or a list
+    per group with elastic checkpoints)."""
+    if isinstance(base, dict) and "state" in base:
+        return base["state"][base["param_groups"][g]["params"][0]]
+    return base[g]
+
+
+def zero_states_by_name(
+    partitions: Sequence[Mapping[str, Any]], config: ModelConfig, *, saved_ep: int
+) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+    """Every parameter's whole Adam moments (flat, by name with global expert ids) from the ZeRO-1/2 partitions of
+    the saved DP ranks, and the Adam step. Each file names the fragments of its partition
+    (``param_slice_mappings``: offset and length in the flat partition); a parameter's fragments lie in the
+    partitions of consecutive ranks of its group (the DP group; for experts the expert-data-parallel group of EP
+    rank ``d % saved_ep``, whose ranks ``d`` ascend with their partition index), so in DP-rank order they
+    concatenate to the whole parameter."""
+    pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    step = None
+    for d, osd in enumerate(partitions):
+        base = osd["base_optimizer_state"]
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            group = _group_state(base, g)
+            step = group.get("step", step)
+            for local, frag in mapping.items():
+                name = to_global_expert(local, config, ep=saved_ep, ep_rank=d % saved_ep)
+                slot = pieces.setdefault(name, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    flat = group[key].narrow(0, frag.start, frag.numel)  # [partition] -> [fragment]
+                    slot.setdefault(key, []).append((d, flat))
+    full = {
+        name: {
+            key: torch.cat([t for _, t in sorted(frags, key=lambda x: x[0])])
+            for key, frags in slot.items()
+        }
+        for name, slot in pieces.items()
+    }
+    return full, step
+
+
+def _load_zero_partitions(
+    engine: Any, names: Mapping[int, str], tag_dir: Path, config: ModelConfig, conv: MoeConversion
+) -> int:
+    """ZeRO-1/2: the run's partitions from the saved ones, by name (:func:`zero_states_by_name`)."""
+    partitions = read_zero_partitions(tag_dir, conv.saved_dp, conv.tp_rank)
+    by_name, step = zero_states_by_name(partitions, config, saved_ep=conv.saved_ep)
+
+    def state_of(param: torch.nn.Parameter) -> dict[str, torch.Tensor] | None:
+        state = by_name.get(names[id(param)])
+        if state is not None and any(t.numel() != param.numel() for t in state.values()):
+            raise ValueError(
+                f"the checkpoint's Adam state of {names[id(param)]} has {state['exp_avg'].numel()} elements; "
+                f"the run's parameter has {param.numel()}."
+            )
+        return state
+
+    return set_zero_partition_states(engine.optimizer, state_of, step)
+
+
+def load_saved_moe_optimizer(
+    engine: Any, tag_dir: Path, config: ModelConfig, conv: MoeConversion
+) -> int:
+    """Set ``engine``'s optimizer state from the optimizer files of ``tag_dir`` by parameter name: ZeRO-0's per EP
+    rank (:func:`saved_states_by_name`) or ZeRO-1/2's per DP rank (:func:`zero_states_by_name`); returns the
+    parameters given a state.
+
+    Raises:
+        FileNotFoundError / ValueError: a file is missing or unreadable, or does not match the run's parameters.
+    """
+    names_of = {
+        id(p): to_global_expert(n, config, ep=conv.run_ep, ep_rank=conv.ep_rank)
+        for n, p in engine.module.named_parameters()
+    }
+    if conv.zero:
+        return _load_zero_partitions(engine, names_of, tag_dir, config, conv)
+    optimizer = engine.optimizer
     group_params = [list(g["params"]) for g in optimizer.param_groups]
     if any(id(p) not in names_of for params in group_params for p in params):
         raise ValueError("the optimizer holds a parameter the model does not name; cannot convert.")
-    group_names = [
-        [to_global_expert(names_of[id(p)], config, ep=run_ep, ep_rank=ep_rank) for p in params]
-        for params in group_params
-    ]
-    shapes = {
-        n: p.shape
-        for params, names in zip(group_params, group_names, strict=True)
-        for p, n in zip(params, names, strict=True)
-    }
-    saved = read_saved_optimizers(tag_dir, saved_ep, mp_rank)
+    group_names = [[names_of[id(p)] for p in params] for params in group_params]
+    shapes = {names_of[id(p)]: p.shape for params in group_params for p in params}
+    saved = read_saved_optimizers(tag_dir, conv.saved_ep, conv.tp_rank)
     by_name = saved_states_by_name(saved, group_names, config, tag_dir)
     rebuilt = rebuilt_optimizer_state(optimizer.state_dict(), group_names, by_name, shapes)
     optimizer.load_state_dict(rebuilt)
@@ -206,14 +321,13 @@ def load_at_new_expert_parallel_size(
     config: ModelConfig,
     *,
     layouts: tuple[str, str],
-    expert_parallel: tuple[int, int],
-    tp_rank: int,
+    conv: MoeConversion,
     hashes: bool = True,
 ) -> tuple[dict[str, Any], float]:
     """Load the checkpoint tag ``tag_dir`` (an fp32 ZeRO-0 MoE checkpoint of another EP size, ``meta``) into
     ``engine``: rank 0 checks every file against its checksums, every rank loads the weights through DeepSpeed and
-    rebuilds its optimizer state (:func:`load_saved_moe_optimizer`; ``expert_parallel``: the run's EP size and this
-    rank's EP rank; ``tp_rank``: its TP rank); ``layouts``: (saved, run) as the log names them.
+    rebuilds its optimizer state (:func:`load_saved_moe_optimizer`, with ``conv``); ``layouts``: (saved, run) as
+    the log names them.
     Returns (the client state, the seconds taken).
 
     Raises:
@@ -240,24 +354,15 @@ def load_at_new_expert_parallel_size(
     )
     error, count = None, 0
     try:
-        count = load_saved_moe_optimizer(
-            engine.optimizer,
-            engine.module,
-            tag_dir,
-            config,
-            saved_ep=int(meta["moe_expert_parallel_size"]),
-            run_ep=expert_parallel[0],
-            ep_rank=expert_parallel[1],
-            mp_rank=tp_rank,
-        )
+        count = load_saved_moe_optimizer(engine, tag_dir, config, conv)
     except (OSError, ValueError, RuntimeError) as err:
         error = str(err)
     _raise_any(error, what)
     seconds = time.perf_counter() - start
     if global_rank() == 0:
         logger.info(
-            "converted checkpoint %s from %s to %s in %.2f s (optimizer state of %d parameters placed by "
-            "global expert id; source unchanged)",
+            "converted checkpoint %s from %s to %s in %.2f s (optimizer state of %d parameters on rank 0 placed "
+            "by name and global expert id; source unchanged)",
             tag_dir,
             *layouts,
             seconds,

@@ -10,7 +10,8 @@ over the data-parallel ranks, so loading the optimizer state needs them to agree
 Rows marked ``mended_on_load`` (TP / PP size, ZeRO-3 vs 0/1/2 files, how the stage stores the optimizer state, DP
 size, MoE EP size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded
 with its optimizer state into a run that can load a universal checkpoint, is converted on the way in
-(``relayout.py``); an fp32 ZeRO-0 MoE checkpoint at another EP size too (``relayout_moe.py``).
+(``relayout.py``); an fp32 MoE checkpoint at TP = PP = 1 at another EP (or, with ZeRO-1/2, DP) size too
+(``relayout_moe.py``).
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ class ResumeCase:
         reshard = "reshard the weights offline (python -m tools.checkpoint.reshard; fresh optimizer state)."
         if self.saved_ep is not None:
             return (
-                "for an MoE checkpoint only another --moe-expert-parallel-size is converted on load (fp32 ZeRO-0, "
-                f"TP = PP = 1): {reshard}"
+                "an MoE checkpoint is converted on load only in fp32 at TP = PP = 1 (to another EP size, and "
+                f"with ZeRO-1/2 to another DP size): {reshard}"
             )
         if self.saved_stage == 0:
             return (
@@ -243,17 +244,10 @@ def _dp_message(c: ResumeCase) -> str:
 
 def _moe_refusal(c: ResumeCase) -> str:
     """Why an MoE checkpoint at another EP size is not converted on load (:func:`moe_converts_on_load`)."""
-    if c.saved_stage != 0 or c.run_stage != 0:
-        stage = c.saved_stage if c.saved_stage != 0 else c.run_stage
-        return (
-            f"with ZeRO-{stage} DeepSpeed keeps the experts' optimizer state flattened in partitions of the "
-            "expert-data-parallel groups, which Trident does not convert (it converts fp32 ZeRO-0 MoE "
-            "checkpoints on load)"
-        )
     if c.run_precision != "fp32" or c.saved_precision not in (None, "fp32"):
         return (
             "DeepSpeed's bf16/fp16 optimizers keep fp32 master groups by EP rank, which Trident does not "
-            "convert (it converts fp32 ZeRO-0 MoE checkpoints on load)"
+            "convert (it converts fp32 MoE checkpoints on load)"
         )
     if c.run_tp > 1:
         return (
@@ -318,20 +312,20 @@ first: ``weights_only.py`` reads any stage at any DP size."""
 
 
 def moe_converts_on_load(case: ResumeCase) -> bool:
-    """Whether an MoE checkpoint is converted to the run's expert-parallel size on load (``relayout_moe.py``): its
-    optimizer state is loaded at another EP size, both sides are fp32 ZeRO-0 (one torch optimizer state per EP
-    rank, rebuilt by parameter name), at TP = PP = 1 (at TP > 1 DeepSpeed's EP groups span the TP ranks, so each
-    TP rank's expert files hold other experts)."""
-    return (
-        case.saved_ep is not None
-        and case.optimizer_state
-        and case.saved_ep != case.run_ep
-        and case.saved_stage == 0
-        and case.run_stage == 0
-        and case.run_precision == "fp32"
-        and case.saved_precision in (None, "fp32")
-        and (case.saved_tp, case.saved_pp, case.run_tp, case.run_pp) == (1, 1, 1, 1)
-    )
+    """Whether an MoE checkpoint is converted on load (``relayout_moe.py``, by parameter name): its optimizer state
+    is loaded in fp32 at TP = PP = 1 (at TP > 1 DeepSpeed's EP groups span the TP ranks, so each TP rank's expert
+    files hold other experts), and either both sides are ZeRO-0 at another EP size (one torch optimizer state per
+    EP rank) or both are ZeRO-1/2 at another EP or DP size (flat partitions, named by DeepSpeed)."""
+    if case.saved_ep is None or not case.optimizer_state:
+        return False
+    if case.run_precision != "fp32" or case.saved_precision not in (None, "fp32"):
+        return False
+    if (case.saved_tp, case.saved_pp, case.run_tp, case.run_pp) != (1, 1, 1, 1):
+        return False
+    if case.saved_stage == case.run_stage == 0:
+        return case.saved_ep != case.run_ep
+    zero12 = case.saved_stage in (1, 2) and case.run_stage in (1, 2)
+    return zero12 and (case.saved_ep, case.saved_dp) != (case.run_ep, case.run_dp)
 
 
 def converts_on_load(case: ResumeCase | None) -> bool:

@@ -213,10 +213,11 @@ CONVERTS = [
         True,
         "trained in fp32; this run uses bf16",
     ),
+    ({"run_dp": 4, "saved_ep": 2, "run_ep": 2}, True, None),  # MoE, by name: relayout_moe.py
     (
-        {"run_dp": 4, "saved_ep": 2, "run_ep": 2},
+        {"run_tp": 2, "run_dp": 1, "saved_ep": 2, "run_ep": 2},
         False,
-        "MoE checkpoint only another --moe-expert-parallel-size is converted",
+        "MoE checkpoint is converted on load only in fp32 at TP = PP = 1",
     ),
     (
         {"run_tp": 2, "run_dp": 1, "run_precision": "bf16"},

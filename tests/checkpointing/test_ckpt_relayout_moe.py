@@ -135,26 +135,68 @@ def test_optimizer_state_follows_the_experts_by_name(tmp_path: Path) -> None:
         read_saved_optimizers(tmp_path, 2, 0)
 
 
+def test_zero_partitions_join_by_name() -> None:
+    """ZeRO-1/2 files of EP 2 x DP 2: a dense parameter split over both DP ranks' partitions joins in DP-rank
+    order; each rank's (unpartitioned: expert-DP size 1) local expert 0 is global expert 0 or 2."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from megatron.checkpointing.relayout_moe import zero_states_by_name
+
+    dense, x0 = (
+        "language_model.embedding.word_embeddings.weight",
+        EXPERT.format(0, 0, "dense_h_to_4h.weight"),
+    )
+
+    def partition(d: int) -> dict[str, object]:
+        flat = [torch.arange(4.0) + 10 * d, torch.arange(3.0) + 100 * d]  # [dense piece, expert 0]
+        state = {
+            g: {"step": torch.tensor(2.0), "exp_avg": t, "exp_avg_sq": 2 * t}
+            for g, t in enumerate(flat)
+        }
+        groups = [{"params": [g]} for g in range(2)]
+        own = (
+            4 if d == 0 else 2
+        )  # the dense parameter has 6 elements: 4 in rank 0's partition, 2 in rank 1's
+        return {
+            "base_optimizer_state": {"state": state, "param_groups": groups},
+            "param_slice_mappings": [
+                {dense: fragment_address(numel=own, start=0)},
+                {x0: fragment_address(numel=3, start=0)},
+            ],
+        }
+
+    full, step = zero_states_by_name([partition(0), partition(1)], CFG, saved_ep=2)
+    assert sorted(full) == sorted([dense, x0, EXPERT.format(0, 2, "dense_h_to_4h.weight")])
+    assert full[dense]["exp_avg"].tolist() == [0, 1, 2, 3, 10, 11]
+    assert full[dense]["exp_avg_sq"].tolist() == [0, 2, 4, 6, 20, 22]
+    assert full[EXPERT.format(0, 2, "dense_h_to_4h.weight")]["exp_avg"].tolist() == [100, 101, 102]
+    assert float(step) == 2.0
+
+
 _BASE: dict[str, object] = {
     "load_dir": "ck", "tag": "global_step2", "saved_tp": 1, "saved_pp": 1, "saved_dp": 2, "saved_stage": 0,
     "saved_precision": "fp32", "run_tp": 1, "run_pp": 1, "run_dp": 2, "run_stage": 0, "requested_stage": 0,
     "run_precision": "fp32", "weights_only": False, "optimizer_state": True, "saved_ep": 2, "run_ep": 1,
 }  # fmt: skip
 CONVERTS = [
-    # (change from EP 2 -> EP 1 at fp32 ZeRO-0, converted on load?, the error otherwise)
+    # (change from EP 2 x DP 2 -> EP 1 x DP 2 at fp32 ZeRO-0, converted on load?, the error otherwise)
     ({}, True, None),
     ({"run_dp": 1}, True, None),
     ({"saved_ep": 1, "run_ep": 2}, True, None),
     ({"run_ep": 2}, False, None),  # same EP: a regular load
+    ({"run_ep": 2, "run_dp": 4}, False, None),  # ZeRO-0 at another DP: a regular load
     ({"optimizer_state": False}, False, None),  # --no-load-optim: weights by global expert id
+    ({"saved_stage": 1, "run_stage": 1, "requested_stage": 1}, True, None),
+    ({"saved_stage": 1, "run_stage": 2, "requested_stage": 2, "run_dp": 1}, True, None),
     (
-        {"saved_stage": 1, "run_stage": 1, "requested_stage": 1},
-        False,
-        "with ZeRO-1 DeepSpeed keeps",
+        {"saved_stage": 2, "run_stage": 1, "requested_stage": 1, "run_ep": 2, "run_dp": 4},
+        True,
+        None,
     ),
-    ({"run_stage": 1}, False, "ZeRO-0's optimizer state DeepSpeed stores|stores differently"),
+    ({"saved_stage": 1, "run_stage": 1, "requested_stage": 1, "run_ep": 2}, False, None),  # same
+    ({"run_stage": 1}, False, "stores differently"),
     ({"run_precision": "bf16", "saved_precision": "bf16"}, False, "bf16/fp16 optimizers"),
-    ({"run_tp": 2, "run_dp": 1}, False, "only another --moe-expert-parallel-size"),
+    ({"run_tp": 2, "run_dp": 1}, False, "converted on load only in fp32 at TP = PP = 1"),
     (
         {"saved_tp": 2, "run_tp": 2, "saved_dp": 1, "run_dp": 1},
         False,
@@ -289,3 +331,50 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tmp_path: Path) 
     assert parity <= TOL and max(worst.values()) <= TOL, (parity, worst)
     assert fresh > 100 * TOL, fresh  # the optimizer state matters: a wrong one would be seen
     assert "from EP2 TP1 PP1 DP2 ZeRO-0 to EP1 TP1 PP1 DP1 ZeRO-0" in one["ep2 -> ep1"]["log"][0]
+
+
+Z1 = ("--zero-stage", "1", "--create-moe-param-group")
+Z2 = ("--zero-stage", "2", "--create-moe-param-group")
+
+
+def _zero_two_ranks(tmp: str) -> dict[str, object]:
+    """ZeRO-1: EP 2 x DP 2 saving at SAVED_AT, EP 1 x DP 2 from the start; the EP 2 checkpoint resumed at EP 1
+    with ZeRO-1 and with ZeRO-2."""
+    save = ["--save-interval", str(SAVED_AT), "--save", f"{tmp}/z-ep2"]
+    return {
+        "ep2": _run(_argv(2, *Z1, *save)),
+        "ep1": _run(_argv(1, *Z1)),
+        "ep2 -> ep1": _resumed(f"{tmp}/z-ep2", _argv(1, *Z1)),
+        "ep2 -> ep1 zero2": _resumed(f"{tmp}/z-ep2", _argv(1, *Z2)),
+    }
+
+
+def _zero_one_rank(tmp: str) -> dict[str, object]:
+    """ZeRO-1: EP 1 on one rank from the start; the EP 2 x DP 2 checkpoint resumed there."""
+    return {"ep1": _run(_argv(1, *Z1)), "ep2 -> ep1": _resumed(f"{tmp}/z-ep2", _argv(1, *Z1))}
+
+
+@pytest.mark.slow
+def test_zero1_moe_checkpoint_resumes_at_another_expert_and_data_parallel_size(
+    tmp_path: Path,
+) -> None:
+    """ZeRO-1 (--create-moe-param-group): EP 2 x DP 2 -> EP 1 x DP 2 (ZeRO-1 and ZeRO-2) and EP 1 x DP 1: the
+    next losses within 1e-5 of the run trained at the new layout from the start."""
+    two = run_distributed(_zero_two_ranks, 2, str(tmp_path), init_process_group=False, timeout=900)[
+        0
+    ]
+    one = run_distributed(_zero_one_rank, 1, str(tmp_path), init_process_group=False, timeout=900)[
+        0
+    ]
+    parity = max(abs(x - y) for x, y in zip(two["ep2"], one["ep1"], strict=True))
+    worst = {
+        "EP2 DP2 -> EP1 DP1": _worst(one["ep2 -> ep1"], one["ep1"]),
+        "EP2 DP2 -> EP1 DP2": _worst(two["ep2 -> ep1"], two["ep1"]),
+        "EP2 DP2 -> EP1 DP2 ZeRO-2": _worst(two["ep2 -> ep1 zero2"], two["ep1"]),
+    }
+    print(f"ZeRO-1: EP 2 vs EP 1 from the start {parity:.3g}; resumed: {worst}")
+    for result in (one["ep2 -> ep1"], two["ep2 -> ep1"], two["ep2 -> ep1 zero2"]):
+        print(*result["log"], sep="\n")
+        assert result["source_unchanged"], result
+    assert parity <= TOL and max(worst.values()) <= TOL, (parity, worst)
+    assert "from EP2 TP1 PP1 DP2 ZeRO-1 to EP1 TP1 PP1 DP1 ZeRO-1" in one["ep2 -> ep1"]["log"][0]
