@@ -19,8 +19,8 @@ Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration
 
 The start-up checks that make a load safe run before any process group exists: :mod:`megatron.checkpointing.rules`.
 A checkpoint of another TP / PP / DP size or ZeRO stage is converted on the way in where those rules allow it
-(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`), an MoE checkpoint of another expert-parallel
-size too (:mod:`megatron.checkpointing.relayout_moe`).
+(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`), an MoE checkpoint of another expert- or
+ZeRO data-parallel size too (:mod:`megatron.checkpointing.relayout_moe`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class DeepSpeedCheckpointer:
             and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
         tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
         expert_parallel: (--moe-expert-parallel-size, this rank's EP rank). The size is recorded in the meta of an
-            MoE model (``rules.py`` compares it at load); an fp32 ZeRO-0 checkpoint of another size is converted by
+            MoE model (``rules.py`` compares it at load); an fp32 checkpoint of another size is converted by name and
             global expert id (``relayout_moe.py``, which needs the rank).
         record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
             an engine that cannot be routed does; a load then checks their archives only). For measuring what
@@ -484,7 +484,6 @@ class DeepSpeedCheckpointer:
     ) -> dict[str, Any]:
         """Load the MoE checkpoint ``tag`` saved at another expert-parallel or ZeRO data-parallel size
         (``relayout_moe.py``)."""
-
         saved = f"EP{case.saved_ep} " + layout_words(
             tp=case.saved_tp, pp=case.saved_pp, dp=case.saved_dp, stage=case.saved_stage
         )

@@ -107,7 +107,8 @@ def saved_states_by_name(
         groups = opt["param_groups"]
         if len(groups) != len(group_names):
             raise ValueError(
-                f"the optimizer file of EP rank {r} in {where} holds {len(groups)} parameter groups; this run has {len(group_names)} (saved with other optimizer groups, e.g. --create-moe-param-group?)."
+                f"the optimizer file of EP rank {r} in {where} holds {len(groups)} parameter groups; this run "
+                f"has {len(group_names)} (saved with other optimizer groups, e.g. --create-moe-param-group?)."
             )
         for g, (group, names) in enumerate(zip(groups, group_names, strict=True)):
             order = expert_order_at(names, config, ep=ep, ep_rank=r)
