@@ -45,6 +45,10 @@ pipeline ``_INSTRUCTION_MAP``          shadowed per engine instance to time the 
                                        gather through ``mpu.mappings`` (MoE with TP > 1)
 ``utils.groups.mpu``,                  the mpu DeepSpeed's MoE layers read their TP group from, and the
 ``MoE.set_deepspeed_parallelism``      EP/EDP group creation, for a model used without an engine
+ZeRO-1/2 optimizer ``bit16_groups``,   an MoE checkpoint of another EP / DP size: each parameter's Adam
+``single_partition_of_fp32_groups``,   moments written into the run's flat partitions by name
+param ``_hp_mapping`` fragment         (``megatron/checkpointing/relayout_moe.py``)
+addresses, base ``optimizer.state``
 =====================================  =====================================================================
 """
 
@@ -386,3 +390,35 @@ def checkpoint_saves_through(engine: Any, save: Callable[[Any, str, bool], None]
         yield True
     finally:
         del ce.save
+
+
+def set_zero_partition_states(
+    optimizer: Any,
+    state_of: Callable[[torch.nn.Parameter], dict[str, torch.Tensor] | None],
+    step: Any,
+) -> int:
+    """ZeRO-1/2: the base optimizer's state of every flat fp32 partition of ``optimizer`` (a
+    ``DeepSpeedZeroOptimizer``), built from whole per-parameter tensors: ``state_of(param)`` gives e.g.
+    ``{"exp_avg": t, "exp_avg_sq": t}`` shaped like the parameter (None: zeros), ``step`` the Adam step every
+    partition takes. Each parameter's slice of this rank's partition is copied from its ``_hp_mapping`` fragment
+    addresses (where in the parameter, where in the partition). Returns the parameters given a state."""
+    count = 0
+    groups = zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True)
+    for partition, params in groups:
+        buffers: dict[str, torch.Tensor] = {}
+        for param in params:
+            mapping = getattr(param, "_hp_mapping", None)
+            full = state_of(param) if mapping is not None else None
+            if mapping is None or full is None:
+                continue
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            for key, value in full.items():
+                buffer = buffers.setdefault(key, torch.zeros_like(partition))
+                # [numel of the param] -> [this rank's fragment], at its place in the partition
+                piece = value.reshape(-1).narrow(0, lp.start, lp.numel)
+                buffer.narrow(0, hp.start, hp.numel).copy_(piece)
+            count += 1
+        if buffers:
+            s = step.clone() if isinstance(step, torch.Tensor) else step
+            optimizer.optimizer.state[partition] = {"step": s, **buffers}
+    return count

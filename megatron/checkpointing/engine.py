@@ -19,7 +19,8 @@ Client state saved with the engine (``mp_rank_XX_model_states.pt``): ``iteration
 
 The start-up checks that make a load safe run before any process group exists: :mod:`megatron.checkpointing.rules`.
 A checkpoint of another TP / PP / DP size or ZeRO stage is converted on the way in where those rules allow it
-(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`).
+(``rules.converts_on_load``; :mod:`megatron.checkpointing.relayout`), an MoE checkpoint of another expert- or
+ZeRO data-parallel size too (:mod:`megatron.checkpointing.relayout_moe`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from megatron.checkpointing.relayout import (
     remove_relayout_dir,
     saved_param_groups,
 )
+from megatron.checkpointing.relayout_moe import MoeConversion, load_at_new_expert_parallel_size
 from megatron.checkpointing.rng import (
     load_rng_file,
     rng_file_bytes,
@@ -98,8 +100,9 @@ class DeepSpeedCheckpointer:
         tokenizer: the meta's ``"tokenizer"`` record of the run (``meta.tokenizer_record``: the tokenizer flags
             and its encoding fingerprint, checked when a run loads the checkpoint); None without a tokenizer.
         tensor_model_parallel_rank: this rank's TP rank (which shard ``weights_only.py`` reads).
-        expert_parallel_size: --moe-expert-parallel-size, recorded in the meta of an MoE model (``rules.py``
-            refuses to load its optimizer state at another size).
+        expert_parallel: (--moe-expert-parallel-size, this rank's EP rank). The size is recorded in the meta of an
+            MoE model (``rules.py`` compares it at load); an fp32 checkpoint of another size is converted by name and
+            global expert id (``relayout_moe.py``, which needs the rank).
         record_checksums: False saves DeepSpeed's files through its own ``torch.save``, recording no digests (as
             an engine that cannot be routed does; a load then checks their archives only). For measuring what
             the checksums cost (``benchmarks/bench_checkpoint_checksums.py``); runs keep the default.
@@ -115,7 +118,7 @@ class DeepSpeedCheckpointer:
         model: ModelConfig,
         tokenizer: dict[str, str] | None,
         tensor_model_parallel_rank: int,
-        expert_parallel_size: int = 1,
+        expert_parallel: tuple[int, int] = (1, 0),
         record_checksums: bool = True,
         ds_sequence_parallel_size: int = 1,
     ) -> None:
@@ -124,7 +127,7 @@ class DeepSpeedCheckpointer:
         self.plan = plan
         self.tokenizer = tokenizer
         self.tensor_model_parallel_rank = tensor_model_parallel_rank
-        self.expert_parallel_size = expert_parallel_size
+        self.expert_parallel_size, self.expert_parallel_rank = expert_parallel
         self.ds_sequence_parallel_size = ds_sequence_parallel_size
         self.model = dataclasses.replace(model, vocab_size=plan.true_vocab_size)
         self.last_save_seconds: float | None = None
@@ -348,7 +351,10 @@ class DeepSpeedCheckpointer:
             expert_parallel_size=self.expert_parallel_size,
         )
         if converts_on_load(case) and case is not None:
-            client = self._load_converted(engine, meta, tag, case)
+            convert = (
+                self._load_converted_moe if case.saved_ep is not None else self._load_converted
+            )
+            client = convert(engine, meta, tag, case)
         else:
             client = self._load_engine_states(engine, meta, load_dir, tag, finetune)
         if not finetune:  # weights only: iteration 0, the schedule from its start, fresh RNG states
@@ -471,6 +477,37 @@ class DeepSpeedCheckpointer:
             )
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load the converted copy of {load_dir}/{tag}.")
+        return client
+
+    def _load_converted_moe(
+        self, engine: Any, meta: dict[str, Any], tag: str, case: ResumeCase
+    ) -> dict[str, Any]:
+        """Load the MoE checkpoint ``tag`` saved at another expert-parallel or ZeRO data-parallel size
+        (``relayout_moe.py``)."""
+        saved = f"EP{case.saved_ep} " + layout_words(
+            tp=case.saved_tp, pp=case.saved_pp, dp=case.saved_dp, stage=case.saved_stage
+        )
+        run = f"EP{case.run_ep} " + layout_words(
+            tp=case.run_tp, pp=case.run_pp, dp=case.run_dp, stage=case.run_stage
+        )
+        conv = MoeConversion(
+            saved_ep=int(case.saved_ep or 1),
+            saved_dp=case.saved_dp,
+            run_ep=self.expert_parallel_size,
+            ep_rank=self.expert_parallel_rank,
+            tp_rank=self.tensor_model_parallel_rank,
+            zero=case.run_stage > 0,
+        )
+        client, seconds = load_at_new_expert_parallel_size(
+            engine,
+            Path(self.checkpoint.load or "") / tag,
+            meta,
+            self.model,
+            layouts=(saved, run),
+            conv=conv,
+            hashes=self.checkpoint.verify_checkpoint_checksums,
+        )
+        self.last_conversion_seconds = seconds
         return client
 
     def _convert(

@@ -20,9 +20,10 @@ start-up rules made on every rank):
 3. rank 0 removes the folder. Nothing in the source tag is written: the folder is outside it, and a run killed
    mid-conversion leaves a stale folder the next conversion replaces.
 
-MoE checkpoints are not converted (``ds_to_universal`` does not read ``deepspeed.moe`` expert files), nor ZeRO-3
-ones (its ZeRO-3 branch writes flat tensors without the shape and TP metadata DeepSpeed's ZeRO-1/2 loader reads):
-the rules refuse another layout for them with the paths that work.
+MoE checkpoints are not converted here (``ds_to_universal`` does not read ``deepspeed.moe`` expert files; fp32 ones
+at TP = PP = 1 are converted by name in ``relayout_moe.py``), nor ZeRO-3 ones (its ZeRO-3 branch writes flat
+tensors without the shape and TP metadata DeepSpeed's ZeRO-1/2 loader reads): the rules refuse another layout for
+them with the paths that work.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ over the data-parallel ranks, so loading the optimizer state needs them to agree
 (``--finetune``, converted checkpoints) needs only the TP/PP sizes (``weights_only.py`` reads the rest).
 
 Rows marked ``mended_on_load`` (TP / PP size, ZeRO-3 vs 0/1/2 files, how the stage stores the optimizer state, DP
-size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded with its
-optimizer state into a run that can load a universal checkpoint, is converted on the way in (``relayout.py``).
+size, MoE EP size) are not errors where :func:`converts_on_load`: a dense checkpoint saved with ZeRO-1/2, loaded
+with its optimizer state into a run that can load a universal checkpoint, is converted on the way in
+(``relayout.py``); an fp32 MoE checkpoint at TP = PP = 1 at another EP (or, with ZeRO-1/2, DP) size too
+(``relayout_moe.py``).
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ class ResumeCase:
         reshard = "reshard the weights offline (python -m tools.checkpoint.reshard; fresh optimizer state)."
         if self.saved_ep is not None:
             return (
-                "for an MoE checkpoint (DeepSpeed's universal converter does not read its expert files) "
-                f"{reshard}"
+                "an MoE checkpoint is converted on load only in fp32 at TP = PP = 1 (to another EP size, and "
+                f"with ZeRO-1/2 to another DP size): {reshard}"
             )
         if self.saved_stage == 0:
             return (
@@ -240,14 +242,27 @@ def _dp_message(c: ResumeCase) -> str:
     )
 
 
+def _moe_refusal(c: ResumeCase) -> str:
+    """Why an MoE checkpoint at another EP size is not converted on load (:func:`moe_converts_on_load`)."""
+    if c.run_precision != "fp32" or c.saved_precision not in (None, "fp32"):
+        return (
+            "DeepSpeed's bf16/fp16 optimizers keep fp32 master groups by EP rank, which Trident does not "
+            "convert (it converts fp32 MoE checkpoints on load)"
+        )
+    if c.run_tp > 1:
+        return (
+            "at TP > 1 DeepSpeed's expert-parallel groups span the tensor-parallel ranks (each TP rank's files "
+            "hold other experts), which Trident does not convert (it converts at TP = PP = 1)"
+        )
+    return "Trident converts an MoE checkpoint on load only at TP = PP = 1"
+
+
 def _ep_message(c: ResumeCase) -> str:
-    # No on-load conversion of the expert optimizer state exists (yet): the fixes are the saved size, or no state.
     return (
         f"--load {c.load_dir} (tag {c.tag}) was saved with --moe-expert-parallel-size {c.saved_ep}; this run "
-        f"uses {c.run_ep}, and DeepSpeed splits the MoE optimizer state by the expert-parallel groups (it cannot "
-        f"load it at another size). Resume with --moe-expert-parallel-size {c.saved_ep} (on a data-parallel "
-        "size divisible by it), or pass --no-load-optim (same iteration and expert weights, fresh optimizer "
-        "state)."
+        f"uses {c.run_ep}, and {_moe_refusal(c)}. Resume with --moe-expert-parallel-size {c.saved_ep} (on a "
+        "data-parallel size divisible by it), or pass --no-load-optim (same iteration and expert weights, fresh "
+        "optimizer state)."
     )
 
 
@@ -280,29 +295,49 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
         _precision_message,
     ),
     ResumeRule(
+        "MoE expert-parallel size, when the optimizer state is loaded",
+        lambda c: c.optimizer_state and c.saved_ep is not None and c.saved_ep != c.run_ep,
+        _ep_message,
+        mended_on_load=True,
+    ),
+    ResumeRule(
         "data-parallel size, when ZeRO partitioned the loaded state over it",
         lambda c: c.optimizer_state and c.saved_stage >= 1 and c.saved_dp != c.run_dp,
         _dp_message,
         mended_on_load=True,
-    ),
-    ResumeRule(
-        "MoE expert-parallel size, when the optimizer state is loaded",
-        lambda c: c.optimizer_state and c.saved_ep is not None and c.saved_ep != c.run_ep,
-        _ep_message,
     ),
 )
 """Checked in order; the first broken row is the error. A row that loads weights only never breaks a row past the
 first: ``weights_only.py`` reads any stage at any DP size."""
 
 
-def converts_on_load(case: ResumeCase | None) -> bool:
-    """Whether this load converts the checkpoint to the run's layout on the way in (``relayout.py``): a row marked
-    ``mended_on_load`` is broken, the optimizer state is loaded, the checkpoint is dense (no recorded EP size:
-    DeepSpeed's universal converter does not read expert files) and saved with ZeRO-1 or 2 (the converter reads the
-    ZeRO partitions; its ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into (ZeRO >= 1, or bf16; ZeRO-3
-    only at TP 1)."""
-    if case is None or not case.optimizer_state or case.saved_ep is not None:
+def moe_converts_on_load(case: ResumeCase) -> bool:
+    """Whether an MoE checkpoint is converted on load (``relayout_moe.py``, by parameter name): its optimizer state
+    is loaded in fp32 at TP = PP = 1 (at TP > 1 DeepSpeed's EP groups span the TP ranks, so each TP rank's expert
+    files hold other experts), and either both sides are ZeRO-0 at another EP size (one torch optimizer state per
+    EP rank) or both are ZeRO-1/2 at another EP or DP size (flat partitions, named by DeepSpeed)."""
+    if case.saved_ep is None or not case.optimizer_state:
         return False
+    if case.run_precision != "fp32" or case.saved_precision not in (None, "fp32"):
+        return False
+    if (case.saved_tp, case.saved_pp, case.run_tp, case.run_pp) != (1, 1, 1, 1):
+        return False
+    if case.saved_stage == case.run_stage == 0:
+        return case.saved_ep != case.run_ep
+    zero12 = case.saved_stage in (1, 2) and case.run_stage in (1, 2)
+    return zero12 and (case.saved_ep, case.saved_dp) != (case.run_ep, case.run_dp)
+
+
+def converts_on_load(case: ResumeCase | None) -> bool:
+    """Whether this load converts the checkpoint to the run's layout on the way in: an MoE checkpoint where
+    :func:`moe_converts_on_load`; a dense one (``relayout.py``) where a row marked ``mended_on_load`` is broken,
+    the optimizer state is loaded, it was saved with ZeRO-1 or 2 (the converter reads the ZeRO partitions; its
+    ZeRO-3 output lacks the shapes a load needs), and the run has partitions to load a universal checkpoint into
+    (ZeRO >= 1, or bf16; ZeRO-3 only at TP 1)."""
+    if case is None or not case.optimizer_state:
+        return False
+    if case.saved_ep is not None:
+        return moe_converts_on_load(case)
     if case.saved_stage not in (1, 2) or (case.run_stage < 1 and case.run_precision != "bf16"):
         return False  # ZeRO-3 sources: the universal converter writes flat tensors (relayout.py)
     if case.run_stage == 3 and case.run_tp > 1:

@@ -158,3 +158,51 @@ def moe_partition(config: ModelConfig, *, expert_tensor_parallel: bool) -> Parti
         return tp_partition(key, config)
 
     return rule
+
+
+def _expert_layer(key: str) -> int | None:
+    """The layer of an expert parameter (None: not an expert parameter)."""
+    m = _LAYER_RE.match(key)
+    return int(m.group(1)) if m and expert_id(key) is not None else None
+
+
+def to_global_expert(key: str, config: ModelConfig, *, ep: int, ep_rank: int) -> str:
+    """``key`` of a model on EP rank ``ep_rank`` (of ``ep``) with its expert index made global (``ep_rank * El +
+    j``); non-expert keys unchanged."""
+    e = expert_id(key)
+    if e is None:
+        return key
+    return with_expert_id(key, ep_rank * (_experts_of_layer(key, config) // ep) + e)
+
+
+def expert_order_at(
+    names: Sequence[str], config: ModelConfig, *, ep: int, ep_rank: int
+) -> list[str]:
+    """``names`` (one optimizer group's parameters in order, global expert ids, as the model at some EP size lists
+    them) as the same group lists them on EP rank ``ep_rank`` of size ``ep``: every run of one layer's expert
+    parameters becomes that rank's experts (global ids ``ep_rank * El`` .. ``(ep_rank + 1) * El - 1``), each with
+    the parameters of the run's first expert in their order. A group lists a layer's experts one after the other
+    (``named_parameters`` order of DeepSpeed's ``deepspeed_experts`` list), so the runs are whole. E.g. E = 4::
+
+        ep 1:   a  x.0.w1 x.0.w2 x.1.w1 x.1.w2 x.2.w1 x.2.w2 x.3.w1 x.3.w2  b
+        ep 2, rank 1:   a  x.2.w1 x.2.w2 x.3.w1 x.3.w2  b
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(names):
+        first = expert_id(names[i])
+        if first is None:
+            out.append(names[i])
+            i += 1
+            continue
+        local = (
+            _experts_of_layer(names[i], config) // ep
+        )  # (a ValueError for a key outside the layers)
+        end = i
+        while end < len(names) and _expert_layer(names[end]) == _expert_layer(names[i]):
+            end += 1
+        pattern = [n for n in names[i:end] if expert_id(n) == first]
+        for g in range(ep_rank * local, (ep_rank + 1) * local):
+            out.extend(with_expert_id(n, g) for n in pattern)
+        i = end
+    return out

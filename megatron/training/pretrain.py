@@ -43,6 +43,7 @@ from megatron.launch.peers import (
 )
 from megatron.launch.supervisor import last_logged_iteration
 from megatron.log import global_rank
+from megatron.mpu.expert_parallel import expert_parallel_rank
 from megatron.mpu.mappings import all_gather_object
 from megatron.planning.flops import Throughput, detect_peak_tflops, flops_per_token
 from megatron.planning.memory_plan import MemoryPlan, format_plan, plan_memory
@@ -185,7 +186,17 @@ def build_checkpointer(
         model=cfg.model,
         tokenizer=tokenizer_record(cfg.data, pre.tokenizer_fingerprint),
         tensor_model_parallel_rank=run.state.get_tensor_model_parallel_rank(),
-        expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+        expert_parallel=(
+            cfg.parallel.moe_expert_parallel_size,
+            expert_parallel_rank(
+                run.state.rank,
+                world_size=pre.plan.world_size,
+                tensor_model_parallel_size=pre.plan.tensor_model_parallel_size,
+                pipeline_model_parallel_size=pre.plan.pipeline_model_parallel_size,
+                expert_parallel_size=cfg.parallel.moe_expert_parallel_size,
+                expert_tensor_parallel=cfg.parallel.enable_expert_tensor_parallelism,
+            ),
+        ),
         record_checksums=record_checksums,
         ds_sequence_parallel_size=cfg.parallel.ds_sequence_parallel_size,
     )

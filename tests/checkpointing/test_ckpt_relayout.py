@@ -213,7 +213,12 @@ CONVERTS = [
         True,
         "trained in fp32; this run uses bf16",
     ),
-    ({"run_dp": 4, "saved_ep": 2, "run_ep": 2}, False, "MoE checkpoint .* universal converter"),
+    ({"run_dp": 4, "saved_ep": 2, "run_ep": 2}, True, None),  # MoE, by name: relayout_moe.py
+    (
+        {"run_tp": 2, "run_dp": 1, "saved_ep": 2, "run_ep": 2},
+        False,
+        "MoE checkpoint is converted on load only in fp32 at TP = PP = 1",
+    ),
     (
         {"run_tp": 2, "run_dp": 1, "run_precision": "bf16"},
         True,

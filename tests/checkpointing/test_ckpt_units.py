@@ -353,17 +353,17 @@ RESUME_ROWS = [
         _NO_OPTIM,
         r"trained in fp32; this run uses bf16, .* Pass neither --bf16 nor --fp16 as before, or --no-load-optim",
     ),
-    (  # not converted on load: an MoE checkpoint
-        {"run_dp": 4, "saved_ep": 1},
-        _NO_OPTIM,
-        r"saved by 2 data-parallel ranks with ZeRO-1, whose optimizer state are partitioned over them; this "
-        r"run has 4\. Launch 2 processes, pass --no-load-optim",
-    ),
-    (
-        {"saved_ep": 2},
+    (  # not converted on load: a bf16 MoE checkpoint
+        {"saved_ep": 2, "saved_precision": "bf16", "run_precision": "bf16"},
         _NO_OPTIM,
         r"saved with --moe-expert-parallel-size 2; this run uses 1, .* Resume with "
         r"--moe-expert-parallel-size 2 \(on a data-parallel size divisible by it\), or pass --no-load-optim",
+    ),
+    (  # not converted on load: a bf16 MoE checkpoint
+        {"run_dp": 4, "saved_ep": 1, "saved_precision": "bf16", "run_precision": "bf16"},
+        _NO_OPTIM,
+        r"saved by 2 data-parallel ranks with ZeRO-1, whose optimizer state are partitioned over them; this "
+        r"run has 4\. Launch 2 processes, pass --no-load-optim",
     ),
 ]
 

@@ -214,17 +214,19 @@ MOE = [
 
 @pytest.mark.slow  # ~25 s: an EP 2 checkpoint needs two ranks
 def test_moe_checkpoint_resumed_at_another_expert_parallel_size(tmp_path: Path) -> None:
-    """Saved at EP 2 (two ranks), resumed at EP 1: one line naming both sizes and the fix, exit 2, before DeepSpeed
-    loads anything (old: a DeepSpeed/torch optimizer traceback, exit 1); --no-load-optim resumes."""
+    """Saved at EP 2 (two ranks) in bf16 with ZeRO-1, resumed at EP 1: one line naming both sizes, why it is not
+    converted and the fix, exit 2, before DeepSpeed loads anything (old: a DeepSpeed/torch optimizer traceback,
+    exit 1); --no-load-optim resumes. (fp32 checkpoints are converted on load: test_ckpt_relayout_moe.py.)"""
     ck = tmp_path / "ckpt"
+    zero1 = ["--bf16", "--zero-stage", "1", "--create-moe-param-group"]
     subprocess.run(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py",
-         *MOE, "--moe-expert-parallel-size", "2", "--train-iters", "2", "--save", str(ck)],
+         *MOE, *zero1, "--moe-expert-parallel-size", "2", "--train-iters", "2", "--save", str(ck)],
         cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=180,
     )  # fmt: skip
     before = (ck / "latest").read_text()
     proc = subprocess.run(
-        [PY, "pretrain_gpt.py", *MOE, "--moe-expert-parallel-size", "1", "--train-iters", "3",
+        [PY, "pretrain_gpt.py", *MOE, *zero1, "--moe-expert-parallel-size", "1", "--train-iters", "3",
          "--load", str(ck), "--save", str(ck)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -235,10 +237,11 @@ def test_moe_checkpoint_resumed_at_another_expert_parallel_size(tmp_path: Path) 
         f"error: --load {ck} (tag global_step2) was saved with --moe-expert-parallel-size 2; this run uses 1"
         in out
     )
+    assert "DeepSpeed's bf16/fp16 optimizers keep fp32 master groups by EP rank" in out
     assert "Resume with --moe-expert-parallel-size 2" in out and "--no-load-optim" in out
     assert (ck / "latest").read_text() == before
     ok = subprocess.run(
-        [PY, "pretrain_gpt.py", *MOE, "--moe-expert-parallel-size", "1", "--train-iters", "3",
+        [PY, "pretrain_gpt.py", *MOE, *zero1, "--moe-expert-parallel-size", "1", "--train-iters", "3",
          "--load", str(ck), "--save", str(ck), "--no-load-optim"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
