@@ -243,7 +243,7 @@ class ParallelAttention(nn.Module):
             (self.dense, "dense", "dense"),
         ):
             name = layer_param_name(layer_number, f"self_attention.{local}")
-            maybe_add_lora(linear, config.lora, target, name=name, seed=parallel.seed)
+            maybe_add_lora(linear, config.lora, target, name=name, parallel=parallel)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = (_qk_norm(config, parallel) for _ in range(2))

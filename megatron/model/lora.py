@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from megatron.config.lora import LoraConfig
+from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,7 +33,6 @@ from megatron.mpu.layers import (
     shard_master_weight,
 )
 from megatron.mpu.lora import LoraSpec
-from megatron.mpu.parallel_state import group_rank, group_world_size
 from megatron.mpu.random import param_seed
 
 LORA_PARAMETER_SUFFIXES = (".lora_a", ".lora_b")
@@ -57,7 +57,7 @@ def add_lora(
     lora: LoraConfig,
     *,
     name: str,
-    seed: int,
+    parallel: ParallelContext,
 ) -> None:
     """Give ``linear`` its adapter: registers ``lora_a`` and ``lora_b`` and sets ``linear.lora``.
 
@@ -65,11 +65,12 @@ def add_lora(
         linear: a TP linear of the model (its group, stride, dtype and device are the adapter's).
         lora: ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``.
         name: the linear's global Megatron name (``language_model.encoder.layers.0.self_attention.dense``).
-        seed: the run seed (``lora_a`` is drawn from ``param_seed(seed, name + ".lora_a")``).
+        parallel: the model's context: the TP rank and size (those ``linear`` was built with) and the seed
+            (``lora_a`` is drawn from ``param_seed(parallel.seed, name + ".lora_a")``).
     """
-    r, world, rank = lora.lora_rank, group_world_size(linear.group), group_rank(linear.group)
+    r, world, rank = lora.lora_rank, parallel.tp_size, parallel.tp_rank
     dtype, device = linear.weight.dtype, linear.weight.device
-    full_a = full_lora_a(seed, f"{name}.lora_a", r, linear.input_size)  # [r, h]
+    full_a = full_lora_a(parallel.seed, f"{name}.lora_a", r, linear.input_size)  # [r, h]
     if isinstance(linear, ColumnParallelLinear):
         a, a_layout = full_a, (False, -1, 1)
         b_rows, b_layout = linear.output_size_per_partition, (True, 0, linear.stride)
@@ -92,11 +93,11 @@ def maybe_add_lora(
     target: str,
     *,
     name: str,
-    seed: int,
+    parallel: ParallelContext,
 ) -> None:
     """:func:`add_lora` when ``target`` (``qkv``, ``dense``, ``fc1``, ``fc2``) is one of ``--lora-target-modules``."""
     if lora.targets(target):
-        add_lora(linear, lora, name=name, seed=seed)
+        add_lora(linear, lora, name=name, parallel=parallel)
 
 
 def freeze_base(model: nn.Module) -> tuple[int, int]:

@@ -94,7 +94,7 @@ class ParallelMLP(nn.Module):
                 (self.dense_4h_to_h, "fc2", "dense_4h_to_h"),
             ):
                 full_name = layer_param_name(layer_number, f"mlp.{local}")
-                maybe_add_lora(linear, config.lora, target, name=full_name, seed=parallel.seed)
+                maybe_add_lora(linear, config.lora, target, name=full_name, parallel=parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s(/p), b, h] -> (output [s(/p), b, h], bias [h] or None)``."""
