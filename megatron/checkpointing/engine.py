@@ -359,8 +359,10 @@ class DeepSpeedCheckpointer:
             ds_sequence_parallel_size=self.ds_sequence_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
         )
-        if converts_on_load(case) and case is not None and self.lora:
-            raise ValueError(
+        if (
+            converts_on_load(case) and case is not None and self.lora
+        ):  # preflight refused it already
+            raise ConfigError(
                 f"--load {load_dir} (tag {tag}): an adapter checkpoint resumes at the layout it was saved at "
                 "(TP, PP, DP, ZeRO stage); run at that layout, or export the merged model and start anew."
             )

@@ -23,7 +23,7 @@ from megatron.checkpointing.meta import model_mismatches, read_meta
 from megatron.checkpointing.pointers import find_checkpoint, find_tag
 from megatron.checkpointing.readers import Progress, no_progress, read_checkpoint_weights
 from megatron.checkpointing.stage_reader import read_stage_weights
-from megatron.config import CheckpointConfig, ModelConfig
+from megatron.config import CheckpointConfig, ModelConfig, RunPlan
 from megatron.layout.names import pipe_to_megatron_name
 from megatron.layout.pipeline import split_layers_for_pp
 from megatron.model.lora import is_lora_parameter
@@ -111,9 +111,29 @@ def _checked_base(base_dir: str, model: ModelConfig) -> tuple[str, dict[str, Any
     return tag, meta
 
 
-def check_lora_start(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+_SAME_LAYOUT = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("world_size", "world size"),
+    ("zero_stage", "--zero-stage"),
+)
+"""What an adapter checkpoint must be resumed at: the layout it was saved at (no relayout of adapter-only files)."""
+
+
+def _check_same_layout(meta: dict[str, Any], plan: RunPlan, where: str) -> None:
+    for key, words in _SAME_LAYOUT:
+        saved, run = meta.get(key), getattr(plan, key)
+        if saved is not None and int(saved) != int(run):
+            raise ValueError(
+                f"{where} was saved at {words} {saved}, this run has {run}: an adapter checkpoint resumes at the "
+                "layout it was saved at; run at that layout (or export the merged model and start anew)."
+            )
+
+
+def check_lora_start(checkpoint: CheckpointConfig, model: ModelConfig, plan: RunPlan) -> None:
     """Preflight of a LoRA run (before any process group, identical on every rank): the base checkpoint exists
-    and has the model's shape; a checkpoint in --load is an adapter checkpoint of the same LoRA settings and base.
+    and has the model's shape; a checkpoint in --load is an adapter checkpoint of the same LoRA settings and base,
+    saved at this run's layout (``plan``).
 
     Raises:
         FileNotFoundError / ValueError: one line naming the flag, the directory and the fix.
@@ -128,7 +148,9 @@ def check_lora_start(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
     if load_tag is not None:
         base = lora_base_record(base_dir, tag, int(meta.get("iteration", 0)))
         where = f"--load {checkpoint.load} (tag {load_tag})"
-        check_adapter_resume(read_meta(checkpoint.load, load_tag), model, base, where)
+        load_meta = read_meta(checkpoint.load, load_tag)
+        check_adapter_resume(load_meta, model, base, where)
+        _check_same_layout(load_meta, plan, where)
 
 
 def load_lora_base(
@@ -166,10 +188,11 @@ def load_lora_base(
         pre_process=pp[1] == 0,
         post_process=pp[1] == pp[0] - 1,
     )
-    pipe = pp[0] > 1
     for name, param in module.named_parameters():
         if is_lora_parameter(name):
             continue
+        # GPTModel's names are Megatron's; GPTModelPipe's ("3.self_attention...", "tied_modules...") are mapped
+        pipe = not name.startswith("language_model.")
         key = pipe_to_megatron_name(name, model.num_layers) if pipe else name
         value = weights.get(key)
         if value is None or tuple(value.shape) != tuple(param.shape):

@@ -104,9 +104,8 @@ def preflight(cfg: TridentConfig) -> Preflight:
         cfg, plan, tokenizer_fingerprint=fingerprint, background_hashes=True
     )
     if cfg.model.lora.enabled:  # the base checkpoint, and --load holds adapters of this base
-        check_lora_start(
-            cfg.checkpoint, dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
-        )
+        model = dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
+        check_lora_start(cfg.checkpoint, model, plan)
     return Preflight(
         cfg=cfg,
         plan=plan,

@@ -1,10 +1,11 @@
 """LoRA adapters on the TP linears (``megatron/model/lora.py``, ``megatron/mpu/lora.py``) and their flags.
 
-Single process: no key and no change with --lora-rank 0; a fresh adapter (B = 0) leaves the output unchanged; with
-B != 0 the model equals the base model with merged weights ``W + alpha/r B A`` (the full layout loraexport writes);
-the TP name patterns agree with the adapters' TP attributes; the base freezes. TP = 2 (gloo, one spawn): the
-gathered adapters equal the TP = 1 ones (layout-invariant init), and the loss and every gathered adapter gradient
-match TP = 1, with and without sequence parallelism, for a GPT-2- and a LLaMA-style (SwiGLU, GQA) model.
+Single process (default): no key and no change with --lora-rank 0; a fresh adapter (B = 0) leaves the output
+unchanged; with B != 0 the model equals the base model with merged weights ``W + alpha/r B A`` (the full layout
+loraexport writes); the TP name patterns agree with the adapters' TP attributes; the base freezes. Slow, TP = 2
+(gloo, one spawn): the gathered adapters equal the TP = 1 ones (layout-invariant init), and the loss and every
+gathered adapter gradient match TP = 1, with and without sequence parallelism, for a GPT-2- and a LLaMA-style
+(SwiGLU, GQA) model.
 """
 
 from __future__ import annotations
@@ -249,9 +250,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize(
-    "key", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
-)  # LLaMA: SwiGLU (stride 2), GQA, no biases; GPT-2: biases, GeLU
+@pytest.mark.slow  # the default suite trains LoRA at TP 2 + SP (tests/training/test_lora_train.py)
+@pytest.mark.parametrize("key", ["llama", "gpt2"])  # LLaMA: SwiGLU (stride 2), GQA; GPT-2: biases
 def test_lora_tensor_parallel_matches_single_process(key: str) -> None:
     results = run_distributed(_tp_worker, 2, [key], timeout=180)[0]
     ids, pos, mask = _batch()

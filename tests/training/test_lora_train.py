@@ -82,41 +82,71 @@ def test_lora_trains_saves_adapters_and_resumes_exactly(tmp_path: Path) -> None:
 
     base = str(tmp_path / "base")
     lora = [*LORA, "--zero-stage", "1", "--pretrained-checkpoint", base, "--save-interval", "2"]
-    first = _argv(4, *lora, "--save", str(tmp_path / "a"))
+    lora += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     a = str(tmp_path / "a")
+    first = _argv(4, *lora, "--save", a)
     resumed = _argv(
         4, *lora, "--load", a, "--load-tag", "global_step2", "--save", str(tmp_path / "b")
     )
-    _, full, rest = run_distributed(
-        _train_many, 1, [_base(tmp_path), first, resumed], init_process_group=False, timeout=600
-    )[0]
+    per_rank = run_distributed(
+        _train_many, 2, [_base(tmp_path), first, resumed], init_process_group=False, timeout=600
+    )
+    _, full, rest = per_rank[0]
+    assert per_rank[1] == per_rank[0]
     assert len(full) == 4 and rest == full[2:], (full, rest)  # resume is exact
     tag_dir = tmp_path / "a" / "global_step4"
-    module = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    assert module and all(k.endswith((".lora_a", ".lora_b")) for k in module), sorted(module)
-    assert len(module) == 2 * 4 * 2
+    stored = 0  # adapter numbers over both TP ranks (replicated halves counted twice)
+    for tp_rank in range(2):
+        name = f"mp_rank_{tp_rank:02d}_model_states.pt"
+        shard = torch.load(tag_dir / name, weights_only=False)["module"]
+        assert shard and all(k.endswith((".lora_a", ".lora_b")) for k in shard), sorted(shard)
+        assert len(shard) == 2 * 4 * 2
+        stored += sum(v.numel() for v in shard.values())
     meta = json.loads((tag_dir / "trident_meta.json").read_text())
     assert meta["lora_base"]["dir"] == str(Path(base).resolve())
     assert meta["lora_base"]["tag"] == "global_step2" and meta["lora_base"]["iteration"] == 2
     assert meta["model"]["lora"]["lora_rank"] == 4 and meta["model"]["lora"]["lora_alpha"] == 8.0
-    adapters, base_sd, cfg, _ = read_lora_checkpoint(tmp_path / "a")
-    assert cfg.lora.scaling == 2.0 and set(adapters) == set(module)
-    assert all(
-        adapters[k].any() for k in adapters if k.endswith("lora_b")
-    )  # B moved from its zero start
-    assert all(torch.equal(adapters[k], module[k].float()) for k in module)
+    adapters, base_sd, cfg, _ = read_lora_checkpoint(a)
+    assert cfg.lora.scaling == 2.0 and set(adapters) == set(shard)
+    assert all(adapters[k].any() for k in adapters if k.endswith("lora_b")), "B did not train"
+    qkv_a = "language_model.encoder.layers.0.self_attention.query_key_value.lora_a"
+    assert adapters[qkv_a].shape == (4, 64)  # full (TP-merged) shapes
+    assert adapters[qkv_a.replace("lora_a", "lora_b")].shape == (192, 4)
+    assert adapters["language_model.encoder.layers.1.mlp.dense_4h_to_h.lora_a"].shape == (4, 256)
     want, _, _ = read_checkpoint_weights(base)
     assert set(base_sd) == set(want) and all(torch.equal(base_sd[k], want[k]) for k in want)
-    # the optimizer holds the adapters only: ZeRO's fp32 partitions + two Adam moments of 16 x 4 x 64 numbers
-    adapter_numel = sum(v.numel() for v in module.values())
-    lora_bytes, base_bytes = (
-        _optimizer_bytes(tag_dir),
-        _optimizer_bytes(Path(base) / "global_step2"),
-    )
-    print(
-        f"optimizer-state bytes: full {base_bytes}, LoRA {lora_bytes} ({adapter_numel} adapter numbers)"
-    )
-    assert lora_bytes < 3 * 4 * adapter_numel + 4096 < base_bytes // 10
+    # the optimizer holds the adapters only: per stored adapter number ZeRO's fp32 copy + two Adam moments
+    lora_bytes = _optimizer_bytes(tag_dir)
+    base_bytes = _optimizer_bytes(Path(base) / "global_step2")
+    print(f"optimizer-state bytes: full {base_bytes}, LoRA {lora_bytes} ({stored} adapter numbers)")
+    assert 3 * 4 * stored <= lora_bytes < 3 * 4 * stored + 4096 < base_bytes // 10
+    _check_refused_resumes(tmp_path, lora)
+
+
+def _check_refused_resumes(tmp_path: Path, lora: list[str]) -> None:
+    """Preflight refuses resuming the adapters at another layout, with other LoRA settings or another base."""
+    import dataclasses
+    import shutil
+
+    from megatron.checkpointing.lora import check_lora_start
+    from megatron.config import RunPlan, parse_args
+
+    def check(*extra: str, world: int = 2) -> None:
+        cfg = parse_args(_argv(6, *lora, "--load", str(tmp_path / "a"), *extra))
+        plan = RunPlan.build(cfg, world_size=world, device_type="cpu", true_vocab=300)
+        check_lora_start(cfg.checkpoint, dataclasses.replace(cfg.model, vocab_size=300), plan)
+
+    check()  # the run that saved it may resume
+    with pytest.raises(ValueError, match="saved at --tensor-model-parallel-size 2, this run has 1"):
+        check("--tensor-model-parallel-size", "1")
+    with pytest.raises(ValueError, match="holds adapters with LoraConfig"):
+        check("--lora-rank", "8")
+    with pytest.raises(ValueError, match="the base model differs from the flags in num_layers"):
+        check("--num-layers", "4")
+    other = tmp_path / "other-base"
+    shutil.copytree(tmp_path / "base", other)
+    with pytest.raises(ValueError, match="was trained on the base"):
+        check("--pretrained-checkpoint", str(other))
 
 
 def test_lora_bad_starts_are_one_line(tmp_path: Path) -> None:
