@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron.config.lora import LoraConfig
 from megatron.config.moe import MoEConfig
 
 
@@ -132,6 +133,8 @@ class ModelConfig:
     TP size (off: each TP shard is drawn on its own, faster)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-Experts layers (DeepSpeed-MoE); its fields are flags of their own (see ``MoEConfig``)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters for fine-tuning; its fields are flags of their own (see ``LoraConfig``)."""
 
     def __post_init__(self) -> None:
         moe: Any = self.moe
@@ -139,6 +142,8 @@ class ModelConfig:
         if isinstance(moe, dict):
             moe = {**moe, "num_experts": tuple(moe.get("num_experts", (1,)))}
             object.__setattr__(self, "moe", MoEConfig(**moe))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         if self.window_size is not None and not isinstance(self.window_size, tuple):
             # JSON (checkpoint meta) gives a list
             object.__setattr__(self, "window_size", tuple(self.window_size))

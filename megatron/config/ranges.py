@@ -91,6 +91,9 @@ BOUNDS: tuple[Bound, ...] = (
     ),
     Bound("--init-method-std", "model.init_method_std", POSITIVE, "e.g. 0.02"),
     Bound("--moe-loss-coeff", "model.moe.moe_loss_coeff", NON_NEGATIVE, "0 turns the loss off"),
+    Bound("--lora-rank", "model.lora.lora_rank", NON_NEGATIVE, "0 turns LoRA off"),
+    Bound("--lora-alpha", "model.lora.lora_alpha", POSITIVE, "e.g. 32 (scaling = alpha / rank)"),
+    Bound("--lora-dropout", "model.lora.lora_dropout", UNIT_OPEN, "0 turns it off"),
     Bound("--seed", "training.seed", SEED),
     Bound(
         "--context-parallel-size",

@@ -11,6 +11,7 @@ from megatron.config.batch_rampup import check_rampup
 from megatron.config.context_parallel import check_context_parallel
 from megatron.config.features import check_model_features
 from megatron.config.logging_config import check_logging
+from megatron.config.lora import check_lora
 from megatron.config.moe_rules import check_moe
 from megatron.config.plan import global_batch_size
 from megatron.config.ranges import check_ranges, check_run_length
@@ -329,6 +330,7 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     check_ulysses(cfg, world_size)
     check_context_parallel(cfg, world_size)
     check_moe(cfg, world_size)
+    check_lora(cfg)
     _check_batch(cfg, world_size)
     check_run_length(cfg, global_batch_size(cfg, world_size))
     check_rampup(cfg, world_size)

@@ -11,6 +11,9 @@ Which dimension each Megatron parameter is split on (``p`` = TP size, ``r`` = TP
     mlp.dense_4h_to_h.weight                      [h, ffn]          dim 1 (row-parallel)
     norms (q_layernorm, k_layernorm too), row-parallel biases,
     position_embeddings                                             replicated
+    LoRA (--lora-rank): <column linear>.lora_b    [o, r]            dim 0, the linear's stride
+                        <row linear>.lora_a       [r, h]            dim 1
+                        <column linear>.lora_a, <row linear>.lora_b replicated
 
 ``merge_tp_shards(shard_state_dict(x, p, r) for r in range(p)) == x`` exactly (no arithmetic, only slicing).
 
@@ -31,7 +34,11 @@ from megatron.config.model import ModelConfig
 from megatron.config.rules import check_tensor_parallel_split
 from megatron.layout.vocab import is_vocab_rows
 
-ROW_PARALLEL_PATTERNS = [r".*self_attention\.dense\.weight$", r".*mlp\.dense_4h_to_h\.weight$"]
+ROW_PARALLEL_PATTERNS = [
+    r".*self_attention\.dense\.weight$",
+    r".*mlp\.dense_4h_to_h\.weight$",
+    r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.lora_a$",
+]
 """Split on dim 1 (the input features)."""
 VOCABULARY_PATTERNS = [
     r".*word_embeddings\.weight$",
@@ -40,12 +47,12 @@ VOCABULARY_PATTERNS = [
 ]
 """Split on dim 0, rows = the (padded) vocabulary."""
 COLUMN_PARALLEL_PATTERNS = [
-    r".*self_attention\.query_key_value\.(weight|bias)$",
-    r".*mlp\.dense_h_to_4h\.(weight|bias)$",
+    r".*self_attention\.query_key_value\.(weight|bias|lora_b)$",
+    r".*mlp\.dense_h_to_4h\.(weight|bias|lora_b)$",
     *VOCABULARY_PATTERNS,
 ]
 """Split on dim 0 (the output features)."""
-SWIGLU_PATTERNS = [r".*mlp\.dense_h_to_4h\.(weight|bias)$"]
+SWIGLU_PATTERNS = [r".*mlp\.dense_h_to_4h\.(weight|bias|lora_b)$"]
 """With --swiglu: two sub-parameters [gate; up] concatenated on dim 0 (partition stride 2)."""
 PIPELINE_REPLICATED_PATTERNS = [r"tied_modules\.embed\.word_embeddings\.weight$"]
 """Held by the first and the last pipeline stage (the tied word embeddings)."""
@@ -58,6 +65,8 @@ def tp_replicated_patterns(num_layers: int) -> list[str]:
         r".*(input_layernorm|post_attention_layernorm|final_layernorm)\.(weight|bias)$",
         r".*self_attention\.(q_layernorm|k_layernorm)\.(weight|bias)$",
         r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.bias$",
+        r".*(self_attention\.query_key_value|mlp\.dense_h_to_4h)\.lora_a$",
+        r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.lora_b$",
         rf"{num_layers + 2}\.(weight|bias)$",
     ]
 

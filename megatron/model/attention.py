@@ -44,6 +44,7 @@ from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
 from megatron.model.context_parallel import context_attention
 from megatron.model.inference import InferenceParams
+from megatron.model.lora import maybe_add_lora
 from megatron.model.norms import norm_class
 from megatron.model.rotary import apply_rotary_pos_emb
 from megatron.model.token_layout import PackedDocuments
@@ -237,6 +238,12 @@ class ParallelAttention(nn.Module):
             skip_bias_add=True,
             tp=parallel.tp_settings,
         )
+        for linear, target, local in (
+            (self.query_key_value, "qkv", "query_key_value"),
+            (self.dense, "dense", "dense"),
+        ):
+            name = layer_param_name(layer_number, f"self_attention.{local}")
+            maybe_add_lora(linear, config.lora, target, name=name, parallel=parallel)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = (_qk_norm(config, parallel) for _ in range(2))

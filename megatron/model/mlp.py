@@ -22,6 +22,7 @@ from torch import nn
 from megatron import fused_kernels
 from megatron.config import ModelConfig
 from megatron.layout.names import layer_param_name
+from megatron.model.lora import maybe_add_lora
 from megatron.model.utils import init_seed
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import (
@@ -87,6 +88,13 @@ class ParallelMLP(nn.Module):
             skip_bias_add=True,
             tp=parallel.tp_settings,
         )
+        if name == "mlp":  # not an expert's MLP (LoRA on MoE experts is refused by the config)
+            for linear, target, local in (
+                (self.dense_h_to_4h, "fc1", "dense_h_to_4h"),
+                (self.dense_4h_to_h, "fc2", "dense_4h_to_h"),
+            ):
+                full_name = layer_param_name(layer_number, f"mlp.{local}")
+                maybe_add_lora(linear, config.lora, target, name=full_name, parallel=parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s(/p), b, h] -> (output [s(/p), b, h], bias [h] or None)``."""

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.mpu.context import TPSettings
+from megatron.mpu.lora import LoraSpec, column_parallel_lora, row_parallel_lora
 from megatron.mpu.mappings import (
     all_gather_first_dim,
     all_reduce_sum_async_,
@@ -277,6 +278,11 @@ class ColumnParallelLinear(torch.nn.Module):
         weight: ``[o/p, h]``; bias ``[o/p]`` (zero), both partitioned on dim 0 with ``stride``.
     """
 
+    lora_a: torch.Tensor
+    """LoRA ``A`` (registered by ``megatron.model.lora.add_lora``; read only when ``self.lora`` is set)."""
+    lora_b: torch.Tensor
+    """LoRA ``B`` (likewise)."""
+
     def __init__(
         self,
         input_size: int,
@@ -328,6 +334,7 @@ class ColumnParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
+        self.lora: LoraSpec | None = None  # set with lora_a, lora_b by model/lora.py's add_lora
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_`` ``[s, b, h]`` (``[s/p, b, h]`` with SP) -> ``(output, bias if skip_bias_add else None)``."""
@@ -343,6 +350,16 @@ class ColumnParallelLinear(torch.nn.Module):
             # [s, b, h] unchanged; backward all-reduces the input grad
             x = copy_to_tensor_model_parallel_region(input_, self.group)
             output = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, o/p]
+        if self.lora is not None:
+            output = output + column_parallel_lora(
+                input_,
+                self.lora_a,
+                self.lora_b,
+                self.lora,
+                group=self.group,
+                sequence_parallel=self.sequence_parallel and self.world_size > 1,
+                training=self.training,
+            )  # [s, b, o/p]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.group)  # -> [s, b, o]
             output = _to_master_order(output, self.world_size, self.stride)
@@ -363,6 +380,11 @@ class RowParallelLinear(torch.nn.Module):
     Attributes:
         weight: ``[o, h/p]`` partitioned on dim 1 with ``stride``; bias ``[o]`` (zero), replicated.
     """
+
+    lora_a: torch.Tensor
+    """LoRA ``A`` (registered by ``megatron.model.lora.add_lora``; read only when ``self.lora`` is set)."""
+    lora_b: torch.Tensor
+    """LoRA ``B`` (likewise)."""
 
     def __init__(
         self,
@@ -415,6 +437,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.lora: LoraSpec | None = None  # set with lora_a, lora_b by model/lora.py's add_lora
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_`` ``[s, b, h/p]`` (or ``[s, b, h]``) -> ``(output, bias if skip_bias_add else None)``."""
@@ -424,6 +447,10 @@ class RowParallelLinear(torch.nn.Module):
             x = _to_partition_order(input_, self.world_size, self.stride)
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # [s, b, h] -> [s, b, h/p]
         partial = F.linear(x, self.weight)  # [s, b, h/p] -> [s, b, o] (partial sum)
+        if self.lora is not None:
+            partial = partial + row_parallel_lora(
+                x, self.lora_a, self.lora_b, self.lora, group=self.group, training=self.training
+            )  # [s, b, o] (partial sum)
         if self.sequence_parallel:
             # [s, b, o] partial sums -> [s/p, b, o] summed
             output = reduce_scatter_to_sequence_parallel_region(partial, self.group)
