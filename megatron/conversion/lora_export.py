@@ -22,8 +22,8 @@ rows split exactly as the fused weight's rows do on export (the per-K/V-group QK
     fc2     mlp.dense_4h_to_h                 down_proj                                    mlp.c_proj
 
 GPT-2's linears are ``Conv1D`` (weight ``[in, out]``): PEFT adapts them with ``fan_in_fan_out`` on, its
-``lora_A``/``lora_B`` keep the ``[r, in]`` / ``[out, r]`` shapes. MoE models are merged but get no PEFT folder
-(their expert MLPs have no PEFT counterpart here).
+``lora_A``/``lora_B`` keep the ``[r, in]`` / ``[out, r]`` shapes. Mixtral gets a PEFT folder for its attention
+(LoRA trains no MoE expert here: ``megatron/config/lora.py``).
 """
 
 from __future__ import annotations
@@ -37,58 +37,20 @@ from typing import Any
 
 import torch
 
+from megatron.config.lora import LORA_TARGETS, LoraConfig
 from megatron.config.model import ModelConfig
 from megatron.conversion.hf_llama import HeadLayout
 from megatron.layout.names import layer_prefix
 from megatron.layout.qkv import split_qkv
 
-LORA_LINEARS = {
-    "qkv": "self_attention.query_key_value",
-    "dense": "self_attention.dense",
-    "fc1": "mlp.dense_h_to_4h",
-    "fc2": "mlp.dense_4h_to_h",
-}
-"""``--lora-target-modules`` names and the linear (inside a layer) each adapts."""
-
-LORA_A, LORA_B = "lora_a", "lora_b"
-"""Suffixes of the adapter parameters: ``<linear>.lora_a`` ``[r, in]`` and ``<linear>.lora_b`` ``[out, r]``."""
-
 _LORA_KEY = re.compile(r"(.+)\.(lora_a|lora_b)$")
+LORA_A, LORA_B = "lora_a", "lora_b"
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the HF module name in ``adapter_model.safetensors``."""
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """The LoRA hyper-parameters an export needs (the run's ``--lora-*`` flags)."""
-
-    rank: int
-    """``r`` (``--lora-rank``): rows of ``A``, columns of ``B``."""
-    alpha: float
-    """``--lora-alpha``; the update is scaled by ``alpha / rank``."""
-    target_modules: tuple[str, ...] = tuple(LORA_LINEARS)
-    """``--lora-target-modules``: names among ``qkv dense fc1 fc2``."""
-    dropout: float = 0.0
-    """``--lora-dropout`` (training only; recorded in the PEFT config)."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank ({self.rank}) must be >= 1 to export adapters.")
-        unknown = sorted(set(self.target_modules) - set(LORA_LINEARS))
-        if unknown or not self.target_modules:
-            raise ValueError(
-                f"LoRA target modules {list(self.target_modules)}: {unknown or 'none given'}; use names "
-                f"among {' '.join(LORA_LINEARS)}."
-            )
-
-    @property
-    def scaling(self) -> float:
-        """``alpha / rank``, the factor of ``B @ A``."""
-        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -107,15 +69,21 @@ def has_lora(full: Mapping[str, torch.Tensor]) -> bool:
 
 
 def split_lora(
-    full: Mapping[str, torch.Tensor], spec: LoraSpec, num_layers: int
+    full: Mapping[str, torch.Tensor], cfg: ModelConfig
 ) -> tuple[dict[str, torch.Tensor], dict[str, Adapter]]:
     """``(base, adapters)``: the state dict without its adapter tensors, and the adapters by linear prefix
-    (``language_model.encoder.layers.{i}.self_attention.query_key_value``), checked against ``spec``.
+    (``language_model.encoder.layers.{i}.self_attention.query_key_value``), checked against ``cfg.lora``.
 
     Raises:
-        ValueError: an adapter of a linear that is not a target (or has no weight), a target of some layer
-            without its adapter, half an adapter, or shapes that disagree with the weight or the rank.
+        ValueError: a model without LoRA, an adapter of a linear that is not a target (or has no weight), a
+            target of some layer without its adapter, half an adapter, or shapes that disagree with the weight
+            or the rank.
     """
+    lora = cfg.lora
+    if not lora.enabled:
+        raise ValueError(
+            "the model has no LoRA adapters (--lora-rank 0 in its config); export it as a plain model."
+        )
     base = {k: v for k, v in full.items() if not _LORA_KEY.match(k)}
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in full.items():
@@ -123,11 +91,11 @@ def split_lora(
         if m:
             found.setdefault(m.group(1), {})[m.group(2)] = value
     expected = {
-        f"{layer_prefix(i)}.{LORA_LINEARS[t]}"
-        for i in range(num_layers)
-        for t in spec.target_modules
+        f"{layer_prefix(i)}.{LORA_TARGETS[t]}"
+        for i in range(cfg.num_layers)
+        for t in lora.lora_target_modules
     }
-    _check_adapter_names(set(found), expected, spec)
+    _check_adapter_names(set(found), expected, lora)
     adapters = {}
     for linear in sorted(expected):
         parts = found[linear]
@@ -137,12 +105,12 @@ def split_lora(
                 "checkpoint is incomplete."
             )
         adapters[linear] = Adapter(parts[LORA_A].float(), parts[LORA_B].float())
-        _check_shapes(linear, adapters[linear], base.get(f"{linear}.weight"), spec.rank)
+        _check_shapes(linear, adapters[linear], base.get(f"{linear}.weight"), lora.lora_rank)
     return base, adapters
 
 
-def _check_adapter_names(found: set[str], expected: set[str], spec: LoraSpec) -> None:
-    targets = " ".join(spec.target_modules)
+def _check_adapter_names(found: set[str], expected: set[str], lora: LoraConfig) -> None:
+    targets = " ".join(lora.lora_target_modules)
     if extra := sorted(found - expected):
         raise ValueError(
             f"the state dict has LoRA adapters on {extra[:3]}, which --lora-target-modules ({targets}) does "
@@ -168,15 +136,15 @@ def _check_shapes(linear: str, ad: Adapter, weight: torch.Tensor | None, rank: i
         )
 
 
-def merge_lora(
-    full: Mapping[str, torch.Tensor], spec: LoraSpec, num_layers: int
-) -> dict[str, torch.Tensor]:
+def merge_lora(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The plain model the LoRA model computes: every target's ``W' = W + (alpha / r) * B @ A`` (``[out, r] @
     [r, in] -> [out, in]``, accumulated in fp64 and rounded once to ``W``'s dtype), adapters dropped."""
-    base, adapters = split_lora(full, spec, num_layers)
+    base, adapters = split_lora(full, cfg)
     for linear, ad in adapters.items():
         w = base[f"{linear}.weight"]
-        delta = (ad.b.double() @ ad.a.double()) * spec.scaling  # [out, r] @ [r, in] -> [out, in]
+        delta = (
+            ad.b.double() @ ad.a.double()
+        ) * cfg.lora.scaling  # [out, r] @ [r, in] -> [out, in]
         base[f"{linear}.weight"] = (w.double() + delta).to(w.dtype)
     return base
 
@@ -184,9 +152,8 @@ def merge_lora(
 def _llama_modules(cfg: ModelConfig, target: str, ad: Adapter) -> dict[str, Adapter]:
     """HF LLaMA-family module names (inside ``model.layers.{i}.``) and their adapters for one target."""
     if target == "qkv":
-        q, k, v = HeadLayout.of(cfg).split(
-            ad.b
-        )  # [(n+2G)*hn, r] -> [n*hn, r], [G*hn, r], [G*hn, r]
+        # [(n+2G)*hn, r] -> [n*hn, r], [G*hn, r], [G*hn, r]
+        q, k, v = HeadLayout.of(cfg).split(ad.b)
         return {f"self_attn.{x}_proj": Adapter(ad.a, b) for x, b in zip("qkv", (q, k, v))}
     if target == "fc1":
         f = cfg.ffn_size
@@ -225,7 +192,6 @@ _PEFT_TARGETS = {
 def peft_adapter(
     full: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
-    spec: LoraSpec,
     *,
     family: str,
     base_model: str | None = None,
@@ -234,32 +200,35 @@ def peft_adapter(
 
     Args:
         full: full (TP- and PP-merged) Megatron state dict with the adapters.
-        cfg: its architecture.
-        spec: the LoRA hyper-parameters the adapters were trained with.
-        family: ``"llama"`` (the LLaMA family: llama, qwen2, qwen3, mistral) or ``"gpt2"``.
+        cfg: its architecture and LoRA settings (``cfg.lora``).
+        family: ``"llama"`` (the LLaMA family: llama, qwen2, qwen3, mistral; Mixtral's attention) or
+            ``"gpt2"``.
         base_model: ``base_model_name_or_path`` (the HF export directory of the base).
 
     Returns:
         PEFT-named fp32 tensors (each its own storage) and the ``adapter_config.json`` dict.
 
     Raises:
-        ValueError: an MoE model, an unknown family, or adapters that disagree with ``spec`` (:func:`split_lora`).
+        ValueError: an unknown family, adapters on an MoE model's MLP, or adapters that disagree with
+            ``cfg.lora`` (:func:`split_lora`).
     """
+    lora = cfg.lora
     if family not in _PEFT_TARGETS:
         raise ValueError(f"no PEFT export for the {family} family; use the merged export.")
-    if cfg.moe.is_moe(cfg.num_layers):
+    mlp = [t for t in lora.lora_target_modules if t in ("fc1", "fc2")]
+    if mlp and (cfg.moe.is_moe(cfg.num_layers) or cfg.moe.num_experts_switch):
         raise ValueError(
-            "a PEFT adapter folder is written for dense models only (an MoE model's experts have no PEFT "
-            "counterpart here); export the merged model (--merge-lora) instead."
+            f"adapters on an MoE model's MLP ({' '.join(mlp)}) have no PEFT counterpart here; export the "
+            "merged model (--merge-lora) instead."
         )
-    _, adapters = split_lora(full, spec, cfg.num_layers)
+    _, adapters = split_lora(full, cfg)
     modules, hf_layer = (
         (_llama_modules, "model.layers") if family == "llama" else (_gpt2_modules, "transformer.h")
     )
     tensors: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_layers):
-        for target in spec.target_modules:
-            ad = adapters[f"{layer_prefix(i)}.{LORA_LINEARS[target]}"]
+        for target in lora.lora_target_modules:
+            ad = adapters[f"{layer_prefix(i)}.{LORA_TARGETS[target]}"]
             for name, part in modules(cfg, target, ad).items():
                 key = f"{PEFT_PREFIX}{hf_layer}.{i}.{name}"
                 # a copy each: q/k/v (gate/up) share A, and safetensors refuses shared storage
@@ -269,20 +238,20 @@ def peft_adapter(
                 tensors[f"{key}.lora_B.weight"] = part.b.float().clone(
                     memory_format=torch.contiguous_format
                 )
-    return tensors, _adapter_config(spec, family, base_model)
+    return tensors, _adapter_config(lora, family, base_model)
 
 
-def _adapter_config(spec: LoraSpec, family: str, base_model: str | None) -> dict[str, Any]:
+def _adapter_config(lora: LoraConfig, family: str, base_model: str | None) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` fields (the rest take PEFT's defaults)."""
-    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
-    targets = [m for t in spec.target_modules for m in _PEFT_TARGETS[family][t]]
+    alpha = int(lora.lora_alpha) if float(lora.lora_alpha).is_integer() else lora.lora_alpha
+    targets = [m for t in lora.lora_target_modules for m in _PEFT_TARGETS[family][t]]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": spec.rank,
+        "r": lora.lora_rank,
         "lora_alpha": alpha,
-        "lora_dropout": spec.dropout,
+        "lora_dropout": lora.lora_dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": family == "gpt2",

@@ -1,18 +1,18 @@
 """LoRA export (issue #33): merged HF weights and a PEFT adapter folder give the LoRA model's logits.
 
-The oracle is the LoRA model in Megatron's own layout: our ``GPTModel`` with the base weights and forward hooks
-that add ``(alpha / r) * B A x`` to every targeted linear's output, with the adapters exactly as they are stored
-(fused QKV rows per K/V group, SwiGLU ``[gate; up]``), so no export code is involved in it. Against it: the merged
-export (``W + (alpha / r) B A`` then the HF export) run in transformers, and the base HF export with the PEFT
-folder loaded by ``peft.PeftModel.from_pretrained``. Tiny random models with awkward shapes (LLaMA: 3 query heads
-per K/V head, head dim 10 != 48 / 6, tied embeddings; GPT-2: Conv1D with ``fan_in_fan_out``).
+The reference is the LoRA model itself: our ``GPTModel`` built with ``--lora-rank`` (TP = 1) holding the base and
+the adapters exactly as they are stored (fused QKV rows per K/V group, SwiGLU ``[gate; up]``). Against it: the
+merged export (``W + (alpha / r) B A`` then the HF export) run in transformers, and the base HF export with the
+PEFT folder loaded by ``peft.PeftModel.from_pretrained``. Tiny random models with awkward shapes (LLaMA: 3 query
+heads per K/V head, head dim 10 != 48 / 6, tied embeddings; GPT-2: Conv1D with ``fan_in_fan_out``).
 
 Tolerance 1e-5 (the issue's acceptance): the three computations differ only in fp32 rounding order (the merged
-weight rounds ``W + s B A`` once; PEFT and the hooks add the low-rank product to the output).
+weight rounds ``W + s B A`` once; PEFT and our model add the low-rank product to the output).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,17 +21,12 @@ import torch
 from ckpt_models import VOCAB, make_family, make_gpt2
 
 from megatron.checkpointing.readers import build_megatron_model
+from megatron.config.lora import LORA_TARGETS, LoraConfig
 from megatron.config.model import ModelConfig
 from megatron.conversion.hf_gpt2 import gpt2_hf_to_megatron, megatron_to_gpt2_hf
 from megatron.conversion.hf_llama import llama_hf_to_megatron, megatron_to_llama_hf
 from megatron.conversion.hf_mixtral import verification_config
-from megatron.conversion.lora_export import (
-    LORA_LINEARS,
-    LoraSpec,
-    merge_lora,
-    peft_adapter,
-    write_peft_adapter,
-)
+from megatron.conversion.lora_export import merge_lora, peft_adapter, write_peft_adapter
 from megatron.layout.names import layer_prefix
 
 TOL = 1e-5
@@ -42,41 +37,25 @@ ADAPTER_STD = 0.05
 TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))  # [b, s]
 
 
-def add_random_adapters(
-    full: dict[str, torch.Tensor], cfg: ModelConfig, spec: LoraSpec, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """``full`` with ``lora_a [r, in]`` / ``lora_b [out, r]`` on every target (B non-zero, as after training)."""
+def with_adapters(
+    full: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraConfig, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """``full`` with random ``lora_a [r, in]`` / ``lora_b [out, r]`` on every target (B non-zero, as after
+    training) and ``cfg`` with ``lora``."""
     g = torch.Generator().manual_seed(seed)
     out = dict(full)
     for i in range(cfg.num_layers):
-        for t in spec.target_modules:
-            linear = f"{layer_prefix(i)}.{LORA_LINEARS[t]}"
+        for t in lora.lora_target_modules:
+            linear = f"{layer_prefix(i)}.{LORA_TARGETS[t]}"
             rows, cols = full[f"{linear}.weight"].shape
-            out[f"{linear}.lora_a"] = torch.randn(spec.rank, cols, generator=g) * ADAPTER_STD
-            out[f"{linear}.lora_b"] = torch.randn(rows, spec.rank, generator=g) * ADAPTER_STD
-    return out
+            out[f"{linear}.lora_a"] = torch.randn(lora.lora_rank, cols, generator=g) * ADAPTER_STD
+            out[f"{linear}.lora_b"] = torch.randn(rows, lora.lora_rank, generator=g) * ADAPTER_STD
+    return out, dataclasses.replace(cfg, lora=lora)
 
 
-def reference_logits(
-    full: dict[str, torch.Tensor], cfg: ModelConfig, spec: LoraSpec
-) -> torch.Tensor:
-    """Logits ``[b, s, v]`` of the LoRA model in Megatron's layout: the base in our ``GPTModel`` plus hooks."""
-    base = {k: v for k, v in full.items() if not k.endswith((".lora_a", ".lora_b"))}
-    model = build_megatron_model(base, verification_config(cfg))
-
-    def hook(a: torch.Tensor, b: torch.Tensor):
-        def add_lora(module, inputs, output):
-            x = inputs[0]  # [s, b, in]
-            delta = spec.scaling * (x @ a.t() @ b.t())  # [s, b, in] -> [s, b, r] -> [s, b, out]
-            return (output[0] + delta, *output[1:])
-
-        return add_lora
-
-    for key in full:
-        if key.endswith(".lora_a"):
-            linear = key[: -len(".lora_a")]
-            module = model.get_submodule(linear)
-            module.register_forward_hook(hook(full[key], full[f"{linear}.lora_b"]))
+def lora_model_logits(full: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Logits ``[b, s, v]`` of our LoRA ``GPTModel`` (TP = 1, eval: no adapter dropout)."""
+    model = build_megatron_model(full, verification_config(cfg))
     pos = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     with torch.no_grad():
         return model(TOKENS, pos)[..., :VOCAB]
@@ -104,15 +83,15 @@ def hf_logits(hf_dir: Path, adapter: Path | None = None) -> torch.Tensor:
         return model.eval()(input_ids=TOKENS).logits[..., :VOCAB]
 
 
-def exports_vs_reference(tmp_path: Path, full, cfg, spec, exporter, family: str) -> dict:
+def exports_vs_lora_model(tmp_path: Path, full, cfg, exporter, family: str) -> dict:
     """Max |delta logit| of the merged export and of base + PEFT adapter against the reference, and of the base
     alone (how much the adapters change the model: the check's power)."""
-    ref = reference_logits(full, cfg, spec)
-    merged_sd, merged_cfg = exporter(merge_lora(full, spec, cfg.num_layers), cfg, VOCAB)
+    ref = lora_model_logits(full, cfg)
+    merged_sd, merged_cfg = exporter(merge_lora(full, cfg), cfg, VOCAB)
     merged = write_hf(tmp_path / "merged", merged_sd, merged_cfg)
     base_full = {k: v for k, v in full.items() if not k.endswith((".lora_a", ".lora_b"))}
     base = write_hf(tmp_path / "base", *exporter(base_full, cfg, VOCAB))
-    tensors, config = peft_adapter(full, cfg, spec, family=family, base_model=str(base))
+    tensors, config = peft_adapter(full, cfg, family=family, base_model=str(base))
     write_peft_adapter(tmp_path / "peft", tensors, config)
     logits = {
         "merged": hf_logits(merged),
@@ -127,9 +106,9 @@ def exports_vs_reference(tmp_path: Path, full, cfg, spec, exporter, family: str)
 def test_llama_gqa_swiglu_merged_and_peft_equal_the_lora_model(tmp_path: Path) -> None:
     hf = make_family("llama")  # 6 query heads, 2 K/V groups, head dim 10, tied embeddings
     full, cfg = llama_hf_to_megatron(hf.state_dict(), hf.config.to_dict())
-    spec = LoraSpec(rank=4, alpha=8.0, dropout=0.05)
-    d = exports_vs_reference(
-        tmp_path, add_random_adapters(full, cfg, spec), cfg, spec, megatron_to_llama_hf, "llama"
+    lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.05)
+    d = exports_vs_lora_model(
+        tmp_path, *with_adapters(full, cfg, lora), megatron_to_llama_hf, "llama"
     )
     assert d["merged"] <= TOL and d["peft"] <= TOL and d["merged_vs_peft"] <= TOL, d
     assert d["base"] > 0.1, d
@@ -146,19 +125,19 @@ def test_gpt2_conv1d_with_some_targets(tmp_path: Path) -> None:
     attention's and the MLP's ``c_proj`` are told apart."""
     hf = make_gpt2()
     full, cfg = gpt2_hf_to_megatron(hf.state_dict(), hf.config.to_dict())
-    spec = LoraSpec(rank=2, alpha=4.0, target_modules=("qkv", "fc2"))
-    d = exports_vs_reference(
-        tmp_path, add_random_adapters(full, cfg, spec), cfg, spec, megatron_to_gpt2_hf, "gpt2"
+    lora = LoraConfig(lora_rank=2, lora_alpha=4.0, lora_target_modules=("qkv", "fc2"))
+    d = exports_vs_lora_model(
+        tmp_path, *with_adapters(full, cfg, lora), megatron_to_gpt2_hf, "gpt2"
     )
     assert d["merged"] <= TOL and d["peft"] <= TOL and d["merged_vs_peft"] <= TOL, d
     assert d["base"] > 0.1, d
 
 
 BAD_ADAPTERS = [
-    ("target not named", {"target_modules": ("qkv",)}, None, "which --lora-target-modules"),
-    ("target missing", {"target_modules": ("qkv", "fc2")}, ("fc2",),
+    ("target not named", {"lora_target_modules": ("qkv",)}, None, "which --lora-target-modules"),
+    ("target missing", {}, ("fc2",),
      "that have no adapter"),
-    ("rank", {"rank": 3}, None, r"do not fit its weight .* at --lora-rank 3"),
+    ("rank", {"lora_rank": 3}, None, r"do not fit its weight .* at --lora-rank 3"),
 ]  # fmt: skip
 
 
@@ -168,11 +147,11 @@ BAD_ADAPTERS = [
 def test_adapters_that_disagree_with_the_config_are_refused(what, spec_change, drop, match) -> None:
     hf = make_gpt2()
     full, cfg = gpt2_hf_to_megatron(hf.state_dict(), hf.config.to_dict())
-    trained = LoraSpec(rank=2, alpha=4.0, target_modules=("qkv", "fc2"))
-    full = add_random_adapters(full, cfg, trained)
+    trained = LoraConfig(lora_rank=2, lora_alpha=4.0, lora_target_modules=("qkv", "fc2"))
+    full, cfg = with_adapters(full, cfg, trained)
     if drop:
-        full = {k: v for k, v in full.items() if LORA_LINEARS[drop[0]] + ".lora" not in k}
-    spec = LoraSpec(**{**trained.__dict__, **spec_change})
+        full = {k: v for k, v in full.items() if LORA_TARGETS[drop[0]] + ".lora" not in k}
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(trained, **spec_change))
     with pytest.raises(ValueError, match=match) as err:
-        merge_lora(full, spec, cfg.num_layers)
+        merge_lora(full, cfg)
     assert "\n" not in str(err.value)
