@@ -29,6 +29,7 @@ GPT-2's linears are ``Conv1D`` (weight ``[in, out]``): PEFT adapts them with ``f
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,9 +38,17 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.lora import read_lora_checkpoint
+from megatron.checkpointing.readers import (
+    CheckpointRead,
+    Progress,
+    read_checkpoint_config,
+    read_checkpoint_weights,
+)
 from megatron.config.lora import LORA_TARGETS, LoraConfig
 from megatron.config.model import ModelConfig
 from megatron.conversion.hf_llama import HeadLayout
+from megatron.conversion.output_dirs import check_output_dir_path, check_output_not_input
 from megatron.layout.names import layer_prefix
 from megatron.layout.qkv import split_qkv
 
@@ -273,3 +282,98 @@ def write_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(tensors), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+
+
+STALE_ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin", "README.md")
+"""What an ``overwrite`` export removes from ``--peft-output`` first (files of an earlier adapter)."""
+
+
+@dataclass(frozen=True)
+class LoraOutput:
+    """What ``export_to_hf`` writes for a LoRA adapter checkpoint (the ``--save`` of a ``--lora-rank`` run)."""
+
+    merge: bool = False
+    """``--merge-lora``: ``--out`` gets the merged model (``W + (alpha / r) B A``), a plain HF model."""
+    peft_dir: str | Path | None = None
+    """``--peft-output DIR``: ``--out`` gets the base model, ``DIR`` the PEFT adapter folder naming it as its
+    ``base_model_name_or_path``."""
+
+    @property
+    def requested(self) -> bool:
+        """Either export was asked for."""
+        return self.merge or self.peft_dir is not None
+
+    def check_dirs(self, load: str | Path, out: str | Path, *, overwrite: bool) -> None:
+        """Before anything is read: one of the two exports, and a ``--peft-output`` that is new or empty (or any
+        directory with ``overwrite``), not ``--out`` and not inside ``--load``.
+
+        Raises:
+            ValueError: naming the flags and the fix.
+        """
+        if self.peft_dir is None:
+            return
+        if self.merge:
+            raise ValueError(
+                "--merge-lora and --peft-output exclude each other: the PEFT folder's base must be the base "
+                "model, not the merged one; run the export twice (two --out directories) for both."
+            )
+        check_output_dir_path(self.peft_dir, "--peft-output")
+        check_output_not_input(self.peft_dir, "--peft-output", load, "--load")
+        peft = Path(self.peft_dir)
+        if Path(os.path.realpath(peft)) == Path(os.path.realpath(out)):
+            raise ValueError(
+                f"--peft-output {peft} is --out: the adapter folder and the base model it points at need a "
+                "directory each; give --peft-output another directory."
+            )
+        if not overwrite and peft.is_dir() and any(peft.iterdir()):
+            raise ValueError(
+                f"--peft-output {peft} is not empty; choose a new or empty directory, or pass --overwrite to "
+                f"replace the adapter files there ({', '.join(STALE_ADAPTER_FILES)})."
+            )
+
+
+def read_export_weights(
+    ckpt_dir: str | Path,
+    read: CheckpointRead,
+    progress: Progress,
+    lora: LoraOutput,
+) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """``(full, cfg, meta)`` of the checkpoint ``export_to_hf`` exports: a plain one as it is; an adapter
+    checkpoint as its recorded base plus the adapters (``read_lora_checkpoint``), when ``lora`` asks for one of
+    its exports.
+
+    Raises:
+        ValueError: an adapter checkpoint without ``--merge-lora``/``--peft-output``, or either flag for a
+            checkpoint without adapters; what the readers raise.
+    """
+    _, cfg, _ = read_checkpoint_config(ckpt_dir, read.tag)
+    if not cfg.lora.enabled:
+        if lora.requested:
+            flag = "--merge-lora" if lora.merge else "--peft-output"
+            raise ValueError(
+                f"{flag}: --load {ckpt_dir} holds no LoRA adapters (its model has --lora-rank 0); export it "
+                f"without {flag}."
+            )
+        return read_checkpoint_weights(
+            ckpt_dir, read.tag, progress, verify_checksums=read.verify_checksums
+        )
+    if not lora.requested:
+        raise ValueError(
+            f"--load {ckpt_dir} is a LoRA adapter checkpoint (--lora-rank {cfg.lora.lora_rank}, targets "
+            f"{' '.join(cfg.lora.lora_target_modules)}): pass --merge-lora for a plain HF model with the "
+            "adapters merged in, or --peft-output DIR for the base model in --out plus a PEFT adapter folder."
+        )
+    adapters, base, cfg, meta = read_lora_checkpoint(
+        ckpt_dir, read.tag, verify_checksums=read.verify_checksums, progress=progress
+    )
+    return {**base, **adapters}, cfg, meta
+
+
+def hf_weights(
+    full: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraOutput
+) -> dict[str, torch.Tensor]:
+    """The Megatron weights the HF export writes: ``full`` itself without LoRA, else the merged model
+    (``--merge-lora``) or the base (``--peft-output``)."""
+    if not cfg.lora.enabled:
+        return full
+    return merge_lora(full, cfg) if lora.merge else split_lora(full, cfg)[0]
