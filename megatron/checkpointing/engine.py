@@ -46,6 +46,7 @@ from megatron.checkpointing.commit import (
     save_failed_message,
     wait_for_all_ranks,
 )
+from megatron.checkpointing.lora import LORA_BASE_KEY, check_adapter_resume
 from megatron.checkpointing.meta import (
     META_VERSION,
     check_model_matches,
@@ -135,7 +136,10 @@ class DeepSpeedCheckpointer:
         self._async = AsyncSaves()
         """--async-save: the save whose files a thread is writing (at most one)."""
         self.extra_meta: dict[str, Any] = {}
-        """Merged into ``trident_meta.json`` (the HF importer sets ``{"weights_only": True, ...}``)."""
+        """Merged into ``trident_meta.json`` (the HF importer sets ``{"weights_only": True, ...}``; a LoRA run
+        its base, ``lora.LORA_BASE_KEY``)."""
+        self.lora = self.model.lora.enabled
+        """--lora-rank: the files hold the trainable adapters only; the base is --pretrained-checkpoint's."""
 
     # ------------------------------------------------------------------ save
     def save(self, engine: Any, scheduler: Any, state: Any) -> None:
@@ -195,7 +199,11 @@ class DeepSpeedCheckpointer:
             )
             with route as hashed:
                 engine.save_checkpoint(
-                    str(save_dir), tag=tag_dir.name, client_state=client_state, save_latest=False
+                    str(save_dir),
+                    tag=tag_dir.name,
+                    client_state=client_state,
+                    save_latest=False,
+                    exclude_frozen_parameters=self.lora,
                 )
             if hashed:
                 recorder.write_sidecar(global_rank())
@@ -242,6 +250,7 @@ class DeepSpeedCheckpointer:
                 tag=save.tag_dir.name,
                 client_state=client_state,
                 save_latest=False,
+                exclude_frozen_parameters=self.lora,
             )
         # Not routed (another DeepSpeed checkpoint engine): it wrote its files itself, unhashed.
         save.hashed = routed and self.record_checksums
@@ -336,6 +345,9 @@ class DeepSpeedCheckpointer:
         start = time.perf_counter()
         meta = check_model_matches(load_dir, tag, self.model)
         check_universal_kind(meta, ck.universal_checkpoint, load_dir, tag)
+        if self.lora:
+            base = self.extra_meta.get(LORA_BASE_KEY)
+            check_adapter_resume(meta, self.model, base, f"--load {load_dir} (tag {tag})")
         # A converted (e.g. HF-imported) checkpoint carries weights only: no schedule/optimizer progress to keep.
         finetune = ck.finetune or bool(meta.get("weights_only", False))
         tag_dir = Path(load_dir) / tag
@@ -347,6 +359,11 @@ class DeepSpeedCheckpointer:
             ds_sequence_parallel_size=self.ds_sequence_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
         )
+        if converts_on_load(case) and case is not None and self.lora:
+            raise ValueError(
+                f"--load {load_dir} (tag {tag}): an adapter checkpoint resumes at the layout it was saved at "
+                "(TP, PP, DP, ZeRO stage); run at that layout, or export the merged model and start anew."
+            )
         if converts_on_load(case) and case is not None:
             client = self._load_converted(engine, meta, tag, case)
         else:
@@ -404,7 +421,7 @@ class DeepSpeedCheckpointer:
             _, client = engine.load_checkpoint(
                 load_dir,
                 tag=tag,
-                load_module_strict=True,
+                load_module_strict=not self.lora,  # LoRA: the adapters only (their keys: check_adapter_resume)
                 load_optimizer_states=load_optim,
                 load_lr_scheduler_states=False,
                 load_module_only=finetune,

@@ -18,8 +18,14 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.checksums import sizes_only
+from megatron.checkpointing.meta import model_mismatches, read_meta
+from megatron.checkpointing.pointers import find_tag
 from megatron.checkpointing.readers import Progress, no_progress, read_checkpoint_weights
+from megatron.checkpointing.stage_reader import read_stage_weights
 from megatron.config import ModelConfig
+from megatron.layout.names import pipe_to_megatron_name
+from megatron.layout.pipeline import split_layers_for_pp
 from megatron.model.lora import is_lora_parameter
 
 LORA_BASE_KEY = "lora_base"
@@ -73,3 +79,109 @@ def read_lora_checkpoint(
         base_dir, record["tag"], progress, verify_checksums=verify_checksums
     )
     return adapters, base, cfg, meta
+
+
+def _base_tag(base_dir: str) -> tuple[str, dict[str, Any]]:
+    """The tag ``latest`` names in the base checkpoint and its meta (checked: a full, non-LoRA checkpoint)."""
+    tag = find_tag(base_dir, None, tag_flag="--load-tag") if Path(base_dir).is_dir() else None
+    if tag is None:
+        raise FileNotFoundError(
+            f"--pretrained-checkpoint {base_dir} holds no Trident checkpoint (no 'latest' file); point it at the "
+            "--save directory of the base model's run (or of tools/checkpoint/hf_to_trident.py)."
+        )
+    meta = read_meta(base_dir, tag)
+    if LORA_BASE_KEY in meta:
+        raise ValueError(
+            f"--pretrained-checkpoint {base_dir} (tag {tag}) is itself a LoRA adapter checkpoint; give its base, "
+            "or merge the adapters first (the merged export)."
+        )
+    return tag, meta
+
+
+def load_lora_base(
+    module: torch.nn.Module,
+    base_dir: str,
+    model: ModelConfig,
+    *,
+    tp: tuple[int, int],
+    pp: tuple[int, int],
+    verify_checksums: bool = True,
+) -> dict[str, Any]:
+    """Copy this rank's share of the base weights of ``base_dir`` (any saved TP/PP/ZeRO-0-2 layout) into every
+    non-LoRA parameter of ``module`` (a ``GPTModel`` or a ``GPTModelPipe`` stage, before any training step; the
+    frozen parameters have no optimizer copy to update).
+
+    Args:
+        model: the run's model config (true vocabulary): the base must have the same shape.
+        tp, pp: ``(size, rank)`` of this rank's tensor- and pipeline-parallel groups.
+
+    Returns:
+        The :data:`LORA_BASE_KEY` record for the run's checkpoints.
+
+    Raises:
+        FileNotFoundError / ValueError: no base there, another model shape, a damaged file (one line each).
+    """
+    tag, meta = _base_tag(base_dir)
+    diffs = model_mismatches(meta["model"], model)
+    if diffs:
+        raise ValueError(
+            f"--pretrained-checkpoint {base_dir} (tag {tag}): the base model differs from the flags in "
+            + "; ".join(diffs)
+            + ". Pass the base model's architecture flags."
+        )
+    layers = split_layers_for_pp(model.num_layers, pp[0])[pp[1]]
+    weights = read_stage_weights(
+        Path(base_dir) / tag,
+        meta if verify_checksums else sizes_only(meta),
+        model,
+        tp=tp[0],
+        tp_rank=tp[1],
+        layers=layers,
+        pre_process=pp[1] == 0,
+        post_process=pp[1] == pp[0] - 1,
+    )
+    pipe = pp[0] > 1
+    for name, param in module.named_parameters():
+        if is_lora_parameter(name):
+            continue
+        key = pipe_to_megatron_name(name, model.num_layers) if pipe else name
+        value = weights.get(key)
+        if value is None or tuple(value.shape) != tuple(param.shape):
+            got = "nothing" if value is None else f"shape {tuple(value.shape)}"
+            raise ValueError(
+                f"--pretrained-checkpoint {base_dir} (tag {tag}) has {got} for {key} (the model: "
+                f"{tuple(param.shape)}); is it this model's checkpoint (same --make-vocab-size-divisible-by)?"
+            )
+        with torch.no_grad():
+            param.copy_(value.to(dtype=param.dtype, device=param.device))
+    return lora_base_record(base_dir, tag, int(meta.get("iteration", 0)))
+
+
+def check_adapter_resume(
+    meta: dict[str, Any], model: ModelConfig, base: dict[str, Any] | None, where: str
+) -> None:
+    """An adapter checkpoint ``meta`` (at ``where``: ``--load DIR (tag T)``) may be resumed by this LoRA run:
+    same LoRA settings and the same base checkpoint.
+
+    Raises:
+        ValueError: a full checkpoint, other LoRA settings or another base (one line naming both).
+    """
+    saved_base = meta.get(LORA_BASE_KEY)
+    if not isinstance(saved_base, dict):
+        raise ValueError(
+            f"{where} is a full checkpoint, not a LoRA adapter checkpoint; with --lora-rank give it as "
+            "--pretrained-checkpoint and --load the directory the adapters are saved to."
+        )
+    saved = ModelConfig(**{"lora": meta["model"].get("lora", {})}).lora
+    if saved != model.lora:
+        raise ValueError(
+            f"{where} holds adapters with {saved}, the flags ask for {model.lora}; pass its --lora-* flags."
+        )
+    if base is not None and (saved_base.get("dir"), saved_base.get("tag")) != (
+        base["dir"],
+        base["tag"],
+    ):
+        raise ValueError(
+            f"{where} was trained on the base {saved_base.get('dir')} (tag {saved_base.get('tag')}), this run's "
+            f"--pretrained-checkpoint is {base['dir']} (tag {base['tag']}); give the base it was trained on."
+        )

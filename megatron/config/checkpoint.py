@@ -30,6 +30,9 @@ class CheckpointConfig:
     """Load weights, optimizer, LR schedule and RNG but restart at iteration 0 with 0 consumed samples/tokens."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
+    pretrained_checkpoint: str | None = None
+    """LoRA (--lora-rank): the checkpoint directory the frozen base weights are read from (any TP/PP layout), on
+    every start; --load/--save then hold the adapters only (Megatron-LM's flag)."""
     use_checkpoint_args: bool = False
     """Take the model's architecture flags from the --load checkpoint's trident_meta.json (its --seq-length too
     unless given); an explicit model flag that disagrees with the checkpoint is an error (Megatron settles it

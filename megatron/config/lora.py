@@ -15,6 +15,9 @@ Decisions written down (checked by :func:`check_lora`):
 - ``--lora-alpha`` defaults to 32 (Megatron-LM's and PEFT's common choice), so the scaling is ``32 / R``.
 - MoE: adapters on the attention linears only. DeepSpeed-MoE experts (and the Switch MLP's) are refused as
   targets (``fc1``/``fc2``): their parameters live in expert-parallel groups and files of their own.
+- The base comes from ``--pretrained-checkpoint`` (Megatron-LM's flag), required with LoRA and read on every
+  start, so ``--load``/``--save`` keep their meaning (the run's own, adapter-only checkpoints: auto-resume works
+  as for any run). Plain ``--load``/``--finetune`` of the base would leave no place for the adapters' resume.
 - ZeRO-3 is refused with LoRA: its partitioned parameters and DeepSpeed's frozen-parameter save were not
   verified together here (ZeRO 0-2 are).
 """
@@ -90,6 +93,11 @@ def check_lora(cfg: TridentConfig) -> None:
     ``ranges.py``'s."""
     lora = cfg.model.lora
     if not lora.enabled:
+        if cfg.checkpoint.pretrained_checkpoint:
+            raise ValueError(
+                f"--pretrained-checkpoint {cfg.checkpoint.pretrained_checkpoint} is the frozen base of a LoRA run; "
+                "add --lora-rank, or load a model to train in full with --load (and --finetune)."
+            )
         return
     _check_targets(lora)
     m = cfg.model
@@ -98,6 +106,11 @@ def check_lora(cfg: TridentConfig) -> None:
         raise ValueError(
             f"--lora-target-modules {' '.join(mlp_targets)}: LoRA on MoE experts is not supported; use "
             "--lora-target-modules qkv dense for an MoE model."
+        )
+    if not cfg.checkpoint.pretrained_checkpoint:
+        raise ValueError(
+            "--lora-rank trains adapters on a frozen base model: give the base checkpoint directory with "
+            "--pretrained-checkpoint (--load and --save then hold the adapters)."
         )
     if cfg.parallel.zero_stage == 3:
         raise ValueError(

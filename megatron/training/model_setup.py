@@ -15,6 +15,7 @@ DP as each module is built, directly in the run's dtype (the same fp32 draw, cas
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,11 +26,14 @@ from megatron.config import ModelConfig, ParallelConfig, RunPlan, TrainingConfig
 from megatron.deepspeed_internals import keep_fp32_clip_norm, skip_single_rank_allreduce
 from megatron.model import GPTModel
 from megatron.model.gpt_model_pipe import GPTModelPipe
+from megatron.model.lora import freeze_base
 from megatron.mpu.context import ParallelContext
 from megatron.training.activation_checkpointing import configure_deepspeed_checkpointing
 from megatron.training.initialize import Distributed, check_pipe_grid
 from megatron.training.optimizer import build_optimizer
 from megatron.training.zero_init import uses_zero3_init, zero3_init, zero3_params_dtype
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +102,14 @@ def build_engine(
     )  # before the first forward; no-op without the flag
     if model is None:
         model = build_model(model_cfg, parallel, plan, run, seed=training.seed, ds_config=ds_config)
+    if model_cfg.lora.enabled:  # the optimizer (and ZeRO's partitions) then hold the adapters only
+        trainable, frozen = freeze_base(model)
+        logger.info(
+            "LoRA: %d trainable adapter parameters, %d frozen on this rank (%.2f%%)",
+            trainable,
+            frozen,
+            100.0 * trainable / (trainable + frozen),
+        )
     optimizer = build_optimizer(model, training, moe_groups=model_cfg.moe.create_moe_param_group)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

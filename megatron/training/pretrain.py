@@ -20,14 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron import mpu
 from megatron.checkpointing.checksums import PendingVerification
 from megatron.checkpointing.engine import DeepSpeedCheckpointer
+from megatron.checkpointing.lora import LORA_BASE_KEY, load_lora_base
 from megatron.checkpointing.meta import tokenizer_record
 from megatron.checkpointing.save_lock import SaveLock, acquire_save_lock
 from megatron.config import TridentConfig
@@ -191,6 +193,29 @@ def build_checkpointer(
     )
 
 
+def load_base(
+    pre: Preflight, run: Distributed, module: torch.nn.Module, hooks: CheckpointHooks | None
+) -> None:
+    """LoRA: the frozen base weights from --pretrained-checkpoint (before the adapters of --load), recorded in the
+    run's checkpoints (``megatron/checkpointing/lora.py``)."""
+    cfg, state = pre.cfg, run.state
+    record = load_lora_base(
+        module,
+        cfg.checkpoint.pretrained_checkpoint or "",
+        replace(cfg.model, vocab_size=pre.plan.true_vocab_size),
+        tp=(state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()),
+        pp=(
+            state.get_pipeline_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_rank(),
+        ),
+        verify_checksums=cfg.checkpoint.verify_checkpoint_checksums,
+    )
+    if isinstance(hooks, DeepSpeedCheckpointer):
+        hooks.extra_meta[LORA_BASE_KEY] = record
+    if global_rank() == 0:
+        logger.info("LoRA: base weights from %s (tag %s)", record["dir"], record["tag"])
+
+
 def build_trainer(
     pre: Preflight, run: Distributed, hooks: CheckpointHooks | None, state: TrainState
 ) -> Trainer:
@@ -218,6 +243,8 @@ def build_trainer(
     )
     if hooks is None and (cfg.checkpoint.save or cfg.checkpoint.load):
         hooks = build_checkpointer(pre, run)
+    if cfg.model.lora.enabled:
+        load_base(pre, run, bundle.engine.module, hooks)
     if hooks is not None and cfg.checkpoint.load:
         join_checksums(pre.checksums)
         hooks.load(bundle.engine, scheduler, state)
