@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.lora import read_lora_checkpoint
+from megatron.checkpointing.lora import LORA_BASE_KEY, read_lora_checkpoint
 from megatron.checkpointing.readers import (
     CheckpointRead,
     Progress,
@@ -366,7 +366,21 @@ def read_export_weights(
     adapters, base, cfg, meta = read_lora_checkpoint(
         ckpt_dir, read.tag, verify_checksums=read.verify_checksums, progress=progress
     )
-    return {**base, **adapters}, cfg, meta
+    return {**base, **adapters}, cfg, _with_base_records(meta)
+
+
+INHERITED_META = ("hf_model_type", "tokenizer")
+"""``trident_meta.json`` entries an adapter checkpoint takes from its base when it has none: the HF family the base
+was imported from (the export writes that family) and the tokenizer (a LoRA run on mock data records none)."""
+
+
+def _with_base_records(meta: dict[str, Any]) -> dict[str, Any]:
+    record = meta[LORA_BASE_KEY]
+    missing = [k for k in INHERITED_META if not meta.get(k)]
+    if not missing:
+        return meta
+    _, _, base_meta = read_checkpoint_config(record["dir"], record["tag"])
+    return {**meta, **{k: base_meta[k] for k in missing if base_meta.get(k)}}
 
 
 def hf_weights(

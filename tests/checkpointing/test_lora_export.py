@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -204,6 +203,8 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
     verified by the tool at 1e-5); then the LoRA model's logits against both exports, computed here
     independently."""
     from megatron.checkpointing.lora import read_lora_checkpoint
+    from megatron.checkpointing.readers import CheckpointRead, no_progress
+    from megatron.conversion.lora_export import LoraOutput, read_export_weights
     from megatron.model.presets import LLAMA_FLAGS
     from megatron.testing import run_distributed
     from tools.checkpoint import trident_to_hf
@@ -212,7 +213,7 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
     flags = [*LLAMA_FLAGS, *SIZES, *TRAIN, "--tensor-model-parallel-size", str(tp)]
     lora_flags = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", base]
     runs = [
-        [*flags, "--train-iters", "1", "--save", base],
+        [*flags, "--train-iters", "1", "--save", base, "--tokenizer-type", "NullTokenizer"],
         [*flags, "--train-iters", "2", "--save", lora, *lora_flags],
     ]
     run_distributed(_train, tp, runs, init_process_group=False, timeout=600)
@@ -235,8 +236,11 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
     assert d["base"] > 1e-3, d  # the trained adapters matter
     config = json.loads((peft / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(hf_base.absolute())
+    # the LoRA run (no --tokenizer-type) exports the tokenizer its base recorded
+    meta = read_export_weights(lora, CheckpointRead(), no_progress, LoraOutput(merge=True))[2]
+    assert meta["tokenizer"]["tokenizer_type"] == "NullTokenizer" and meta["lora_base"]
 
-    print(f"TP {tp}: max |dlogit| vs the LoRA model:", d, file=sys.__stdout__)
+    print(f"TP {tp}: max |dlogit| vs the LoRA model:", d)
 
     # bad input: one line, exit 2, nothing written
     capsys.readouterr()
