@@ -20,10 +20,10 @@ import torch
 
 from megatron.checkpointing.checksums import sizes_only
 from megatron.checkpointing.meta import model_mismatches, read_meta
-from megatron.checkpointing.pointers import find_tag
+from megatron.checkpointing.pointers import find_checkpoint, find_tag
 from megatron.checkpointing.readers import Progress, no_progress, read_checkpoint_weights
 from megatron.checkpointing.stage_reader import read_stage_weights
-from megatron.config import ModelConfig
+from megatron.config import CheckpointConfig, ModelConfig
 from megatron.layout.names import pipe_to_megatron_name
 from megatron.layout.pipeline import split_layers_for_pp
 from megatron.model.lora import is_lora_parameter
@@ -98,6 +98,39 @@ def _base_tag(base_dir: str) -> tuple[str, dict[str, Any]]:
     return tag, meta
 
 
+def _checked_base(base_dir: str, model: ModelConfig) -> tuple[str, dict[str, Any]]:
+    """:func:`_base_tag`, and the base's architecture is the flags' (one line listing every difference)."""
+    tag, meta = _base_tag(base_dir)
+    diffs = model_mismatches(meta["model"], model)
+    if diffs:
+        raise ValueError(
+            f"--pretrained-checkpoint {base_dir} (tag {tag}): the base model differs from the flags in "
+            + "; ".join(diffs)
+            + ". Pass the base model's architecture flags."
+        )
+    return tag, meta
+
+
+def check_lora_start(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+    """Preflight of a LoRA run (before any process group, identical on every rank): the base checkpoint exists
+    and has the model's shape; a checkpoint in --load is an adapter checkpoint of the same LoRA settings and base.
+
+    Raises:
+        FileNotFoundError / ValueError: one line naming the flag, the directory and the fix.
+    """
+    base_dir = checkpoint.pretrained_checkpoint or ""
+    tag, meta = _checked_base(base_dir, model)
+    if not checkpoint.load:
+        return
+    load_tag = find_checkpoint(
+        checkpoint.load, checkpoint.load_tag, universal=checkpoint.universal_checkpoint
+    )
+    if load_tag is not None:
+        base = lora_base_record(base_dir, tag, int(meta.get("iteration", 0)))
+        where = f"--load {checkpoint.load} (tag {load_tag})"
+        check_adapter_resume(read_meta(checkpoint.load, load_tag), model, base, where)
+
+
 def load_lora_base(
     module: torch.nn.Module,
     base_dir: str,
@@ -121,14 +154,7 @@ def load_lora_base(
     Raises:
         FileNotFoundError / ValueError: no base there, another model shape, a damaged file (one line each).
     """
-    tag, meta = _base_tag(base_dir)
-    diffs = model_mismatches(meta["model"], model)
-    if diffs:
-        raise ValueError(
-            f"--pretrained-checkpoint {base_dir} (tag {tag}): the base model differs from the flags in "
-            + "; ".join(diffs)
-            + ". Pass the base model's architecture flags."
-        )
+    tag, meta = _checked_base(base_dir, model)
     layers = split_layers_for_pp(model.num_layers, pp[0])[pp[1]]
     weights = read_stage_weights(
         Path(base_dir) / tag,

@@ -78,8 +78,12 @@ RUN_FIELDS: dict[str, str] = {
         ),
         "DeepSpeed-MoE training settings (capacity, dropping, auxiliary loss, optimizer groups)",
     ),
+    **dict.fromkeys(
+        ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
+        "LoRA fine-tuning of the model (an adapter checkpoint's settings are checked at its load)",
+    ),
 }
-"""``ModelConfig`` / ``MoEConfig`` field -> why the run's flag decides it, not the checkpoint."""
+"""``ModelConfig`` / ``MoEConfig`` / ``LoraConfig`` field -> why the run's flag decides it, not the checkpoint."""
 
 DEFAULT_FIELDS: dict[str, str] = {
     "seq_length": "the training length may differ from the checkpoint's (e.g. a long-context extension)",

@@ -112,6 +112,11 @@ def check_lora(cfg: TridentConfig) -> None:
             "--lora-rank trains adapters on a frozen base model: give the base checkpoint directory with "
             "--pretrained-checkpoint (--load and --save then hold the adapters)."
         )
+    if cfg.checkpoint.universal_checkpoint:
+        raise ValueError(
+            "--universal-checkpoint with --lora-rank: adapter checkpoints resume at the layout they were saved "
+            "at; drop --universal-checkpoint (the base in --pretrained-checkpoint is read at any layout)."
+        )
     if cfg.parallel.zero_stage == 3:
         raise ValueError(
             "--lora-rank with --zero-stage 3 is not supported (frozen base + adapter-only checkpoints are "

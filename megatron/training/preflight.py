@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.checkpointing.checksums import PendingVerification
+from megatron.checkpointing.lora import check_lora_start
 from megatron.checkpointing.pointers import resolve_universal_flag
 from megatron.checkpointing.rules import check_checkpoint_dirs
 from megatron.config import LoggingConfig, RunPlan, TridentConfig, validate
@@ -102,6 +103,10 @@ def preflight(cfg: TridentConfig) -> Preflight:
     pending = check_checkpoint_dirs(
         cfg, plan, tokenizer_fingerprint=fingerprint, background_hashes=True
     )
+    if cfg.model.lora.enabled:  # the base checkpoint, and --load holds adapters of this base
+        check_lora_start(
+            cfg.checkpoint, dataclasses.replace(cfg.model, vocab_size=plan.true_vocab_size)
+        )
     return Preflight(
         cfg=cfg,
         plan=plan,

@@ -18,6 +18,7 @@ from megatron.config.checkpoint_args import (
     checkpoint_fields,
     model_flags,
 )
+from megatron.config.lora import LoraConfig
 from megatron.config.moe import MoEConfig
 
 LLAMA = {"normalization": "rmsnorm", "swiglu": True, "use_rotary_position_embeddings": True}
@@ -75,7 +76,8 @@ def test_every_model_field_is_in_one_table() -> None:
     names = {f.name for f in dataclasses.fields(ModelConfig)} | {
         f.name for f in dataclasses.fields(MoEConfig)
     }
-    assert arch | set(RUN_FIELDS) | {"vocab_size", "moe"} == names
+    names |= {f.name for f in dataclasses.fields(LoraConfig)}
+    assert arch | set(RUN_FIELDS) | {"vocab_size", "moe", "lora"} == names
     assert not arch & set(RUN_FIELDS) and set(DEFAULT_FIELDS) <= arch
 
 

@@ -163,10 +163,19 @@ def test_lora_single_process_contract() -> None:
         (["--zero-stage", "3"], "zero-stage 3"),
         (["--lora-dropout", "1.0"], r"--lora-dropout \(1.0\) must be in \[0, 1\)"),
         (["--lora-alpha", "0"], r"--lora-alpha \(0.0\) must be > 0"),
+        (["--universal-checkpoint"], "drop --universal-checkpoint"),
     ],
 )
 def test_lora_flags_refused(flags: list[str], match: str) -> None:
-    args = ["--micro-batch-size", "1", "--train-iters", "1", "--lora-rank", "4", *flags]
+    args = [
+        "--micro-batch-size",
+        "1",
+        "--lora-rank",
+        "4",
+        "--pretrained-checkpoint",
+        "base",
+        *flags,
+    ]
     with pytest.raises(ValueError, match=match):
         validate(parse_args(args), world_size=1)
 
@@ -174,6 +183,7 @@ def test_lora_flags_refused(flags: list[str], match: str) -> None:
 def test_lora_flags_accepted() -> None:
     cfg = parse_args(
         ["--micro-batch-size", "1", "--lora-rank", "8", "--lora-target-modules", "qkv", "fc2"]
+        + ["--pretrained-checkpoint", "base"]
     )
     validate(cfg, world_size=1)
     lora = cfg.model.lora
@@ -197,7 +207,7 @@ def json_round_trip(d: dict) -> dict:
     return json.loads(json.dumps(d))
 
 
-def _tp_worker() -> dict | None:
+def _tp_worker(keys: list[str]) -> dict | None:
     from megatron.mpu import parallel_state
     from megatron.mpu.layers import copy_tensor_model_parallel_attributes, gather_full_parameter
 
@@ -239,27 +249,29 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def test_lora_tensor_parallel_matches_single_process() -> None:
-    results = run_distributed(_tp_worker, 2, timeout=180)[0]
+@pytest.mark.parametrize(
+    "key", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)]
+)  # LLaMA: SwiGLU (stride 2), GQA, no biases; GPT-2: biases, GeLU
+def test_lora_tensor_parallel_matches_single_process(key: str) -> None:
+    results = run_distributed(_tp_worker, 2, [key], timeout=180)[0]
     ids, pos, mask = _batch()
-    for key, cfg in CONFIGS.items():
-        model = GPTModel(cfg, ParallelContext(seed=SEED))
-        init = {n: p.detach().clone() for n, p in model.named_parameters() if is_lora_parameter(n)}
-        _set_b(model)
-        freeze_base(model)
-        per_token = model(ids, pos, labels=ids)
-        loss_func(per_token, mask).backward()
-        for sp in (False, True):
-            res, where = results[(key, sp)], f"{key} sp={sp}"
-            for (
-                name,
-                want,
-            ) in init.items():  # layout-invariant init: the TP shards are slices of TP = 1's
-                assert torch.equal(torch.from_numpy(res["init"][name]), want), f"{where}: {name}"
-            # fp32 sums reordered across TP shards: ~1e-7 relative; 1e-6 leaves margin
-            assert _rel_err(torch.from_numpy(res["per_token"]), per_token.detach()) <= 1e-6, where
-            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            assert set(res["grads"]) == set(grads) == set(init), where
-            for name, want in grads.items():
-                err = _rel_err(torch.from_numpy(res["grads"][name]), want)
-                assert err <= 1e-6, f"{where}: grad of {name} rel err {err:.2e}"
+    model = GPTModel(CONFIGS[key], ParallelContext(seed=SEED))
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if is_lora_parameter(n)}
+    _set_b(model)
+    freeze_base(model)
+    per_token = model(ids, pos, labels=ids)
+    loss_func(per_token, mask).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for sp in (False, True):
+        res, where = results[(key, sp)], f"{key} sp={sp}"
+        for (
+            name,
+            want,
+        ) in init.items():  # layout-invariant init: the TP shards are slices of TP = 1's
+            assert torch.equal(torch.from_numpy(res["init"][name]), want), f"{where}: {name}"
+        # fp32 sums reordered across TP shards: ~1e-7 relative; 1e-6 leaves margin
+        assert _rel_err(torch.from_numpy(res["per_token"]), per_token.detach()) <= 1e-6, where
+        assert set(res["grads"]) == set(grads) == set(init), where
+        for name, want in grads.items():
+            err = _rel_err(torch.from_numpy(res["grads"][name]), want)
+            assert err <= 1e-6, f"{where}: grad of {name} rel err {err:.2e}"
