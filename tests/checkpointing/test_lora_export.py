@@ -240,7 +240,8 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
     meta = read_export_weights(lora, CheckpointRead(), no_progress, LoraOutput(merge=True))[2]
     assert meta["tokenizer"]["tokenizer_type"] == "NullTokenizer" and meta["lora_base"]
 
-    print(f"TP {tp}: max |dlogit| vs the LoRA model:", d)
+    with capsys.disabled():
+        print(f"\nTP {tp}: max |dlogit| vs the LoRA model: {d}")
 
     # bad input: one line, exit 2, nothing written
     capsys.readouterr()
