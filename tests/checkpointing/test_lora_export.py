@@ -226,13 +226,20 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
 
     adapters, base_sd, cfg, _ = read_lora_checkpoint(lora)
     ref = lora_model_logits({**base_sd, **adapters}, cfg)
+    from peft import AutoPeftModelForCausalLM
+
+    # the folder alone: peft finds the base through base_model_name_or_path
+    auto = AutoPeftModelForCausalLM.from_pretrained(str(peft), local_files_only=True).eval()
+    with torch.no_grad():
+        auto_logits = auto(input_ids=TOKENS).logits[..., :VOCAB]
     logits = {
         "merged": hf_logits(merged),
         "peft": hf_logits(hf_base, peft),
+        "auto_peft": auto_logits,
         "base": hf_logits(hf_base),
     }
     d = {k: (v - ref).abs().max().item() for k, v in logits.items()}
-    assert d["merged"] <= TOL and d["peft"] <= TOL, d
+    assert d["merged"] <= TOL and d["peft"] <= TOL and d["auto_peft"] <= TOL, d
     assert d["base"] > 1e-3, d  # the trained adapters matter
     config = json.loads((peft / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(hf_base.absolute())
