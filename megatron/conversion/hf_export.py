@@ -11,6 +11,7 @@ TP/PP/EP layout, any ZeRO stage).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -29,13 +30,20 @@ from megatron.checkpointing.readers import (
     Progress,
     build_megatron_model,
     no_progress,
-    read_checkpoint_weights,
 )
 from megatron.config import ModelConfig
 from megatron.conversion.hf_gpt2 import megatron_to_gpt2_hf
 from megatron.conversion.hf_llama import megatron_to_llama_hf
 from megatron.conversion.hf_mixtral import is_mixtral, megatron_to_mixtral_hf, verification_config
 from megatron.conversion.hf_tokenizer import export_tokenizer, special_token_ids
+from megatron.conversion.lora_export import (
+    STALE_ADAPTER_FILES,
+    LoraOutput,
+    hf_weights,
+    peft_adapter,
+    read_export_weights,
+    write_peft_adapter,
+)
 from megatron.conversion.output_dirs import check_output_dir_path, check_output_not_input
 from megatron.conversion.verify import (
     LogitComparison,
@@ -107,10 +115,13 @@ def check_export_dir(
         )
 
 
-def remove_stale_export_files(out_dir: Path) -> list[str]:
-    """Delete the :data:`STALE_EXPORT_FILES` in ``out_dir``; returns the names removed."""
+def remove_stale_export_files(
+    out_dir: Path, patterns: tuple[str, ...] = STALE_EXPORT_FILES
+) -> list[str]:
+    """Delete the files matching ``patterns`` (default :data:`STALE_EXPORT_FILES`) in ``out_dir``; returns the
+    names removed."""
     removed = []
-    for pattern in STALE_EXPORT_FILES:
+    for pattern in patterns:
         for path in out_dir.glob(pattern):
             if path.is_file() or path.is_symlink():
                 path.unlink()
@@ -132,7 +143,7 @@ class TokenizerExport:
     """``config.json``'s ``eos_token_id`` (``--eos-token-id``); None: the exported tokenizer's."""
 
 
-def export_to_hf(
+def export_to_hf(  # noqa: PLR0913 (the tool's flag groups, each a dataclass, plus --out and callbacks)
     ckpt_dir: str | Path,
     out_dir: str | Path,
     *,
@@ -142,6 +153,7 @@ def export_to_hf(
     progress: Progress = no_progress,
     overwrite: bool = False,
     say: Callable[[str], None] = logger.info,
+    lora: LoraOutput = LoraOutput(),
 ) -> LogitComparison | None:
     """Write ``out_dir/config.json`` + ``model.safetensors`` (fp32) and the tokenizer files from a checkpoint (the
     tag ``read.tag``, default ``latest``; its files checked against their recorded checksums unless
@@ -152,27 +164,29 @@ def export_to_hf(
     (offline) and compares it with the checkpoint run in our ``GPTModel`` on :func:`fixed_prompts` (greedy decodes
     of ``verification.steps`` tokens).
 
+    A LoRA adapter checkpoint (a ``--lora-rank`` run's) needs ``lora`` (:mod:`megatron.conversion.lora_export`):
+    ``lora.merge`` writes the merged model, ``lora.peft_dir`` the base model and, in that directory, the PEFT
+    adapter folder; either is verified against our LoRA model (the PEFT folder loaded on the base with ``peft``).
+
     ``out_dir`` must be new or empty; with ``overwrite`` an existing directory is used after removing the
     :data:`STALE_EXPORT_FILES` in it (only once the tokenizer was checked: a refused export changes nothing).
     ``model.safetensors`` gets the mode the umask gives new files (safetensors itself writes 0600).
 
     The files are written and verified in a staging directory beside ``out_dir`` and moved in only when the
     comparison passes ``verification.tolerance`` (:meth:`LogitComparison.passes`; None: any result): a failed
-    export goes to ``<out_dir>.unverified/`` instead, never into ``out_dir``.
+    export goes to ``<out_dir>.unverified/`` instead, never into ``out_dir`` (the adapter likewise).
 
     Returns:
         The comparison (None without ``verification``).
 
     Raises:
-        FileNotFoundError / ValueError: unreadable checkpoint, a tokenizer that cannot be exported faithfully, or
-            an --out that is a file or a non-empty directory (without ``overwrite``).
+        FileNotFoundError / ValueError: unreadable checkpoint, a tokenizer that cannot be exported faithfully, an
+            --out that is a file or a non-empty directory (without ``overwrite``), an adapter checkpoint without
+            ``lora`` (or ``lora`` without adapters).
     """
-    from safetensors.torch import save_file
-
     check_export_dir(out_dir, overwrite=overwrite, load=ckpt_dir)
-    full, cfg, meta = read_checkpoint_weights(
-        ckpt_dir, read.tag, progress, verify_checksums=read.verify_checksums
-    )
+    lora.check_dirs(ckpt_dir, out_dir, overwrite=overwrite)
+    full, cfg, meta = read_export_weights(ckpt_dir, read, progress, lora)
     if cfg.moe.num_experts_switch is not None:
         raise ValueError(
             f"{ckpt_dir}: a model with a Switch MLP (--num-experts-switch {cfg.moe.num_experts_switch}) has no "
@@ -181,39 +195,82 @@ def export_to_hf(
     tok_info = (tokenizer.info or meta.get("tokenizer")) if tokenizer.write else None
     bos_token_id, eos_token_id = _config_token_ids(tokenizer, tok_info)
     hf_sd, hf_cfg = hf_exporter(cfg, meta)(
-        full, cfg, cfg.vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
-    )
+        hf_weights(full, cfg, lora), cfg, cfg.vocab_size, bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )  # fmt: skip
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Everything is written and verified in a staging directory beside --out; only an export that passed (or was
-    # not verified) is moved in. A refused tokenizer or a failed verification leaves --out as it was.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
-        staging = Path(tmp)
+    # Everything is written and verified in staging directories beside --out (and --peft-output); only an export
+    # that passed (or was not verified) is moved in. A refused tokenizer or a failed verification leaves them as
+    # they were.
+    with contextlib.ExitStack() as stack:
+        staging = _staging_dir(stack, out)
+        adapter = _staging_dir(stack, Path(lora.peft_dir).absolute()) if lora.peft_dir else None
         if tokenizer.write:
             trained = (meta.get("tokenizer") or {}).get("fingerprint")
             say(export_tokenizer(tok_info, str(staging), cfg.vocab_size, trained))
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / "model.safetensors"))
-        apply_umask_mode(staging / "model.safetensors")
-        (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+        _write_model(staging, hf_sd, hf_cfg)
+        if adapter is not None:
+            family = "llama" if is_llama(cfg) or is_mixtral(cfg) else "gpt2"
+            write_peft_adapter(
+                adapter, *peft_adapter(full, cfg, family=family, base_model=str(out))
+            )
         progress("writing", 1, 1)
-        result = None if verification is None else _verify_export(staging, full, cfg, verification)
+        result = (
+            None
+            if verification is None
+            else _verify_export(staging, full, cfg, verification, adapter)
+        )
         tolerance = None if verification is None else verification.tolerance
         if result is not None and tolerance is not None and not result.passes(tolerance):
-            failed = out.with_name(f"{out.name}.unverified")
-            shutil.rmtree(failed, ignore_errors=True)
-            staging.rename(failed)
-            staging.mkdir()  # for TemporaryDirectory's cleanup
+            failed = [_set_aside(staging, out)]
+            if adapter is not None and lora.peft_dir is not None:
+                failed.append(_set_aside(adapter, lora.peft_dir))
             say(
-                f"verification FAILED: the export was NOT written to {out} (left for inspection in {failed}; "
-                "do not use it)"
+                f"verification FAILED: the export was NOT written to {out} (left for inspection in "
+                f"{' and '.join(map(str, failed))}; do not use it)"
             )
             return result
-        out.mkdir(parents=True, exist_ok=True)
-        if overwrite and (removed := remove_stale_export_files(out)):
-            say(f"--overwrite: removed {', '.join(removed)} from {out}")
-        for f in staging.iterdir():
-            os.replace(f, out / f.name)
+        _move_in(staging, out, STALE_EXPORT_FILES if overwrite else (), say)
+        if adapter is not None and lora.peft_dir is not None:
+            _move_in(adapter, Path(lora.peft_dir), STALE_ADAPTER_FILES if overwrite else (), say)
     return result
+
+
+def _staging_dir(stack: contextlib.ExitStack, out: Path) -> Path:
+    """A temporary directory beside ``out`` (same file system: the files are renamed in), removed on exit."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(
+        stack.enter_context(
+            tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-")
+        )
+    )
+
+
+def _write_model(staging: Path, hf_sd: dict[str, torch.Tensor], hf_cfg: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / "model.safetensors"))
+    apply_umask_mode(staging / "model.safetensors")
+    (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _set_aside(staging: Path, out: str | Path) -> Path:
+    """Move a failed export's staging directory to ``<out>.unverified`` (replacing an older one)."""
+    failed = Path(out).absolute().with_name(f"{Path(out).name}.unverified")
+    shutil.rmtree(failed, ignore_errors=True)
+    staging.rename(failed)
+    staging.mkdir()  # for TemporaryDirectory's cleanup
+    return failed
+
+
+def _move_in(staging: Path, out: Path, stale: tuple[str, ...], say: Callable[[str], None]) -> None:
+    """Move the staged files into ``out``, after removing the ``stale`` patterns there (``--overwrite``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if removed := remove_stale_export_files(out, stale):
+        say(f"--overwrite: removed {', '.join(removed)} from {out}")
+    for f in staging.iterdir():
+        os.replace(f, out / f.name)
 
 
 def _config_token_ids(
@@ -227,12 +284,21 @@ def _config_token_ids(
 
 
 def _verify_export(
-    hf_dir: Path, full: dict[str, torch.Tensor], cfg: ModelConfig, verification: Verification
+    hf_dir: Path,
+    full: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    verification: Verification,
+    adapter: Path | None = None,
 ) -> LogitComparison:
-    """The written HF directory (loaded with transformers, offline) against the checkpoint in our ``GPTModel``."""
+    """The written HF directory (loaded with transformers, offline; with the PEFT ``adapter`` folder loaded on it
+    by ``peft`` when given) against the checkpoint in our ``GPTModel`` (with its LoRA adapters, if any)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).float().eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        hf = PeftModel.from_pretrained(hf, str(adapter), local_files_only=True).eval()
     ours = build_megatron_model(full, verification_config(cfg))
     max_pos = cfg.max_position_embeddings or cfg.seq_length
     prompts, n = fixed_prompts(cfg.vocab_size, max_pos, verification.steps)

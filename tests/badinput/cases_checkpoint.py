@@ -191,6 +191,11 @@ CASES: list[Case] = [
         "trident-to-hf-tag-escapes", (*TO_HF, "--load", "{ws}/ckpt", "--tag", "/etc", "--out", "{tmp}/hf"), 2,
         NOT_PLAIN, needs=("ckpt",),
     ),
+    Case(
+        "trident-to-hf-merge-lora-without-adapters",
+        (*TO_HF, "--load", "{ws}/ckpt", "--out", "{tmp}/hf", "--merge-lora"), 2, "holds no LoRA adapters",
+        unchanged=("{ws}/ckpt",), needs=("ckpt",),
+    ),
     # ------------------------------------------------------------------ hf_to_trident
     Case(
         "hf-to-trident-missing-dir", (*TO_TRIDENT, "--hf-dir", "{tmp}/nope", "--save", "{tmp}/ck"), 2,

@@ -5,6 +5,10 @@
 The tokenizer recorded at training time is exported too (``--no-tokenizer`` to skip; ``--tokenizer-type`` and its
 file flags to name another). --out must be new or empty unless ``--overwrite`` is given.
 
+A LoRA run's checkpoint (adapters on a recorded base) exports with ``--merge-lora`` (--out: the merged model) or
+``--peft-output DIR`` (--out: the base model; DIR: a PEFT adapter folder for it), each verified against the LoRA
+model.
+
 Exit codes: 0 converted (and verified); 2 bad input (one ``error:`` line); 3 verification over tolerance (then
 nothing is written to --out: the unverified files are left in ``<out>.unverified/`` for inspection).
 """
@@ -16,6 +20,7 @@ import sys
 
 from megatron.checkpointing.readers import CheckpointRead
 from megatron.conversion.hf_export import TokenizerExport, export_to_hf
+from megatron.conversion.lora_export import LoraOutput
 from megatron.tokenizer.info import tokenizer_info
 from tools.checkpoint._common import (
     EXIT_INPUT_ERROR,
@@ -51,6 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
+    g = p.add_argument_group("LoRA (a --lora-rank run's checkpoint: adapters on a recorded base)")
+    g.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="write the model with the adapters merged in (W + alpha/r * B A): a plain HF model",
+    )
+    g.add_argument(
+        "--peft-output",
+        default=None,
+        metavar="DIR",
+        help="write the base model to --out and a PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) for it to DIR (LLaMA family and GPT-2)",
+    )
     add_verify_args(p)
     add_checksum_args(p)
     a = p.parse_args(argv)
@@ -81,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             progress=Bar(not a.no_progress),
             overwrite=a.overwrite,
             say=print,
+            lora=LoraOutput(merge=a.merge_lora, peft_dir=a.peft_output),
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     if result is None or result.passes(a.tolerance):
         print(f"wrote {a.out}/config.json and {a.out}/model.safetensors")
+        if a.peft_output:
+            print(
+                f"wrote the PEFT adapter {a.peft_output}/adapter_config.json and adapter_model.safetensors"
+            )
     return report(result, a.tolerance)
 
 
