@@ -368,5 +368,6 @@ class GPTModelPipe(PipelineModule):
             checkpointable_layers=["ParallelTransformerLayerPipe"],
         )
         self.config = config
+        self.parallel = parallel
         self.padded_vocab = padded
         self.moe_losses = moe_losses
