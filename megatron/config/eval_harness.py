@@ -26,7 +26,9 @@ def _layout_refusal(cfg: TridentConfig) -> str | None:
     """Why generation cannot run on this training layout (None: it can)."""
     p = cfg.parallel
     if p.sequence_parallel_enabled:
-        return "--sequence-parallel (generation feeds one token at a time; drop --sequence-parallel)"
+        return (
+            "--sequence-parallel (generation feeds one token at a time; drop --sequence-parallel)"
+        )
     if p.context_parallel_size > 1:
         return f"--context-parallel-size {p.context_parallel_size} (use 1)"
     if p.ds_sequence_parallel_size > 1:

@@ -184,7 +184,9 @@ class GPTStage(nn.Module):
         )
 
         if pipe.parallel.sequence_parallel:
-            raise ValueError("generation runs without --sequence-parallel; the pipe was built with it.")
+            raise ValueError(
+                "generation runs without --sequence-parallel; the pipe was built with it."
+            )
         embedding: Embedding | None = None
         norm: nn.Module | None = None
         output_layer: ColumnParallelLinear | None = None

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron.config import TrainingConfig
+from megatron.launch.exit_codes import ConfigError
 from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.random import preserved_rng_states
 from megatron.training.metrics import MetricsWriter, format_harness_line
@@ -105,11 +106,19 @@ def harness_schedule(
     factory: HarnessFactory | None, model: TrainingModel
 ) -> HarnessSchedule | None:
     """The run's :class:`HarnessSchedule` when --eval-harness-tasks is given and the entry point passed a factory
-    (the interval: --eval-harness-interval, else --eval-interval); None otherwise."""
+    (the interval: --eval-harness-interval, else --eval-interval); None otherwise.
+
+    Raises:
+        ConfigError: the factory refused the tasks (``ValueError`` / ``FileNotFoundError``: an unknown task, a
+            missing data file), on every rank alike, before the first step.
+    """
     t = model.training
     if factory is None or not t.eval_harness_tasks:
         return None
     interval = t.eval_harness_interval or t.eval_interval
-    with preserved_rng_states():  # building it draws nothing from training's random streams either
-        harness = factory(model)
+    try:
+        with preserved_rng_states():  # building it draws nothing from training's random streams either
+            harness = factory(model)
+    except (ValueError, FileNotFoundError) as err:  # an unknown task, a missing data file: one line, exit 2
+        raise ConfigError(str(err)) from None
     return HarnessSchedule(harness=harness, module=model.module, interval=interval)

@@ -432,7 +432,8 @@ class _Loop:
         if self.harness is not None and self.harness.due(state.iteration):
             start = time.perf_counter()
             self.harness.run(state.iteration, self.writer)
-            self.interval.start += time.perf_counter() - start  # evaluation time is not training time
+            # evaluation time is not training time
+            self.interval.start += time.perf_counter() - start
         if spec.log_interval and state.iteration % spec.log_interval == 0:
             self.interval.start = time.perf_counter()  # evaluation time is not training time
         self.saved = False

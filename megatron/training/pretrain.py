@@ -50,8 +50,8 @@ from megatron.planning.planner_config import PlannerConfig
 from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
-from megatron.training.eval_harness import HarnessFactory, TrainingModel, harness_schedule
 from megatron.training.ds_config import log_zero_upgrade
+from megatron.training.eval_harness import HarnessFactory, TrainingModel, harness_schedule
 from megatron.training.initialize import Distributed
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler

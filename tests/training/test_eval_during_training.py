@@ -36,7 +36,9 @@ def _prompt_logp(engine) -> float:
     from megatron.text_generation.engine import TokenRequest
     from megatron.text_generation.sampling import SamplingParams
 
-    request = TokenRequest(PROMPT, 1, SamplingParams(greedy=True), torch.Generator(), log_probs=True)
+    request = TokenRequest(
+        PROMPT, 1, SamplingParams(greedy=True), torch.Generator(), log_probs=True
+    )
     (result,) = engine.generate([request])
     return float(sum(result.prompt_log_probs))
 
@@ -47,7 +49,9 @@ def _fixed_prompt_factory(calls: list[tuple[int, bool]]):
 
     def factory(model):
         engine = training_inference_engine(
-            model.module, pp_group=model.state.get_pipeline_model_parallel_group(), device=model.device
+            model.module,
+            pp_group=model.state.get_pipeline_model_parallel_group(),
+            device=model.device,
         )
 
         def harness(iteration: int) -> dict[str, dict[str, float]]:
@@ -72,7 +76,9 @@ def _checkpoint_logp(ckpt: str, tp: int, pp: int) -> float:
     state = parallel_state.initialize_model_parallel(tp, pp)
     try:
         pp_group = state.get_pipeline_model_parallel_group()
-        stage, _, _ = load_stage(ckpt, tp_group=state.get_tensor_model_parallel_group(), pp_group=pp_group)
+        stage, _, _ = load_stage(
+            ckpt, tp_group=state.get_tensor_model_parallel_group(), pp_group=pp_group
+        )
         return _prompt_logp(InferenceEngine(stage, pp_group=pp_group, device=torch.device("cpu")))
     finally:
         parallel_state.destroy_model_parallel()
@@ -134,7 +140,9 @@ def _check_run(tmp_path: Path, results: list[dict]) -> None:
 def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
     """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on."""
     layout = ["--pipeline-model-parallel-size", "2"]
-    results = run_distributed(_scenario, 2, str(tmp_path), layout, 1, 2, init_process_group=False, timeout=300)
+    results = run_distributed(
+        _scenario, 2, str(tmp_path), layout, 1, 2, init_process_group=False, timeout=300
+    )
     _check_run(tmp_path, results)
 
 
@@ -146,17 +154,25 @@ def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
         "--tensor-model-parallel-size", "2", "--zero-stage", "1",
         "--untie-embeddings-and-output-weights", "--normalization", "rmsnorm",
     ]  # fmt: skip
-    results = run_distributed(_scenario, 4, str(tmp_path), layout, 2, 1, init_process_group=False, timeout=600)
+    results = run_distributed(
+        _scenario, 4, str(tmp_path), layout, 2, 1, init_process_group=False, timeout=600
+    )
     _check_run(tmp_path, results)
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--eval-harness-interval", "5"], r"--eval-harness-interval \(5\) without --eval-harness-tasks"),
+        (
+            ["--eval-harness-interval", "5"],
+            r"--eval-harness-interval \(5\) without --eval-harness-tasks",
+        ),
         (["--eval-harness-limit", "3"], r"--eval-harness-limit \(3\) without --eval-harness-tasks"),
         ([*HARNESS[:2], "--eval-harness-interval", "0"], r"--eval-harness-interval \(0\) must be"),
-        ([*HARNESS, "--eval-harness-num-fewshot", "-1"], r"--eval-harness-num-fewshot \(-1\) must be"),
+        (
+            [*HARNESS, "--eval-harness-num-fewshot", "-1"],
+            r"--eval-harness-num-fewshot \(-1\) must be",
+        ),
         (
             [*HARNESS, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
             "cannot do with --sequence-parallel",
