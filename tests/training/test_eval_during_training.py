@@ -84,13 +84,16 @@ def _checkpoint_logp(ckpt: str, tp: int, pp: int) -> float:
         parallel_state.destroy_model_parallel()
 
 
-def _scenario(tmp: str, layout: list[str], tp: int, pp: int) -> dict:
+def _scenario(tmp: str, layout: list[str], tp: int, pp: int, extra: list[str]) -> dict:
+    import os
+
     from megatron.training import pretrain
 
+    os.environ.pop("WANDB_MODE", None)  # offline
     calls: list[tuple[int, bool]] = []
     out = [
         "--metrics-file", f"{tmp}/harness.jsonl", "--tensorboard-dir", f"{tmp}/tb",
-        "--save", f"{tmp}/ckpt", "--save-interval", "100",
+        "--save", f"{tmp}/ckpt", "--save-interval", "100", *extra,
     ]  # fmt: skip
     with_eval = pretrain(
         parse_args([*FLAGS, *layout, *HARNESS, *out]), eval_harness=_fixed_prompt_factory(calls)
@@ -141,7 +144,7 @@ def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
     """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on."""
     layout = ["--pipeline-model-parallel-size", "2"]
     results = run_distributed(
-        _scenario, 2, str(tmp_path), layout, 1, 2, init_process_group=False, timeout=300
+        _scenario, 2, str(tmp_path), layout, 1, 2, [], init_process_group=False, timeout=300
     )
     _check_run(tmp_path, results)
 
@@ -149,15 +152,22 @@ def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
     """TP = 2 x DP = 2 at PP = 1 (``GPTStage.from_model``), ZeRO-1, untied head, RMSNorm: every DP replica
-    evaluates (the same scores)."""
+    evaluates (the same scores); the scores also reach W&B (offline)."""
     layout = [
         "--tensor-model-parallel-size", "2", "--zero-stage", "1",
         "--untie-embeddings-and-output-weights", "--normalization", "rmsnorm",
     ]  # fmt: skip
+    wandb = ["--wandb-project", "trident-test", "--wandb-save-dir", str(tmp_path / "wb")]
     results = run_distributed(
-        _scenario, 4, str(tmp_path), layout, 2, 1, init_process_group=False, timeout=600
+        _scenario, 4, str(tmp_path), layout, 2, 1, wandb, init_process_group=False, timeout=600
     )
     _check_run(tmp_path, results)
+    from tests.training.test_logging_flags import _wandb_history
+
+    (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = _wandb_history(run_file)
+    tag = "eval-harness/fixed_prompt/logp"
+    assert sorted(row["_step"] for row in rows if tag in row) == [2, 4]
 
 
 @pytest.mark.parametrize(
