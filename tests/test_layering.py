@@ -82,6 +82,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "launch",
         "deepspeed_internals",
     ),
+    "evaluation": (*_BASE, "text_generation", "tokenizer"),
     "testing": (*_BASE, "launch", "mpu"),
 }
 """Package (or top-level module) of ``megatron/`` -> the packages it may import directly."""
@@ -104,6 +105,7 @@ ROLES: dict[str, str] = {
     "training": "preflight, trainer, step, loop, optimizer, LR, DeepSpeed config, logging, metrics",
     "conversion": "offline: HF families, Megatron-DeepSpeed import, universal, reshard, verification",
     "text_generation": "generation, the KV-cache engine and the REST server over a checkpoint's model",
+    "evaluation": "lm-evaluation-harness over the generation engine: the lm_eval model, the task runner",
     "testing": "test utilities (spawn, mpu oracle): tests/ and tools/mpu_selfcheck.py only",
 }
 
@@ -124,6 +126,7 @@ INDEPENDENT: tuple[tuple[str, ...], ...] = (
     ("model", "data"),
     ("planning", "diagnostics"),
     ("training", "text_generation"),
+    ("training", "evaluation"),
 )
 """Groups whose packages never import one another, directly or indirectly."""
 
