@@ -1,10 +1,11 @@
-"""--eval-harness-tasks during training: the harness runs on the training model's own weights (an inference engine
-at the training layout) every --eval-harness-interval iterations, its scores land in the metrics file and
-TensorBoard, and the training losses are bit-identical to the same run without it.
+"""--eval-harness-tasks during training: lm-evaluation-harness runs on the training model's own weights (an
+inference engine at the training layout) every --eval-harness-interval iterations, its scores land in the metrics
+file, TensorBoard (and W&B), and the training losses are bit-identical to the same run without it.
 
-The harness here scores a fixed prompt through ``training_inference_engine`` (what ``megatron.evaluation``'s
-harness runs lm-evaluation-harness on) and, like lm-evaluation-harness, seeds and draws from every global random
-generator, so a loss that moved would show that the training side failed to shield the run from it.
+Each harness here also seeds and draws from every global random generator after scoring (as a harness that does not
+restore them would), so a loss that moved would show that the training side failed to shield the run from it. The
+scores at the last iteration are checked against the same evaluation of the checkpoint saved there, loaded at the
+same layout: the engine over the training model sees the current weights, in eval mode.
 """
 
 from __future__ import annotations
@@ -21,15 +22,46 @@ from megatron.config import parse_args, validate
 from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
 
-PROMPT = [5, 17, 42, 8, 99, 3, 61, 27]
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ["trident_choice", "trident_lastword"]
 FLAGS = [
     *GPT2_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-    "--global-batch-size", "4", "--train-iters", "4", "--mock-data", "--vocab-size", "128",
+    "--seq-length", "32", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+    "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
+    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(ROOT / "tests/fixtures/tiny/vocab.json"),
+    "--merge-file", str(ROOT / "tests/fixtures/tiny/merges.txt"),
     "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0",
-    "--log-interval", "1", "--log-level", "WARNING", "--seed", "7", "--lr", "1e-3",
+    "--log-interval", "1", "--log-level", "WARNING", "--seed", "7", "--lr", "1e-2",
 ]  # fmt: skip
-HARNESS = ["--eval-harness-tasks", "fixed_prompt", "--eval-harness-interval", "2"]
+HARNESS = [
+    "--eval-harness-tasks", *TASKS, "--eval-harness-interval", "2", "--eval-harness-limit", "6",
+    "--eval-harness-include-path", str(ROOT / "examples/eval_tasks"),
+]  # fmt: skip
+PROMPT = [5, 17, 42, 8, 99, 3, 61, 27]
+
+
+def _scramble_rng(iteration: int) -> None:
+    torch.manual_seed(iteration)
+    random.seed(iteration)
+    np.random.seed(iteration)
+    torch.rand(3), random.random(), np.random.rand()
+
+
+def _recording(factory, calls: list[tuple[int, bool]]):
+    """``factory``'s harness, recording (iteration, module.training) and scrambling the global RNGs after it."""
+
+    def build(model):
+        harness = factory(model)
+
+        def run(iteration: int) -> dict[str, dict[str, float]]:
+            calls.append((iteration, model.module.training))
+            scores = harness(iteration)
+            _scramble_rng(iteration)
+            return scores
+
+        return run
+
+    return build
 
 
 def _prompt_logp(engine) -> float:
@@ -43,32 +75,18 @@ def _prompt_logp(engine) -> float:
     return float(sum(result.prompt_log_probs))
 
 
-def _fixed_prompt_factory(calls: list[tuple[int, bool]]):
-    """A harness factory: log p of :data:`PROMPT` on the training model, after scrambling every global RNG."""
+def _fixed_prompt_factory(model):
+    """A harness without lm_eval: log p of :data:`PROMPT` on the training model."""
     from megatron.text_generation.training_model import training_inference_engine
 
-    def factory(model):
-        engine = training_inference_engine(
-            model.module,
-            pp_group=model.state.get_pipeline_model_parallel_group(),
-            device=model.device,
-        )
-
-        def harness(iteration: int) -> dict[str, dict[str, float]]:
-            calls.append((iteration, model.module.training))
-            torch.manual_seed(iteration)  # lm-evaluation-harness seeds the global generators itself
-            random.seed(iteration)
-            np.random.seed(iteration)
-            torch.rand(3), random.random(), np.random.rand()
-            return {"fixed_prompt": {"logp": _prompt_logp(engine), "iteration": float(iteration)}}
-
-        return harness
-
-    return factory
+    engine = training_inference_engine(
+        model.module, pp_group=model.state.get_pipeline_model_parallel_group(), device=model.device
+    )
+    return lambda iteration: {"fixed_prompt": {"logp": _prompt_logp(engine)}}
 
 
-def _checkpoint_logp(ckpt: str, tp: int, pp: int) -> float:
-    """log p of :data:`PROMPT` from the saved checkpoint, loaded at the training layout (TP x PP)."""
+def _checkpoint_scores(ckpt: str, tp: int, pp: int, lm_eval: bool) -> dict[str, dict[str, float]]:
+    """The same evaluation of the saved checkpoint, loaded at the training layout (TP x PP)."""
     from megatron.mpu import parallel_state
     from megatron.text_generation.distributed import load_stage
     from megatron.text_generation.engine import InferenceEngine
@@ -79,31 +97,45 @@ def _checkpoint_logp(ckpt: str, tp: int, pp: int) -> float:
         stage, _, _ = load_stage(
             ckpt, tp_group=state.get_tensor_model_parallel_group(), pp_group=pp_group
         )
-        return _prompt_logp(InferenceEngine(stage, pp_group=pp_group, device=torch.device("cpu")))
+        engine = InferenceEngine(stage, pp_group=pp_group, device=torch.device("cpu"))
+        if not lm_eval:
+            return {"fixed_prompt": {"logp": _prompt_logp(engine)}}
+        from megatron.evaluation import TridentLM, evaluate_tasks
+        from megatron.training.preflight import preflight
+
+        tokenizer = preflight(parse_args(FLAGS)).tokenizer
+        lm = TridentLM(engine, tokenizer, seed=7)
+        include = str(ROOT / "examples/eval_tasks")
+        return evaluate_tasks(lm, TASKS, include_path=include, limit=6)
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _scenario(tmp: str, layout: list[str], tp: int, pp: int, extra: list[str]) -> dict:
+def _scenario(
+    tmp: str, layout: list[str], grid: tuple[int, int], extra: list[str], lm_eval: bool
+) -> dict:
     import os
 
+    import pretrain_gpt
     from megatron.training import pretrain
 
     os.environ.pop("WANDB_MODE", None)  # offline
     calls: list[tuple[int, bool]] = []
     out = [
         "--metrics-file", f"{tmp}/harness.jsonl", "--tensorboard-dir", f"{tmp}/tb",
-        "--save", f"{tmp}/ckpt", "--save-interval", "100", *extra,
+        "--save", f"{tmp}/ckpt", "--save-interval", "100",
     ]  # fmt: skip
-    with_eval = pretrain(
-        parse_args([*FLAGS, *layout, *HARNESS, *out]), eval_harness=_fixed_prompt_factory(calls)
-    )
+    fixed = ["--eval-harness-tasks", "fixed_prompt", "--eval-harness-interval", "2"]
+    harness_flags = HARNESS if lm_eval else fixed
+    cfg = parse_args([*FLAGS, *layout, *harness_flags, *out, *extra])
+    factory = pretrain_gpt.eval_harness_factory(cfg) if lm_eval else _fixed_prompt_factory
+    with_eval = pretrain(cfg, eval_harness=_recording(factory, calls))
     plain = pretrain(parse_args([*FLAGS, *layout, "--metrics-file", f"{tmp}/plain.jsonl"]))
     return {
         "codes": (with_eval.exit_code, plain.exit_code),
         "losses": (with_eval.losses, plain.losses),
         "calls": calls,
-        "checkpoint_logp": _checkpoint_logp(f"{tmp}/ckpt", tp, pp),
+        "checkpoint": _checkpoint_scores(f"{tmp}/ckpt", *grid, lm_eval),
     }
 
 
@@ -115,53 +147,75 @@ def _tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def _check_run(tmp_path: Path, results: list[dict]) -> None:
+def _check_run(tmp_path: Path, results: list[dict], tag: str) -> dict[int, dict]:
+    """The checks every layout shares; returns the recorded scores by iteration."""
     r = results[0]
     assert r["codes"] == (0, 0)
     with_eval, plain = r["losses"]
-    assert len(plain) == 4 and with_eval == plain  # bit-identical: same floats
+    assert len(plain) == 4 and with_eval == plain  # bit-identical: the same floats
     for rank in results:
         assert rank["calls"] == [(2, False), (4, False)]  # every rank, eval mode inside the harness
     rows = [json.loads(x) for x in (tmp_path / "harness.jsonl").read_text().splitlines()]
+    assert [row["lm_loss"] for row in rows if "lm_loss" in row] == plain
     scores = {row["iteration"]: row["eval_harness"] for row in rows if "eval_harness" in row}
     assert sorted(scores) == [2, 4]
-    assert scores[4]["fixed_prompt"]["iteration"] == 4.0
-    logp = {it: s["fixed_prompt"]["logp"] for it, s in scores.items()}
-    assert logp[2] != logp[4]  # the harness sees the weights as they are trained
-    # the engine over the training model scores exactly like the model saved at the same iteration
-    assert logp[4] == pytest.approx(r["checkpoint_logp"], rel=1e-6, abs=1e-6)
+    # the engine over the training model scores like the model saved at the same iteration
+    for task, metrics in r["checkpoint"].items():
+        assert scores[4][task] == pytest.approx(metrics, rel=1e-6, abs=1e-6), task
+    task, metric = tag.split("/")
     tb = _tensorboard(tmp_path / "tb")
-    assert [s for s, _ in tb["eval-harness/fixed_prompt/logp"]] == [2, 4]
-    assert [v for _, v in tb["eval-harness/fixed_prompt/logp"]] == pytest.approx(
-        [logp[2], logp[4]], rel=1e-6
+    assert [s for s, _ in tb[f"eval-harness/{tag}"]] == [2, 4]
+    assert [v for _, v in tb[f"eval-harness/{tag}"]] == pytest.approx(
+        [scores[2][task][metric], scores[4][task][metric]], rel=1e-6
     )
-    # the training records are those of the run without the harness
-    train_rows = [row["lm_loss"] for row in rows if "lm_loss" in row]
-    assert train_rows == plain
+    return scores
 
 
 def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
-    """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on."""
-    layout = ["--pipeline-model-parallel-size", "2"]
+    """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on, two local lm_eval tasks through
+    ``pretrain_gpt.py``'s factory."""
     results = run_distributed(
-        _scenario, 2, str(tmp_path), layout, 1, 2, [], init_process_group=False, timeout=300
+        _scenario,
+        2,
+        str(tmp_path),
+        ["--pipeline-model-parallel-size", "2"],
+        (1, 2),
+        [],
+        True,
+        init_process_group=False,
+        timeout=300,
     )
-    _check_run(tmp_path, results)
+    scores = _check_run(tmp_path, results, "trident_lastword/perplexity")
+    assert set(scores[4]) == set(TASKS)
+    assert {"acc", "acc_norm"} <= set(scores[4]["trident_choice"])
+    # the model trains at lr 1e-2: the last-word perplexity moves between the two evaluations
+    assert (
+        scores[2]["trident_lastword"]["perplexity"] != scores[4]["trident_lastword"]["perplexity"]
+    )
 
 
 @pytest.mark.slow
 def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
-    """TP = 2 x DP = 2 at PP = 1 (``GPTStage.from_model``), ZeRO-1, untied head, RMSNorm: every DP replica
-    evaluates (the same scores); the scores also reach W&B (offline)."""
+    """TP = 2 x DP = 2 at PP = 1 (``GPTStage.from_model``), ZeRO-1, untied head, RMSNorm, a harness without
+    lm_eval: every DP replica evaluates (the same scores); the scores also reach W&B (offline)."""
     layout = [
         "--tensor-model-parallel-size", "2", "--zero-stage", "1",
         "--untie-embeddings-and-output-weights", "--normalization", "rmsnorm",
     ]  # fmt: skip
     wandb = ["--wandb-project", "trident-test", "--wandb-save-dir", str(tmp_path / "wb")]
     results = run_distributed(
-        _scenario, 4, str(tmp_path), layout, 2, 1, wandb, init_process_group=False, timeout=600
+        _scenario,
+        4,
+        str(tmp_path),
+        layout,
+        (2, 1),
+        wandb,
+        False,
+        init_process_group=False,
+        timeout=600,
     )
-    _check_run(tmp_path, results)
+    scores = _check_run(tmp_path, results, "fixed_prompt/logp")
+    assert scores[2]["fixed_prompt"]["logp"] != scores[4]["fixed_prompt"]["logp"]
     from tests.training.test_logging_flags import _wandb_history
 
     (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
@@ -178,7 +232,7 @@ def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
             r"--eval-harness-interval \(5\) without --eval-harness-tasks",
         ),
         (["--eval-harness-limit", "3"], r"--eval-harness-limit \(3\) without --eval-harness-tasks"),
-        ([*HARNESS[:2], "--eval-harness-interval", "0"], r"--eval-harness-interval \(0\) must be"),
+        ([*HARNESS[:3], "--eval-harness-interval", "0"], r"--eval-harness-interval \(0\) must be"),
         (
             [*HARNESS, "--eval-harness-num-fewshot", "-1"],
             r"--eval-harness-num-fewshot \(-1\) must be",
