@@ -23,7 +23,7 @@ from megatron.model.presets import GPT2_FLAGS
 from megatron.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ["trident_choice", "trident_lastword"]
+TASKS = ["trident_lastword"]
 FLAGS = [
     *GPT2_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "128", "--micro-batch-size", "1",
@@ -172,7 +172,7 @@ def _check_run(tmp_path: Path, results: list[dict], tag: str) -> dict[int, dict]
 
 
 def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
-    """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on, two local lm_eval tasks through
+    """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on, a local lm_eval task through
     ``pretrain_gpt.py``'s factory."""
     results = run_distributed(
         _scenario,
@@ -187,7 +187,7 @@ def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
     )
     scores = _check_run(tmp_path, results, "trident_lastword/perplexity")
     assert set(scores[4]) == set(TASKS)
-    assert {"acc", "acc_norm"} <= set(scores[4]["trident_choice"])
+    assert {"acc", "perplexity"} <= set(scores[4]["trident_lastword"])
     # the model trains at lr 1e-2: the last-word perplexity moves between the two evaluations
     assert (
         scores[2]["trident_lastword"]["perplexity"] != scores[4]["trident_lastword"]["perplexity"]
@@ -232,7 +232,7 @@ def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
             r"--eval-harness-interval \(5\) without --eval-harness-tasks",
         ),
         (["--eval-harness-limit", "3"], r"--eval-harness-limit \(3\) without --eval-harness-tasks"),
-        ([*HARNESS[:3], "--eval-harness-interval", "0"], r"--eval-harness-interval \(0\) must be"),
+        ([*HARNESS[:2], "--eval-harness-interval", "0"], r"--eval-harness-interval \(0\) must be"),
         (
             [*HARNESS, "--eval-harness-num-fewshot", "-1"],
             r"--eval-harness-num-fewshot \(-1\) must be",
