@@ -224,8 +224,10 @@ class TridentLM(TemplateLM):
         out = [""] * len(args)
         for rows in groups.values():
             plan = _GenerationPlan.from_kwargs(args[rows[0]][1], self)
-            contexts = {
-                i: self.tok_encode(args[i][0], left_truncate_len=plan.max_context) for i in rows
+            contexts = {  # an empty context starts from the prefix token (as an empty loglikelihood one)
+                i: self.tok_encode(args[i][0], left_truncate_len=plan.max_context)
+                or [self.prefix_token_id]
+                for i in rows
             }
             order = sorted(rows, key=lambda i: (-len(contexts[i]), args[i][0]))
             for start in range(0, len(order), self.batch_size):
@@ -331,6 +333,21 @@ def _restored_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+@contextmanager
+def _every_rank_returns_results() -> Iterator[None]:
+    """``simple_evaluate`` returns its results only where ``LOCAL_RANK`` is 0 (under a TP launcher it expects one
+    process to report); every rank of ours needs them (the same metrics everywhere), so it sees 0 meanwhile."""
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
 def evaluate_tasks(
     lm: TridentLM,
     tasks: list[str],
@@ -357,7 +374,7 @@ def evaluate_tasks(
     specs = task_specs(tasks, manager)
     from lm_eval import simple_evaluate
 
-    with _restored_rng():
+    with _restored_rng(), _every_rank_returns_results():
         out = simple_evaluate(
             model=lm,
             tasks=specs,
@@ -367,7 +384,7 @@ def evaluate_tasks(
             log_samples=False,
             bootstrap_iters=0,
         )
-    if out is None:  # simple_evaluate returns None on ranks other than its own rank 0 (never ours)
+    if out is None:  # simple_evaluate returns None where lm.rank != 0 (never ours)
         raise RuntimeError("lm_eval returned no results on this rank.")
     return {
         task: {_metric(name): float(v) for name, v in metrics.items() if _is_number(v)}
