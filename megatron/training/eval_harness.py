@@ -117,8 +117,9 @@ def harness_schedule(
         return None
     interval = t.eval_harness_interval or t.eval_interval
     try:
-        with preserved_rng_states():  # building it draws nothing from training's random streams either
+        # building it draws nothing from training's random streams either
+        with preserved_rng_states():
             harness = factory(model)
-    except (ValueError, FileNotFoundError) as err:  # an unknown task, a missing data file: one line, exit 2
+    except (ValueError, FileNotFoundError) as err:  # an unknown task, a missing data file: exit 2
         raise ConfigError(str(err)) from None
     return HarnessSchedule(harness=harness, module=model.module, interval=interval)
