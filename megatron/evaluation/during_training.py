@@ -11,6 +11,7 @@ evaluation window (model in eval mode, random states restored), and records the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,14 @@ TrainingHarness = Callable[[int], dict[str, dict[str, float]]]
 """iteration -> ``{task: {metric: value}}``."""
 
 
+def _training_flags(message: str) -> str:
+    """``message`` with the evaluation tool's flags spelled as the training run's (``--tasks`` ->
+    ``--eval-harness-tasks``, ``--include-path``, ``--limit``, ``--num-fewshot`` likewise)."""
+    return re.sub(
+        r"(?<![\w-])--(tasks|include-path|limit|num-fewshot)\b", r"--eval-harness-\1", message
+    )
+
+
 def training_harness(model: Any) -> TrainingHarness:
     """The --eval-harness-tasks evaluation of the training model ``model`` (a ``TrainingModel``: ``module``,
     ``device``, ``state``, ``tokenizer``, ``training``).
@@ -31,8 +40,14 @@ def training_harness(model: Any) -> TrainingHarness:
     """
     t = model.training
     tasks = list(t.eval_harness_tasks or ())
-    # refuse an unknown task or a missing data file now, at start-up
-    task_specs(tasks, task_manager(tasks, t.eval_harness_include_path))
+    # an unknown task or a missing data file fails now, at start-up; the messages name tools/eval_harness.py's
+    # flags, so they are re-spelled as the training run's
+    try:
+        task_specs(tasks, task_manager(tasks, t.eval_harness_include_path))
+    except ValueError as err:
+        raise ValueError(_training_flags(str(err))) from None
+    except FileNotFoundError as err:
+        raise FileNotFoundError(_training_flags(str(err))) from None
     engine = training_inference_engine(
         model.module,
         pp_group=model.state.get_pipeline_model_parallel_group(),
