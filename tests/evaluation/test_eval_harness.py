@@ -243,3 +243,50 @@ def test_results_file_and_table(tmp_path: Path) -> None:
         "config": {"limit": 4},
     }
     assert results_table(results).splitlines()[2].split() == ["trident_choice", "acc", "0.25"]
+
+
+def test_llama3_tokenization_is_the_hf_backends(tmp_path: Path) -> None:
+    """With a tokenizer that adds ``<|begin_of_text|>`` (Llama 3's layout, built offline), ``TridentLM`` encodes
+    every kind of request as ``HFLM`` does: context/continuation splits (trailing spaces, an empty context, a
+    context typed with the BOS), rolling documents and generation contexts; the same prefix token."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megatron.testing.tokenizers import FAMILY_SIZES, family_tokenizer
+
+    hf_dir = family_tokenizer("llama3", tmp_path / "hf")
+    config = LlamaConfig(
+        vocab_size=FAMILY_SIZES["llama3"][1], hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(hf_dir)
+    engine, tokenizer = whole_model_engine(hf_dir)
+    ours = TridentLM(engine, tokenizer)
+    hf_tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    theirs = HFLM(pretrained=LlamaForCausalLM(config), tokenizer=hf_tok, backend="causal")
+    assert ours.prefix_token_id == theirs.prefix_token_id == 128_000
+    pairs = [
+        ("Question: what is it?  ", "An answer."),
+        ("", "Starts the document"),
+        ("<|begin_of_text|>Typed BOS", " then text"),
+        ("Numbers 12345", " and  spaces\n"),
+    ]
+    encoded: list[Any] = []
+
+    def capture(reqs: list[Any], **kwargs: Any) -> list[tuple[float, bool]]:
+        encoded.append([r[1:] for r in reqs])
+        return [(0.0, False)] * len(reqs)
+
+    for lm in (ours, theirs):
+        lm._loglikelihood_tokens = capture  # type: ignore[method-assign]
+        lm.loglikelihood([Instance("loglikelihood", {}, p, 0) for p in pairs], disable_tqdm=True)
+    assert encoded[0] == encoded[1] and encoded[0][0][0][0] == 128_000
+    for text in ("Plain text, no BOS.", "<|begin_of_text|>with one", ""):
+        assert ours.tok_encode(text) == theirs.tok_encode(text), text
+        assert ours.tok_encode(text, add_special_tokens=False) == theirs.tok_encode(
+            text, add_special_tokens=False
+        )
+        if text:
+            ids, _ = theirs.tok_batch_encode([text])
+            assert ours.tok_encode(text) == ids[0].tolist(), text
