@@ -1,7 +1,7 @@
-"""Bad inputs of ``pretrain_gpt.py --eval-harness-*`` (lm-evaluation-harness during training): a missing include
-path (before any process group, a few seconds) and an unknown task name (one rank starts: the tasks are looked up
-once the engine exists, before the first step; the message names the training flags). The flag rules of
-``megatron/config/eval_harness.py`` are tested in ``tests/training/test_eval_during_training.py``."""
+"""Bad inputs of ``pretrain_gpt.py --eval-harness-*`` (lm-evaluation-harness during training): an unknown task name
+(one rank starts: the tasks are looked up once the engine exists, before the first step; the message names the
+training flags). The flag rules of ``megatron/config/eval_harness.py`` and the include-path check of preflight are
+tested in ``tests/training/test_eval_during_training.py``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,6 @@ from tests.badinput.cases import TINY_FLAGS, Case
 TRAIN = ("pretrain_gpt.py", *TINY_FLAGS, "--train-iters", "2")
 
 CASES: list[Case] = [
-    Case(
-        "eval-harness-include-path-missing",
-        (*TRAIN, "--eval-harness-tasks", "x", "--eval-harness-include-path", "{tmp}/no_tasks"),
-        2,
-        "--eval-harness-include-path {tmp}/no_tasks: no such directory",
-    ),
     Case(
         "eval-harness-unknown-task",
         (

@@ -27,7 +27,7 @@ TASKS = ["trident_lastword"]
 FLAGS = [
     *GPT2_FLAGS, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "128", "--micro-batch-size", "1",
-    "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
+    "--global-batch-size", "4", "--mock-data",
     "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(ROOT / "tests/fixtures/tiny/vocab.json"),
     "--merge-file", str(ROOT / "tests/fixtures/tiny/merges.txt"),
     "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0",
@@ -85,17 +85,19 @@ def _fixed_prompt_factory(model):
     return lambda iteration: {"fixed_prompt": {"logp": _prompt_logp(engine)}}
 
 
-def _checkpoint_scores(ckpt: str, tp: int, pp: int, lm_eval: bool) -> dict[str, dict[str, float]]:
-    """The same evaluation of the saved checkpoint, loaded at the training layout (TP x PP)."""
+def _checkpoint_scores(
+    ckpt: str, tag: str, grid: tuple[int, int], lm_eval: bool
+) -> dict[str, dict[str, float]]:
+    """The same evaluation of the checkpoint ``tag``, loaded at the training layout (TP x PP)."""
     from megatron.mpu import parallel_state
     from megatron.text_generation.distributed import load_stage
     from megatron.text_generation.engine import InferenceEngine
 
-    state = parallel_state.initialize_model_parallel(tp, pp)
+    state = parallel_state.initialize_model_parallel(*grid)
     try:
         pp_group = state.get_pipeline_model_parallel_group()
         stage, _, _ = load_stage(
-            ckpt, tp_group=state.get_tensor_model_parallel_group(), pp_group=pp_group
+            ckpt, tag, tp_group=state.get_tensor_model_parallel_group(), pp_group=pp_group
         )
         engine = InferenceEngine(stage, pp_group=pp_group, device=torch.device("cpu"))
         if not lm_eval:
@@ -103,7 +105,7 @@ def _checkpoint_scores(ckpt: str, tp: int, pp: int, lm_eval: bool) -> dict[str, 
         from megatron.evaluation import TridentLM, evaluate_tasks
         from megatron.training.preflight import preflight
 
-        tokenizer = preflight(parse_args(FLAGS)).tokenizer
+        tokenizer = preflight(parse_args([*FLAGS, "--train-iters", "1"])).tokenizer
         lm = TridentLM(engine, tokenizer, seed=7)
         include = str(ROOT / "examples/eval_tasks")
         return evaluate_tasks(lm, TASKS, include_path=include, limit=6)
@@ -114,6 +116,7 @@ def _checkpoint_scores(ckpt: str, tp: int, pp: int, lm_eval: bool) -> dict[str, 
 def _scenario(
     tmp: str, layout: list[str], grid: tuple[int, int], extra: list[str], lm_eval: bool
 ) -> dict:
+    """Train ``iters`` (the last of ``extra``'s flags) with and without the harness every 2 iterations."""
     import os
 
     import pretrain_gpt
@@ -123,19 +126,24 @@ def _scenario(
     calls: list[tuple[int, bool]] = []
     out = [
         "--metrics-file", f"{tmp}/harness.jsonl", "--tensorboard-dir", f"{tmp}/tb",
-        "--save", f"{tmp}/ckpt", "--save-interval", "100",
+        "--save", f"{tmp}/ckpt", "--save-interval", "2",
     ]  # fmt: skip
     fixed = ["--eval-harness-tasks", "fixed_prompt", "--eval-harness-interval", "2"]
     harness_flags = HARNESS if lm_eval else fixed
     cfg = parse_args([*FLAGS, *layout, *harness_flags, *out, *extra])
     factory = pretrain_gpt.eval_harness_factory(cfg) if lm_eval else _fixed_prompt_factory
     with_eval = pretrain(cfg, eval_harness=_recording(factory, calls))
-    plain = pretrain(parse_args([*FLAGS, *layout, "--metrics-file", f"{tmp}/plain.jsonl"]))
+    iters = extra[-1]
+    plain = pretrain(parse_args([*FLAGS, *layout, "--train-iters", iters]))
+    last = int(iters) // 2 * 2  # the last harness iteration; a checkpoint was saved there
     return {
         "codes": (with_eval.exit_code, plain.exit_code),
         "losses": (with_eval.losses, plain.losses),
         "calls": calls,
-        "checkpoint": _checkpoint_scores(f"{tmp}/ckpt", *grid, lm_eval),
+        "checkpoint": (
+            last,
+            _checkpoint_scores(f"{tmp}/ckpt", f"global_step{last}", grid, lm_eval),
+        ),
     }
 
 
@@ -147,51 +155,51 @@ def _tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def _check_run(tmp_path: Path, results: list[dict], tag: str) -> dict[int, dict]:
+def _check_run(tmp_path: Path, results: list[dict], tag: str, iters: int) -> dict[int, dict]:
     """The checks every layout shares; returns the recorded scores by iteration."""
     r = results[0]
+    evals = list(range(2, iters + 1, 2))
     assert r["codes"] == (0, 0)
     with_eval, plain = r["losses"]
-    assert len(plain) == 4 and with_eval == plain  # bit-identical: the same floats
+    # bit-identical (the same floats), also after the evaluations (dropout draws from the restored streams)
+    assert len(plain) == iters and with_eval == plain
     for rank in results:
-        assert rank["calls"] == [(2, False), (4, False)]  # every rank, eval mode inside the harness
+        assert rank["calls"] == [(i, False) for i in evals]  # every rank, eval mode inside
     rows = [json.loads(x) for x in (tmp_path / "harness.jsonl").read_text().splitlines()]
     assert [row["lm_loss"] for row in rows if "lm_loss" in row] == plain
     scores = {row["iteration"]: row["eval_harness"] for row in rows if "eval_harness" in row}
-    assert sorted(scores) == [2, 4]
+    assert sorted(scores) == evals
     # the engine over the training model scores like the model saved at the same iteration
-    for task, metrics in r["checkpoint"].items():
-        assert scores[4][task] == pytest.approx(metrics, rel=1e-6, abs=1e-6), task
+    last, saved = r["checkpoint"]
+    for task, metrics in saved.items():
+        assert scores[last][task] == pytest.approx(metrics, rel=1e-6, abs=1e-6), task
     task, metric = tag.split("/")
     tb = _tensorboard(tmp_path / "tb")
-    assert [s for s, _ in tb[f"eval-harness/{tag}"]] == [2, 4]
+    assert [s for s, _ in tb[f"eval-harness/{tag}"]] == evals
     assert [v for _, v in tb[f"eval-harness/{tag}"]] == pytest.approx(
-        [scores[2][task][metric], scores[4][task][metric]], rel=1e-6
+        [scores[i][task][metric] for i in evals], rel=1e-6
     )
     return scores
 
 
 def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
     """PP = 2 (``GPTStage.from_pipe``: the pipe stages shared), dropout on, a local lm_eval task through
-    ``pretrain_gpt.py``'s factory."""
+    ``pretrain_gpt.py``'s factory at iteration 2 of 3 (one evaluation, for the suite's time; the slow test has
+    two)."""
     results = run_distributed(
         _scenario,
         2,
         str(tmp_path),
         ["--pipeline-model-parallel-size", "2"],
         (1, 2),
-        [],
+        ["--train-iters", "3"],
         True,
         init_process_group=False,
         timeout=300,
     )
-    scores = _check_run(tmp_path, results, "trident_lastword/perplexity")
-    assert set(scores[4]) == set(TASKS)
-    assert {"acc", "perplexity"} <= set(scores[4]["trident_lastword"])
-    # the model trains at lr 1e-2: the last-word perplexity moves between the two evaluations
-    assert (
-        scores[2]["trident_lastword"]["perplexity"] != scores[4]["trident_lastword"]["perplexity"]
-    )
+    scores = _check_run(tmp_path, results, "trident_lastword/perplexity", 3)
+    assert set(scores[2]) == set(TASKS)
+    assert {"acc", "perplexity"} <= set(scores[2]["trident_lastword"])
 
 
 @pytest.mark.slow
@@ -209,12 +217,13 @@ def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
         str(tmp_path),
         layout,
         (2, 1),
-        wandb,
+        [*wandb, "--train-iters", "4"],
         False,
         init_process_group=False,
         timeout=600,
     )
-    scores = _check_run(tmp_path, results, "fixed_prompt/logp")
+    scores = _check_run(tmp_path, results, "fixed_prompt/logp", 4)
+    # the harness sees the weights as they are trained
     assert scores[2]["fixed_prompt"]["logp"] != scores[4]["fixed_prompt"]["logp"]
     from tests.training.test_logging_flags import _wandb_history
 
@@ -247,3 +256,14 @@ def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
 def test_eval_harness_flag_rules(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         validate(parse_args([*FLAGS, *flags]), world_size=2)
+
+
+def test_eval_harness_include_path_must_be_a_directory(tmp_path: Path) -> None:
+    from megatron.training.preflight import check_eval_harness_include_path
+
+    check_eval_harness_include_path(None)
+    check_eval_harness_include_path(str(ROOT / "examples/eval_tasks"))
+    with pytest.raises(
+        FileNotFoundError, match=r"--eval-harness-include-path .*: no such directory"
+    ):
+        check_eval_harness_include_path(str(tmp_path / "missing"))
