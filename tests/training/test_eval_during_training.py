@@ -204,11 +204,12 @@ def test_eval_harness_during_training_pp2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_eval_harness_during_training_tp2_dp2(tmp_path: Path) -> None:
-    """TP = 2 x DP = 2 at PP = 1 (``GPTStage.from_model``), ZeRO-1, untied head, RMSNorm, a harness without
-    lm_eval: every DP replica evaluates (the same scores); the scores also reach W&B (offline)."""
+    """TP = 2 x DP = 2 at PP = 1 (``GPTStage.from_model``), ZeRO-1, untied head, RMSNorm, activation
+    checkpointing, a harness without lm_eval: every DP replica evaluates (the same scores); the scores also reach
+    W&B (offline)."""
     layout = [
         "--tensor-model-parallel-size", "2", "--zero-stage", "1",
-        "--untie-embeddings-and-output-weights", "--normalization", "rmsnorm",
+        "--untie-embeddings-and-output-weights", "--normalization", "rmsnorm", "--checkpoint-activations",
     ]  # fmt: skip
     wandb = ["--wandb-project", "trident-test", "--wandb-save-dir", str(tmp_path / "wb")]
     results = run_distributed(
