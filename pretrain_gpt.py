@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from megatron.config import TridentConfig, parse_args
 from megatron.config.checkpoint_args import CheckpointModel
@@ -49,6 +51,16 @@ def _read_checkpoint_model(load: str, load_tag: str | None, universal: bool) -> 
     return read_checkpoint_model(load, load_tag, universal)
 
 
+def eval_harness_factory(cfg: TridentConfig) -> Callable[[Any], Any] | None:
+    """--eval-harness-tasks: ``megatron.evaluation``'s harness over the training model (the training package does
+    not import evaluation, so the entry point hands it to ``pretrain``); None without the flag."""
+    if not cfg.training.eval_harness_tasks:
+        return None
+    from megatron.evaluation.during_training import training_harness
+
+    return training_harness
+
+
 def _main(cfg: TridentConfig) -> int:
     from megatron.checkpointing.engine import CheckpointSaveError
     from megatron.launch.elastic import record_failure
@@ -65,7 +77,7 @@ def _main(cfg: TridentConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
-        result = pretrain(cfg, checked=checked)
+        result = pretrain(cfg, checked=checked, eval_harness=eval_harness_factory(cfg))
     except (
         FileNotFoundError,
         ConfigError,

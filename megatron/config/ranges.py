@@ -121,6 +121,11 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("--initial-loss-scale", "training.initial_loss_scale", POSITIVE),
     Bound("--min-loss-scale", "training.min_loss_scale", POSITIVE),
     Bound("--loss-scale-window", "training.loss_scale_window", POSITIVE_INT),
+    Bound("--eval-harness-interval", "training.eval_harness_interval", POSITIVE_INT),
+    Bound(
+        "--eval-harness-limit", "training.eval_harness_limit", POSITIVE_INT, "leave it out for all"
+    ),
+    Bound("--eval-harness-num-fewshot", "training.eval_harness_num_fewshot", NON_NEGATIVE),
     Bound("--hysteresis", "training.hysteresis", POSITIVE_INT),
     Bound(
         "--exit-duration-in-mins",

@@ -113,3 +113,15 @@ class TrainingConfig:
     (Megatron-DeepSpeed's data-efficiency curriculum; metrics that need DeepSpeed's data analysis are refused)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for MFU (default: looked up for known GPUs; none on CPU)."""
+    eval_harness_tasks: tuple[str, ...] | None = None
+    """lm-evaluation-harness tasks (names, groups or YAML tasks of --eval-harness-include-path) scored on the
+    training model every --eval-harness-interval iterations; the scores go to the metrics file, TensorBoard and
+    W&B (docs/evaluation.md)."""
+    eval_harness_interval: int | None = None
+    """Iterations between --eval-harness-tasks evaluations (default: --eval-interval)."""
+    eval_harness_include_path: str | None = None
+    """A directory of extra lm-evaluation-harness task YAMLs for --eval-harness-tasks."""
+    eval_harness_limit: int | None = None
+    """Score at most this many examples of each --eval-harness-tasks task (default: all)."""
+    eval_harness_num_fewshot: int | None = None
+    """Few-shot examples per prompt for --eval-harness-tasks (default: each task's own)."""

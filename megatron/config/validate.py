@@ -9,6 +9,7 @@ from __future__ import annotations
 from megatron.config.arguments import TridentConfig
 from megatron.config.batch_rampup import check_rampup
 from megatron.config.context_parallel import check_context_parallel
+from megatron.config.eval_harness import check_eval_harness
 from megatron.config.features import check_model_features
 from megatron.config.logging_config import check_logging
 from megatron.config.lora import check_lora
@@ -376,3 +377,4 @@ def validate(cfg: TridentConfig, *, world_size: int, device_type: str = "cpu") -
     _check_position_flags(cfg)
     check_model_features(cfg.model)
     _check_hang_timeout(cfg)
+    check_eval_harness(cfg)

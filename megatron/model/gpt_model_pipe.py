@@ -375,5 +375,6 @@ class GPTModelPipe(PipelineModule):
             checkpointable_layers=["ParallelTransformerLayerPipe"],
         )
         self.config = config
+        self.parallel = parallel
         self.padded_vocab = padded
         self.moe_losses = moe_losses

@@ -19,6 +19,9 @@ Sequence parallelism is off (generation feeds one token per step).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, TypeVar
+
 import torch
 from torch import nn
 
@@ -31,11 +34,29 @@ from megatron.model.language_model import (
     build_output_layer,
     parallel_lm_logits,
 )
+from megatron.model.norms import LayerNorm, RMSNorm
 from megatron.model.rotary import model_rotary
 from megatron.model.transformer import ParallelTransformerLayer, config_norm
 from megatron.model.utils import check_tensor_parallel_shapes
 from megatron.mpu.context import ParallelContext
 from megatron.mpu.layers import ColumnParallelLinear
+
+if TYPE_CHECKING:
+    from megatron.model.gpt_model_pipe import GPTModelPipe
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _base_view(module: nn.Module, base: type[_M]) -> _M:
+    """``module`` (an instance of a subclass of ``base``) seen as a plain ``base``: a new object sharing its
+    parameters, buffers and submodules (the same dicts, not copies) whose ``forward`` is ``base.forward``.
+
+    The view is for generation: it is in eval mode itself (no dropout of its own), while its submodules keep
+    following ``module``'s owner, who puts the model in eval mode around generation."""
+    view = base.__new__(base)
+    view.__dict__.update(module.__dict__)
+    view.training = False
+    return view
 
 
 class _Encoder(nn.Module):
@@ -139,6 +160,57 @@ class GPTStage(nn.Module):
         stage.language_model = _LanguageModel(
             lm.embedding, _Encoder(layers, lm.encoder.final_layernorm), lm.output_layer
         )
+        return stage
+
+    @classmethod
+    def from_pipe(cls, pipe: GPTModelPipe) -> GPTStage:
+        """This rank's stage of a DeepSpeed ``GPTModelPipe`` (the training model at PP > 1), sharing its modules.
+
+        DeepSpeed registers the pipe's modules under their index in the layer list (``gpt_model_pipe.py``: 1 the
+        embedding, ``2 + i`` transformer layer ``i``, then the final norm and the untied head; the tied embedding
+        under ``tied_modules.embed``, on the first and the last stage); the stage keys them as ``GPTModel`` does.
+        A pipe module takes and returns pipe tuples, so each is seen through its base class (the same parameters,
+        the base class's ``forward``). The parameter dtype is the module's own (DeepSpeed casts it for
+        --bf16/--fp16), so the engine receives hidden states in it.
+
+        Raises:
+            ValueError: the pipe was built with sequence parallelism (generation runs without it).
+        """
+        from megatron.model.gpt_model_pipe import (
+            EmbeddingPipe,
+            LayerNormPipe,
+            LMHeadPipe,
+            ParallelTransformerLayerPipe,
+        )
+
+        if pipe.parallel.sequence_parallel:
+            raise ValueError(
+                "generation runs without --sequence-parallel; the pipe was built with it."
+            )
+        embedding: Embedding | None = None
+        norm: nn.Module | None = None
+        output_layer: ColumnParallelLinear | None = None
+        layers: dict[str, nn.Module] = {}
+        for fn in pipe.forward_funcs:
+            if isinstance(fn, EmbeddingPipe):
+                embedding = _base_view(fn, Embedding)
+            elif isinstance(fn, ParallelTransformerLayerPipe):
+                layers[str(fn.layer_number)] = _base_view(fn, ParallelTransformerLayer)
+            elif isinstance(fn, (LayerNorm, RMSNorm)):
+                norm = _base_view(fn, LayerNorm if isinstance(fn, LayerNormPipe) else RMSNorm)
+            elif isinstance(fn, LMHeadPipe):
+                output_layer = fn.lm_head
+        pre_process, post_process = embedding is not None, norm is not None
+        if post_process and output_layer is None and embedding is None:
+            embedding = _base_view(pipe.tied_modules["embed"], Embedding)  # the tied head's weight
+        stage = cls.__new__(cls)
+        nn.Module.__init__(stage)
+        stage.config = pipe.config
+        dtype = next(pipe.parameters()).dtype
+        stage.parallel = dataclasses.replace(pipe.parallel, params_dtype=dtype)
+        stage.pre_process, stage.post_process = pre_process, post_process
+        stage.padded_vocab = pipe.padded_vocab
+        stage.language_model = _LanguageModel(embedding, _Encoder(layers, norm), output_layer)
         return stage
 
     def output_weight(self) -> torch.Tensor:

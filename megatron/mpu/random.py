@@ -178,6 +178,27 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _RNG_STATE_TRACKER
 
 
+@contextlib.contextmanager
+def preserved_rng_states() -> Iterator[None]:
+    """Run the block, then put back every random state a training run draws from: the default generators (CPU,
+    and CUDA on a CUDA tracker), the tracker's streams, Python's ``random`` and NumPy's global generator. Code in
+    the block (an evaluation that seeds its own sampling) then leaves training's random numbers unchanged."""
+    import random
+
+    import numpy as np
+
+    tracker = _RNG_STATE_TRACKER
+    default, streams = tracker.get_rng_state(), tracker.get_states()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        tracker.set_rng_state(default)
+        tracker.set_states(streams)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 def model_parallel_cuda_manual_seed(
     seed: int, group: ProcessGroup | None = None, *, device_type: str | None = None
 ) -> None:

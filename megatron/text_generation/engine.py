@@ -119,6 +119,9 @@ class InferenceEngine:
         pp_group: the pipeline group (None: one stage).
         device: where the stage runs.
         micro_batch_size: rows per micro-batch (None: ``ceil(batch / PP)``, which keeps every stage busy).
+        own_weights: the stage's weights are the engine's to re-lay out (on CPU, column-major linear weights run
+            faster); False for a stage sharing a training model's parameters, which must stay as the optimizer
+            holds them.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class InferenceEngine:
         pp_group: ProcessGroup | None,
         device: torch.device,
         micro_batch_size: int | None = None,
+        own_weights: bool = True,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size ({micro_batch_size}) must be >= 1.")
@@ -138,7 +142,7 @@ class InferenceEngine:
         self.pp_rank = group_rank(pp_group)
         self.device = device
         self.micro_batch_size = micro_batch_size
-        if device.type == "cpu":
+        if device.type == "cpu" and own_weights:
             _column_major_linear_weights(stage)
 
     @property

@@ -2,7 +2,8 @@
 
 Per iteration: write the scheduled LR into the optimizer, run one step (``step.py``), count the global batch
 as consumed, advance the schedule unless the step was skipped, then log (every --log-interval), evaluate
-(every --eval-interval), save (every --save-interval, through the checkpoint hook) and check the exits:
+(every --eval-interval; lm-evaluation-harness tasks every --eval-harness-interval, ``eval_harness.py``), save
+(every --save-interval, through the checkpoint hook) and check the exits:
 
 * ``--exit-interval N``: stop when iteration % N == 0 -> :data:`~megatron.launch.exit_codes.EXIT_INTERVAL`;
 * ``--exit-duration-in-mins M``: stop once the MAX elapsed time over all ranks exceeds M minutes (so every rank
@@ -53,6 +54,7 @@ from megatron.mpu.mappings import all_reduce_max_
 from megatron.planning.flops import Throughput
 from megatron.training.curriculum import SeqlenCurriculum
 from megatron.training.ds_config import curriculum_of
+from megatron.training.eval_harness import HarnessSchedule
 from megatron.training.guards import LossTokenWatch, SkipGuard, loss_scale_exhausted
 from megatron.training.metrics import (
     EvalRecord,
@@ -349,6 +351,8 @@ class _Loop:
         self.last_saved: int | None = state.iteration if trainer.checkpointer is not None else None
         self.skips = SkipGuard(spec.precision, spec.min_loss_scale)
         self.loss_tokens = LossTokenWatch(state.iteration, spec.log_interval)
+        self.harness: HarnessSchedule | None = None
+        """--eval-harness-tasks (``eval_harness.py``), set by :func:`train`."""
 
     def step(self) -> _Iteration:
         """Batch size, sequence length and LR of the next iteration, one optimizer step, the counters, the LR
@@ -419,12 +423,17 @@ class _Loop:
         return False
 
     def evaluate_and_save(self) -> None:
-        """Commit a finished background save (--async-save), evaluate every --eval-interval, save every
-        --save-interval."""
+        """Commit a finished background save (--async-save), evaluate every --eval-interval, run the harness every
+        --eval-harness-interval, save every --save-interval."""
         spec, state = self.spec, self.state
         self.trainer.finalize_save(blocking=False)
         if spec.eval_interval and state.iteration % spec.eval_interval == 0:
             run_evaluation(self.trainer, spec, state, self.writer)
+        if self.harness is not None and self.harness.due(state.iteration):
+            start = time.perf_counter()
+            self.harness.run(state.iteration, self.writer)
+            # evaluation time is not training time
+            self.interval.start += time.perf_counter() - start
         if spec.log_interval and state.iteration % spec.log_interval == 0:
             self.interval.start = time.perf_counter()  # evaluation time is not training time
         self.saved = False
@@ -472,12 +481,15 @@ def train(
     writer: MetricsWriter,
     step_log: StepLogger | None = None,
     watchdog: HangWatchdog | None = None,
+    harness: HarnessSchedule | None = None,
 ) -> int:
     """Run iterations until --train-iters (or --train-tokens) or an exit condition; returns the exit code.
 
     ``step_log``: the optional statistics and timers (``step_log.py``), called on every rank every iteration.
-    ``watchdog``: this rank's hang watchdog (``watchdog.py``), armed around each step and save; default: none."""
+    ``watchdog``: this rank's hang watchdog (``watchdog.py``), armed around each step and save; default: none.
+    ``harness``: --eval-harness-tasks and its interval (``eval_harness.py``); default: none."""
     loop = _Loop(trainer, spec, rates, state, writer, step_log, watchdog)
+    loop.harness = harness
     try:
         code = _iterate(loop)
         loop.wait_for_saves()  # every way out that all ranks take together (exceptions excepted)

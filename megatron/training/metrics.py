@@ -17,6 +17,7 @@ Progress line (every --log-interval iterations)::
     {"iteration", "test_loss", "test_ppl"}                       the test-split evaluation at the end
     {"iteration", "stragglers": [{"rank", "host", "slowdown",    a log interval that named stragglers
                                   "busy_ms", "peers_median_ms"}]}  (--log-straggler, ``straggler.py``)
+    {"iteration", "eval_harness": {task: {metric: value}}}     an --eval-harness-tasks evaluation
 
 ``lm_loss`` is the loss of that iteration averaged over the whole global batch (every micro-batch and DP rank);
 ``grad_norm`` is null when clipping is off, ``mfu`` null when no peak is known; ``skipped_iter`` is 0 or 1.
@@ -144,6 +145,18 @@ def format_eval_line(rec: EvalRecord) -> str:
     return (
         f" validation loss at iteration {rec.iteration} | lm loss value: {rec.valid_loss:.6E} |"
         f" lm loss PPL: {rec.valid_ppl:.6E} |"
+    )
+
+
+def format_harness_line(iteration: int, scores: dict[str, dict[str, float]], seconds: float) -> str:
+    """The console line of an --eval-harness-tasks evaluation: every task's metrics, and its time."""
+    parts = [
+        f"{task} {metric}: {value:.6g}"
+        for task, metrics in scores.items()
+        for metric, value in metrics.items()
+    ]
+    return f" eval harness at iteration {iteration} | " + " | ".join(
+        [*parts, f"time (s): {seconds:.1f} |"]
     )
 
 
@@ -307,6 +320,20 @@ class MetricsWriter:
         self.scalar("lm-loss-validation/lm loss validation", rec.valid_loss, rec.iteration)
         if self.options.log_validation_ppl_to_tensorboard:
             self.scalar("lm-loss-validation/lm loss validation ppl", rec.valid_ppl, rec.iteration)
+
+    def harness(self, iteration: int, scores: dict[str, dict[str, float]]) -> None:
+        """Record an --eval-harness-tasks evaluation: one JSONL record, and ``eval-harness/<task>/<metric>`` in
+        TensorBoard and W&B."""
+        if not self.enabled:
+            return
+        clean = {
+            task: {metric: _json_value(float(v)) for metric, v in metrics.items()}
+            for task, metrics in scores.items()
+        }
+        self._write({"iteration": iteration, "eval_harness": clean})
+        for task, metrics in scores.items():
+            for metric, value in metrics.items():
+                self.scalar(f"eval-harness/{task}/{metric}", float(value), iteration)
 
     def test(self, rec: TestRecord) -> None:
         """Record the test-split evaluation."""

@@ -61,6 +61,14 @@ def check_output_paths(log: LoggingConfig) -> None:
         )
 
 
+def check_eval_harness_include_path(path: str | None) -> None:
+    """--eval-harness-include-path must be a directory (FileNotFoundError naming the flag)."""
+    if path and not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"--eval-harness-include-path {path}: no such directory (it holds lm-evaluation-harness task YAMLs)."
+        )
+
+
 def check_bf16_gpu() -> None:
     """``--bf16`` on a GPU before Ampere (a V100: fp16 only) is one ``ValueError`` line."""
     import torch
@@ -89,6 +97,7 @@ def preflight(cfg: TridentConfig) -> Preflight:
         check_bf16_gpu()
     check_data_flags(cfg)
     check_output_paths(cfg.logging)
+    check_eval_harness_include_path(cfg.training.eval_harness_include_path)
     cfg = dataclasses.replace(
         cfg, checkpoint=resolve_universal_flag(cfg.checkpoint, cfg.parallel, world_size)
     )

@@ -54,6 +54,7 @@ from megatron.training import initialize
 from megatron.training.checkpoint_hooks import CheckpointHooks
 from megatron.training.data_iterators import build_iterators
 from megatron.training.ds_config import log_zero_upgrade
+from megatron.training.eval_harness import HarnessFactory, TrainingModel, harness_schedule
 from megatron.training.initialize import Distributed
 from megatron.training.loop import LoopSpec, run_evaluation, run_test_evaluation, train
 from megatron.training.lr_scheduler import build_lr_scheduler
@@ -103,6 +104,7 @@ def pretrain(
     *,
     checkpoint_hooks: CheckpointHooks | None = None,
     checked: Preflight | None = None,
+    eval_harness: HarnessFactory | None = None,
 ) -> TrainResult:
     """Train ``cfg`` on this rank (every rank of the job calls it); see the module docstring.
 
@@ -112,6 +114,8 @@ def pretrain(
             checkpoints (``megatron.checkpointing.engine.DeepSpeedCheckpointer``) when --save/--load.
         checked: the result of ``preflight`` for ``cfg`` when the caller already ran it (the CLI does, to
             report input errors in one line); None runs it here.
+        eval_harness: builds the --eval-harness-tasks evaluation over the training model (``eval_harness.py``;
+            ``pretrain_gpt.py`` passes ``megatron.evaluation``'s); None: --eval-harness-tasks is not run.
 
     Raises:
         ValueError / FileNotFoundError: from ``preflight``, before any process group is created.
@@ -129,7 +133,7 @@ def pretrain(
         )  # the plan decides the CPU allocator setting (cpu_allocator: auto)
         peers = all_gather_object(this_process(global_rank()), group=dist.group.WORLD)
         lock = _hold_save_lock(pre.cfg.checkpoint.save)
-        return _run(pre, memory, run, checkpoint_hooks)
+        return _run(pre, memory, run, checkpoint_hooks, eval_harness)
     except (
         RuntimeError
     ) as err:  # a collective failed because another rank died: one line (``peers.py``)
@@ -297,7 +301,11 @@ def build_trainer(
 
 
 def _run(
-    pre: Preflight, memory: MemoryPlan, run: Distributed, hooks: CheckpointHooks | None
+    pre: Preflight,
+    memory: MemoryPlan,
+    run: Distributed,
+    hooks: CheckpointHooks | None,
+    eval_harness: HarnessFactory | None = None,
 ) -> TrainResult:
     cfg, plan = pre.cfg, pre.plan
     initialize.set_seeds(cfg.training.seed, run.state, device_type=run.device.type)
@@ -312,6 +320,10 @@ def _run(
     if report and global_rank() == 0:
         logger.warning("%s", report)
     spec = LoopSpec.of(cfg, plan)
+    harness = harness_schedule(
+        eval_harness,
+        TrainingModel(trainer.engine.module, run.device, run.state, pre.tokenizer, cfg.training),
+    )
     rates = Throughput(
         tokens_per_iteration=plan.global_batch_size * cfg.model.seq_length,
         flops_per_token=flops_per_token(cfg.model, plan.padded_vocab_size),
@@ -329,7 +341,7 @@ def _run(
         code = (
             EXIT_OK
             if cfg.training.skip_train
-            else train(trainer, spec, rates, state, writer, step_log, watchdog)
+            else train(trainer, spec, rates, state, writer, step_log, watchdog, harness)
         )
         watchdog.close()  # the final evaluations are not watched
         if code == EXIT_OK and state.last_eval_iteration != state.iteration:

@@ -124,7 +124,7 @@ def test_every_flag_is_a_field_with_help_text() -> None:
 
     n_fields = sum(n_flags(cls) for _, _, cls in SECTIONS) - len(NOT_FLAGS)
     # + --checkpoint-activations and --recompute-activations, the no-ops and the refused flags
-    assert len(actions) == n_fields + 2 + len(COMPAT_NO_OPS) + len(REFUSED) == 276
+    assert len(actions) == n_fields + 2 + len(COMPAT_NO_OPS) + len(REFUSED) == 281
     assert not [a.option_strings for a in actions if len((a.help or "").split()) < 3]
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
