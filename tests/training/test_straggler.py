@@ -112,35 +112,77 @@ def test_time_kept_off_the_cpu_is_not_own_work() -> None:
     assert span.own == pytest.approx(work, rel=0.2) and clock.take_spans() == [], (span, work)
 
 
-def _clock_scenario() -> dict[str, Any]:
+class _HostEvent:
+    """Stands in for ``torch.cuda.Event`` on CPU: a host timestamp when recorded (a stream with nothing queued
+    reaches an event at once), to run the clock's CUDA bookkeeping here."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1e3 * (end.at - self.at)
+
+
+def _clock_waits(cuda: bool) -> tuple[float, float, int, float]:
+    """Rank 1 computes (sleeps) 0.3 s then rank 0 0.2 s, each followed by a collective (sync, then an async
+    handle), with another thread's collective in between: (clock seconds, span wait, waits, span seconds)."""
     import threading
 
     import torch.distributed as dist
 
-    from megatron.mpu.wait_clock import WaitClock
+    from megatron.mpu import wait_clock
 
-    rank, original = dist.get_rank(), dist.Work.wait
-    clock = WaitClock()
-    x = torch.ones(4)
-    with clock.running():
-        time.sleep(0.3 if rank == 1 else 0.0)
-        dist.all_reduce(x)  # rank 0 waits ~0.3 s for rank 1
-        time.sleep(0.2 if rank == 0 else 0.0)
-        handle = dist.all_reduce(x, async_op=True)
-        handle.wait()  # an async handle: rank 1 waits ~0.2 s
-        other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=None))
-        time.sleep(0.2 if rank == 1 else 0.0)
-        other.start()  # another thread's wait (rank 0: ~0.2 s) is not this clock's
-        other.join()
-    dist.all_reduce(x)  # after the clock stopped: not counted, and Work.wait is torch's again
+    rank, real_event = dist.get_rank(), torch.cuda.Event
+    torch.cuda.Event = _HostEvent  # type: ignore[misc,assignment]
+    try:
+        clock = wait_clock.WaitClock(cuda=cuda)
+        x = torch.ones(4)
+        with clock.running():
+            time.sleep(0.3 if rank == 1 else 0.0)
+            dist.all_reduce(x)  # rank 0 waits ~0.3 s for rank 1
+            time.sleep(0.2 if rank == 0 else 0.0)
+            handle = dist.all_reduce(x, async_op=True)
+            handle.wait()  # an async handle: rank 1 waits ~0.2 s
+            other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=None))
+            time.sleep(0.2 if rank == 1 else 0.0)
+            other.start()  # another thread's wait (rank 0: ~0.2 s) is not this clock's
+            other.join()
+        (span,) = clock.take_spans()
+    finally:
+        torch.cuda.Event = real_event  # type: ignore[misc]
+    return clock.seconds, span.wait, clock.waits, span.seconds
+
+
+def _clock_scenario() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    original = dist.Work.wait
+    seconds, span_wait, waits, _ = _clock_waits(cuda=False)
+    dist.all_reduce(
+        torch.ones(4)
+    )  # after the clock stopped: not counted, and Work.wait is torch's again
     restored = dist.Work.wait is original
-    return {"seconds": clock.seconds, "waits": clock.waits, "restored": restored}
+    host_seconds, cuda_wait, cuda_waits, cuda_span = _clock_waits(cuda=True)
+    return {"seconds": seconds, "span_wait": span_wait, "waits": waits, "restored": restored,
+            "cuda": (host_seconds, cuda_wait, cuda_waits, cuda_span)}  # fmt: skip
 
 
 def _check_clock(r0: dict[str, Any], r1: dict[str, Any]) -> None:
     assert r0["restored"] and r1["restored"] and r0["waits"] == r1["waits"] == 2
     assert 0.25 < r0["seconds"] < 0.45, r0  # the sync wait only (the other thread's wait excluded)
     assert 0.15 < r1["seconds"] < 0.35, r1  # the async handle's wait only
+    assert r0["span_wait"] == r0["seconds"] and r1["span_wait"] == r1["seconds"]
+    # CUDA bookkeeping (events around each wait, read when the spans are taken), host events standing in: the
+    # same waits, none on the host clock, and the span timed by its events
+    for r, low, high in ((r0, 0.25, 0.45), (r1, 0.15, 0.35)):
+        host_seconds, wait, waits, span = r["cuda"]
+        assert host_seconds == 0.0 and waits == 2 and low < wait < high and span > 0.45, r
 
 
 def _record_intervals() -> list[dict[str, float]]:
