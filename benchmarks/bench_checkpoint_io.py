@@ -4,14 +4,16 @@
         [--num-layers 10] [--disk-gb 2] [--repeats 2] [--dir /path/on/the/disk/to/measure]
 
 1. The disk, before each repeat (a shared machine's disk drifts): one file of --disk-gb written sequentially in
-   64 MiB chunks and fsync'ed (write bandwidth), then read back cold (its pages dropped from the page cache first
+   64 MiB chunks and fsync'ed, twice: plainly (the page cache takes it all, the fsync writes it) and streamed (the
+   write-back of each chunk started as it is written, as Trident's save does); the faster is the disk's write
+   bandwidth. Then it is read back cold (its pages dropped from the page cache first
    with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no root for clean pages; ``fincore`` shows them gone.
    A hypervisor's cache below a virtual disk stays out of reach: on a VM "cold" means cold in this kernel) and
    warm (read again at once).
 2. Trident: one process, a GPT of --hidden-size / --num-layers (vocabulary 32000), ZeRO-1 fp32 (16 bytes a
    parameter on disk: weights, fp32 partition, two Adam moments), saved through the real
-   ``DeepSpeedCheckpointer``: the synchronous save (its wall time as ``save()`` returns, and with ``os.sync()``
-   after it: the durability of the disk measurement's fsync), the load from cold pages (``load()``; the SHA-256
+   ``DeepSpeedCheckpointer``: the synchronous save (its wall time as ``save()`` returns, every file
+   ``fdatasync``'ed by then, and with ``os.sync()`` after it), the load from cold pages (``load()``; the SHA-256
    verification a relaunch runs on a second thread is timed on its own), and --async-save: the time ``save()``
    blocks plus the time the next optimizer step waits for the copy to host memory, and the training time lost in
    all while the write is in flight (the blocked time plus how much slower the optimizer steps run meanwhile,
@@ -54,17 +56,30 @@ def _read_all(path: Path) -> None:
             pass
 
 
+def _write_probe(path: Path, block: bytes, n: int, *, stream: bool) -> float:
+    """Seconds to write ``n`` x ``block`` to ``path`` and fsync it; ``stream``: the write-back of each chunk
+    started as soon as it is written (``posix_fadvise(DONTNEED)``, as Trident's save does), so the disk works while
+    the next chunk is copied, instead of all at the fsync."""
+    t = time.perf_counter()
+    with path.open("wb", buffering=0) as f:
+        for i in range(n):
+            f.write(block)
+            if stream and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), i * CHUNK, CHUNK, os.POSIX_FADV_DONTNEED)
+        os.fsync(f.fileno())
+    return time.perf_counter() - t
+
+
 def measure_disk(root: Path, size_gb: float) -> dict[str, float]:
-    """Sequential write (with fsync) and cold/warm read bandwidth of one file, bytes/s."""
+    """Sequential write (with fsync; the better of plain and streamed write-back) and cold/warm read bandwidth of
+    one file, bytes/s."""
     path = root / "disk_probe.bin"
     block = os.urandom(CHUNK)
     n = max(1, int(size_gb * (1 << 30)) // CHUNK)
-    t = time.perf_counter()
-    with path.open("wb", buffering=0) as f:
-        for _ in range(n):
-            f.write(block)
-        os.fsync(f.fileno())
-    write = time.perf_counter() - t
+    plain = _write_probe(path, block, n, stream=False)
+    path.unlink()
+    os.sync()
+    streamed = _write_probe(path, block, n, stream=True)
     _drop_cache([path])
     t = time.perf_counter()
     _read_all(path)
@@ -74,7 +89,13 @@ def measure_disk(root: Path, size_gb: float) -> dict[str, float]:
     warm = time.perf_counter() - t
     path.unlink()
     size = n * CHUNK
-    return {"write": size / write, "read_cold": size / cold, "read_warm": size / warm}
+    return {
+        "write": size / min(plain, streamed),
+        "write_plain": size / plain,
+        "write_streamed": size / streamed,
+        "read_cold": size / cold,
+        "read_warm": size / warm,
+    }
 
 
 def _flags(hidden: int, layers: int) -> list[str]:
@@ -143,7 +164,8 @@ def measure_trident(
             out["disk_write"].append(disk["write"])
             out["disk_read_cold"].append(disk["read_cold"])
             print(
-                f"repeat {i}: disk: write {disk['write'] / 1e9:.2f} GB/s (fsync), read cold "
+                f"repeat {i}: disk: write {disk['write'] / 1e9:.2f} GB/s (fsync; plain "
+                f"{disk['write_plain'] / 1e9:.2f}, streamed {disk['write_streamed'] / 1e9:.2f}), read cold "
                 f"{disk['read_cold'] / 1e9:.2f} GB/s, warm {disk['read_warm'] / 1e9:.2f} GB/s"
             )
             _one_repeat(i, save, bundle.engine, sched, (sync_ck, async_ck), out, TrainState)
@@ -237,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             med[k] = statistics.median(out[k][1:])
     size = med["bytes"]
     # Each repeat against the disk measured just before it (a shared machine's disk drifts between repeats).
-    for what, disk_rate in (("save", "write"), ("save_sync", "write"), ("load", "read_cold")):
+    for what, disk_rate in (
+        ("save", "write"),
+        ("save_sync", "write"),
+        ("async_write", "write"),
+        ("load", "read_cold"),
+    ):
         ratios = [
             b / t / d
             for b, t, d in zip(out["bytes"], out[what], out[f"disk_{disk_rate}"], strict=True)

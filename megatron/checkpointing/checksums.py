@@ -9,7 +9,8 @@ and training saved on top"), so only a digest of the bytes catches it. SHA-256 r
 While writing, no second read: DeepSpeed writes each file with ``checkpoint_engine.save(state_dict, path)``, which
 ``megatron.deepspeed_internals.checkpoint_saves_through`` routes to :meth:`ChecksumRecorder.torch_save`: the same
 ``torch.save`` into a file object that hashes each chunk as it passes (chunks of 1 MiB or more are hashed on a
-second thread while the first writes them, so the hash costs little wall time). Each rank writes
+second thread while the first writes them, so the hash costs little wall time; the disk starts writing each 64 MiB
+piece back at once and every file is ``fdatasync``'ed before the save records it). Each rank writes
 ``.checksums_rank{R:05d}.json``; rank 0 merges them into the meta (``"checksums"``, below) and removes them.
 
 ::
@@ -24,6 +25,7 @@ the size of every file the rank will read and, unless --no-verify-checkpoint-che
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +34,7 @@ import os
 import re
 import threading
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,8 @@ SIDECAR_GLOB = ".checksums_rank*.json"
 _PARALLEL_MIN = 1 << 20
 """Chunks this large are hashed on the helper thread while the caller's thread writes them (both drop the GIL)."""
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trident-sha256")
+_PIECE = 64 << 20
+"""A large chunk is written in pieces of this size, the write-back of each started as soon as it is written."""
 
 
 def sidecar_name(rank: int) -> str:
@@ -55,7 +59,8 @@ def sidecar_name(rank: int) -> str:
 
 
 class _HashingWriter:
-    """A write-only file object: every chunk goes to ``f`` and into a SHA-256."""
+    """A write-only file object over the unbuffered file ``f``: every chunk goes to ``f`` and into a SHA-256, and
+    the disk starts writing each piece back as soon as it is in the page cache (:func:`_start_writeback`)."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
@@ -70,13 +75,15 @@ class _HashingWriter:
             # ``view`` may point into a tensor that torch reuses after write() returns: wait for the hash here.
             pending = _HASHER.submit(self.hash.update, view)
             try:
-                self._write_all(view)
+                for start in range(0, view.nbytes, _PIECE):
+                    offset = self.size
+                    self._write_all(view[start : start + _PIECE])
+                    _start_writeback(self._f.fileno(), offset, self.size - offset)
             finally:
                 pending.result()
         else:
             self.hash.update(view)
             self._write_all(view)
-        self.size += view.nbytes
         return view.nbytes
 
     def flush(self) -> None:
@@ -92,6 +99,33 @@ class _HashingWriter:
         except OSError as err:
             self.error = self.error or err
             raise
+        self.size += view.nbytes
+
+
+def _start_writeback(fd: int, offset: int, size: int) -> None:
+    """Have the kernel start writing ``size`` bytes of ``fd`` at ``offset`` to disk now, without waiting.
+
+    Left alone, dirty pages are written back only when they exceed ``vm.dirty_background_ratio`` of memory (GBs)
+    or after 30 s: a checkpoint smaller than that sits in the page cache and the final ``fdatasync`` writes all of
+    it while the save waits. Started piece by piece, the disk writes while the save still hashes and copies.
+    ``POSIX_FADV_DONTNEED`` on Linux starts the write-back of the range's dirty pages without waiting for it (and
+    drops the pages already clean: a checkpoint is not read back by the run that writes it). Elsewhere (no
+    ``posix_fadvise``) the ``fdatasync`` at the end writes everything.
+    """
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(
+            OSError
+        ):  # advice only: a file system that refuses it writes at the fdatasync
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+
+
+def _write_durably(path: Path, write: Callable[[Any], None]) -> None:
+    """Create ``path``, ``write(f)`` into it unbuffered, and ``fdatasync`` it before closing (its bytes are on the
+    disk before the save's record of it is: a power loss after the commit cannot leave a complete-looking
+    checkpoint with missing data)."""
+    with path.open("wb", buffering=0) as f:
+        write(f)
+        getattr(os, "fdatasync", os.fsync)(f.fileno())
 
 
 class ChecksumRecorder:
@@ -116,27 +150,47 @@ class ChecksumRecorder:
         # not check them; a generic zip tester (``unzip -t``) reports them.
         crc32 = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
-        with p.open("wb", buffering=0) as f:
-            writer = _HashingWriter(f)
+        writers: list[_HashingWriter] = []
+
+        def save(f: Any) -> None:
+            writers.append(_HashingWriter(f))
             try:
-                torch.save(state_dict, writer, _use_new_zipfile_serialization=zipfile_serialization)
+                torch.save(
+                    state_dict, writers[0], _use_new_zipfile_serialization=zipfile_serialization
+                )
             except Exception:
-                err = writer.error
+                err = writers[0].error
                 if err is not None:
                     raise OSError(err.errno, err.strerror, str(p)) from None
                 raise
             finally:
                 torch.serialization.set_crc32_options(crc32)
-        self._record(p, writer.size, writer.hash.hexdigest())
+
+        _write_durably(p, save)
+        self._record(p, writers[0].size, writers[0].hash.hexdigest())
 
     def write_bytes(self, path: Path, data: bytes) -> None:
-        """Write ``data`` to ``path`` and record it."""
-        path.write_bytes(data)
+        """Write ``data`` to ``path`` (durably) and record it."""
+        _write_durably(path, lambda f: f.write(data))
         self._record(path, len(data), hashlib.sha256(data).hexdigest())
 
     def write_sidecar(self, rank: int) -> None:
-        """This rank's record, for rank 0 to merge (:func:`merge_sidecars`)."""
+        """This rank's record, for rank 0 to merge (:func:`merge_sidecars`); the directories of the files it
+        records are synced first (the files' names are on disk, not only their bytes)."""
+        for folder in sorted({(self.tag_dir / name).parent for name in self.files}):
+            _sync_directory(folder)
         (self.tag_dir / sidecar_name(rank)).write_text(json.dumps(self.files), encoding="utf-8")
+
+
+def _sync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not openable as a directory here (e.g. Windows): the files themselves were synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def merge_sidecars(tag_dir: Path) -> dict[str, Any]:

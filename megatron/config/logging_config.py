@@ -6,6 +6,9 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
+DEFAULT_STRAGGLER_THRESHOLD = 1.5
+"""--straggler-threshold when --log-straggler is given without it."""
+
 
 @dataclass(frozen=True)
 class LoggingConfig:
@@ -53,9 +56,20 @@ class LoggingConfig:
     log_straggler: bool = False
     """Every --log-interval, name the ranks slower than --straggler-threshold x the median of their peers (rank,
     host, slowdown) in the log, the metrics file and TensorBoard."""
-    straggler_threshold: float = 1.5
+    straggler_threshold: float | None = None
     """--log-straggler names a rank whose own work per iteration (step time less the time it waited in
-    collectives) exceeds this multiple of its peers' median."""
+    collectives or was kept off a CPU) exceeds this multiple of its peers' median (default 1.5; only with
+    --log-straggler)."""
+
+    @property
+    def straggler_threshold_or_default(self) -> float:
+        """--straggler-threshold, else its default (1.5)."""
+        return (
+            DEFAULT_STRAGGLER_THRESHOLD
+            if self.straggler_threshold is None
+            else self.straggler_threshold
+        )
+
     wandb_project: str | None = None
     """Log to Weights & Biases in this project (needs pip install wandb; offline unless WANDB_MODE is set)."""
     wandb_exp_name: str | None = None
@@ -100,6 +114,11 @@ def check_logging(o: LoggingConfig, *, optimizer: str, zero_stage: int = 0) -> N
                     f"{flag} writes to TensorBoard, but no --tensorboard-dir (nor --wandb-project) is given; "
                     f"add --tensorboard-dir DIR or drop {flag}."
                 )
+    if o.straggler_threshold is not None and not o.log_straggler:
+        raise ValueError(
+            f"--straggler-threshold ({o.straggler_threshold:g}) is used only by --log-straggler, which is not "
+            "given; add --log-straggler or drop --straggler-threshold."
+        )
     if o.wandb_save_dir and not wandb_on:
         raise ValueError(
             f"--wandb-save-dir ({o.wandb_save_dir}) without --wandb-project or --wandb-exp-name logs nothing; "

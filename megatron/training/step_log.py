@@ -306,7 +306,7 @@ def build_run_logging(
     )
     if o.log_straggler:
         step_log.straggler = StragglerDetector(
-            o.straggler_threshold,
+            o.straggler_threshold_or_default,
             stage=trainer.state.get_pipeline_model_parallel_rank(),
             tp_rank=trainer.state.get_tensor_model_parallel_rank(),
             device=communication_device(dist.group.WORLD),

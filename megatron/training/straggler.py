@@ -1,10 +1,13 @@
 """Stragglers named (--log-straggler): which rank is slower than its peers, on which host, by how much.
 
-Every rank times its training steps (wall time) and, with a :class:`~megatron.mpu.wait_clock.WaitClock`, the part
-of them it spent blocked in collectives. Its own work in a step is ``step - wait``: in synchronous training the
-step times are equal, the slow rank is the one that waits least (``wait_clock.py``). Every --log-interval all ranks
-all-gather ``[busy, mean step, mean wait, pipeline stage, TP rank]`` (5 floats per rank, one collective over the world;
-``busy`` is the median own work of the interval's steps) and every rank runs the same test:
+Every rank times its training steps with a :class:`~megatron.mpu.wait_clock.WaitClock`: their length, the part
+spent blocked in collectives and (CPU) the part its thread was ready to run but off a CPU. Its own work in a step
+is ``step - wait - off-CPU``: in synchronous training the step times are equal, the slow rank is the one that waits
+least (``wait_clock.py``); the off-CPU time is the scheduler's choice on a machine with fewer free cores than
+ranks, which otherwise made a random rank look up to 2.5x slower for an interval (``docs/training.md``). Every
+--log-interval all ranks all-gather ``[busy, mean step, mean wait, mean off-CPU, pipeline stage, TP rank]`` (6
+floats per rank, one collective over the world; ``busy`` is the median own work of the interval's steps) and
+every rank runs the same test:
 
     peers(r)   = r's data-parallel replicas (same pipeline stage and TP rank: the same work); without DP, the
                  ranks of its stage (the same layers; TP rank 0 also loads the batch); alone in its stage, the
@@ -25,16 +28,14 @@ from __future__ import annotations
 import logging
 import socket
 import statistics
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron.mpu.mappings import all_gather_first_dim, all_gather_object
-from megatron.mpu.wait_clock import WaitClock
+from megatron.mpu.wait_clock import Span, WaitClock
 from megatron.training.metrics import MetricsWriter
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,8 @@ class RankTimes:
     """One rank's timings over a log interval, in ms per iteration."""
 
     busy_ms: float
-    """Its own work: the median over the interval's steps of step time less the time waiting in collectives
-    (the median: a step the OS descheduled the rank for does not name it; a rank slow at every step is named)."""
+    """Its own work: the median over the interval's steps of step time less the time waiting in collectives and
+    the time kept off a CPU (the median: a step the OS descheduled the rank for does not name it; a rank slow at every step is named)."""
     step_ms: float
     """Its mean step time (wall time)."""
     wait_ms: float
@@ -55,6 +56,8 @@ class RankTimes:
     """Its pipeline stage."""
     tp_rank: int = 0
     """Its tensor-parallel rank (TP rank 0 loads the batch its TP group shares)."""
+    descheduled_ms: float = 0.0
+    """Its mean time ready to run but kept off a CPU by the OS, outside the waits (CPU runs; not own work)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Straggler:
     slowdown: float
     """Its busy time over the median of its peers'."""
     busy_ms: float
-    """Its own work per iteration (step time less the time waiting in collectives)."""
+    """Its own work per iteration (step time less the time waiting in collectives or kept off a CPU)."""
     peers_median_ms: float
     """The median (lower middle) busy time of its peers."""
 
@@ -126,39 +129,36 @@ class StragglerDetector:
     def __init__(self, threshold: float, *, stage: int, tp_rank: int, device: torch.device) -> None:
         self.threshold, self._device = threshold, device
         self._where = (float(stage), float(tp_rank))
-        self.clock = WaitClock()
+        self.clock = WaitClock(cuda=device.type == "cuda")
         self.hosts: list[str] = all_gather_object(socket.gethostname(), group=dist.group.WORLD)
-        self._busy: list[float] = []
-        """Each step's own work (s) in this interval."""
-        self._step = self._wait = 0.0
         self._judge = False
         """False during the run's first log interval (warm-up: allocations, DeepSpeed's first step)."""
         self.last: list[Straggler] = []
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> AbstractContextManager[WaitClock]:
         """Time one training step and the waiting inside it (the wait clock runs only inside a step)."""
-        wait0, start = self.clock.seconds, time.perf_counter()
-        try:
-            with self.clock.running():
-                yield
-        finally:
-            step, wait = time.perf_counter() - start, self.clock.seconds - wait0
-            self._step, self._wait = self._step + step, self._wait + wait
-            self._busy.append(step - wait)
+        return self.clock.running()
 
     def gather(self) -> list[RankTimes]:
-        """Every rank's times since the last call (one all-gather of 5 floats per rank); resets them."""
-        n = max(1, len(self._busy))
+        """Every rank's times since the last call (one all-gather of 6 floats per rank)."""
+        spans = self.clock.take_spans() or [Span(0.0, 0.0, 0.0)]
+        n = len(spans)
         mine = torch.tensor(
-            [statistics.median(self._busy or [0.0]), self._step / n, self._wait / n, *self._where],
+            [
+                statistics.median(s.own for s in spans),
+                sum(s.seconds for s in spans) / n,
+                sum(s.wait for s in spans) / n,
+                sum(s.descheduled for s in spans) / n,
+                *self._where,
+            ],
             dtype=torch.float64,
             device=self._device,
         )
-        self._busy, self._step, self._wait = [], 0.0, 0.0
-        rows = all_gather_first_dim(mine.reshape(1, 5), group=dist.group.WORLD)  # [world, 5]
+        rows = all_gather_first_dim(mine.reshape(1, 6), group=dist.group.WORLD)  # [world, 6]
         return [
-            RankTimes(1000.0 * r[0], 1000.0 * r[1], 1000.0 * r[2], int(r[3]), int(r[4]))
+            RankTimes(
+                1000.0 * r[0], 1000.0 * r[1], 1000.0 * r[2], int(r[4]), int(r[5]), 1000.0 * r[3]
+            )
             for r in rows.cpu().tolist()
         ]
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +26,6 @@ from megatron.config import parse_args, validate
 from megatron.testing import run_distributed
 from megatron.training.straggler import RankTimes, find_stragglers, format_stragglers, slowdowns
 from tests.training.test_token_schedule import TINY
-
-THRESHOLD = ["--straggler-threshold", "3"]
-"""The slow test's threshold: on the 2-core machine the suite runs on, shared with other jobs (load average 9-22
-measured), their bursts made a random rank up to 2.0-2.4x slower than its peers over a whole 10-step interval: real
-stragglers by the detector's definition, but not this test's. At 3 the run with no slowdown checks that nothing
-structural (TP rank 0 loading the batch, stage differences, warm-up) is named, and the slowed rank (5-7.6x
-measured) is named by the same threshold."""
 
 
 def _times(busy_ms: list[float], stages: list[int], tp: list[int] | None = None) -> list[RankTimes]:
@@ -68,39 +64,125 @@ def test_find_stragglers_compares_each_rank_with_its_pipeline_stage() -> None:
 def test_straggler_flags_are_validated() -> None:
     cfg = parse_args([*TINY, "--log-straggler", "--straggler-threshold", "2.5"])
     assert cfg.logging.log_straggler and cfg.logging.straggler_threshold == 2.5
+    assert parse_args([*TINY, "--log-straggler"]).logging.straggler_threshold_or_default == 1.5
     with pytest.raises(ValueError, match=r"--straggler-threshold \(1.0\) must be > 1; e.g. 1.5"):
-        validate(parse_args([*TINY, "--straggler-threshold", "1"]), world_size=1)
+        validate(parse_args([*TINY, "--log-straggler", "--straggler-threshold", "1"]), world_size=1)
+    message = (
+        "--straggler-threshold (2) is used only by --log-straggler, which is not given; add --log-straggler "
+        "or drop --straggler-threshold."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(parse_args([*TINY, "--straggler-threshold", "2"]), world_size=1)
 
 
-def _clock_scenario() -> dict[str, Any]:
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.skipif(
+    not Path("/proc/thread-self/schedstat").exists(), reason="Linux run-queue delay"
+)
+def test_time_kept_off_the_cpu_is_not_own_work() -> None:
+    """This thread computes 0.1 s of CPU time on one core that a spinning process shares: the span lasts about
+    twice that, and the half the OS ran the other process is ``descheduled``, not own work (the old measure, span
+    less waits, called it all own work: a rank the scheduler left off a core looked 2x slow)."""
+    from megatron.mpu.wait_clock import WaitClock
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    rival = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
+    )
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)  # the rival is spinning on the core
+        clock = WaitClock()
+        start = time.thread_time()
+        with clock.running():
+            _spin(0.1)
+        work = time.thread_time() - start
+    finally:
+        os.sched_setaffinity(0, mine)
+        rival.kill()
+        rival.wait()
+    (span,) = clock.take_spans()
+    assert span.seconds > 1.5 * work and span.descheduled > 0.3 * span.seconds, (span, work)
+    assert span.own == pytest.approx(work, rel=0.2) and clock.take_spans() == [], (span, work)
+
+
+class _HostEvent:
+    """Stands in for ``torch.cuda.Event`` on CPU: a host timestamp when recorded (a stream with nothing queued
+    reaches an event at once), to run the clock's CUDA bookkeeping here."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1e3 * (end.at - self.at)
+
+
+def _clock_waits(cuda: bool) -> tuple[float, float, int, float]:
+    """Rank 1 computes (sleeps) 0.3 s then rank 0 0.2 s, each followed by a collective (sync, then an async
+    handle), with another thread's collective in between: (clock seconds, span wait, waits, span seconds)."""
     import threading
 
     import torch.distributed as dist
 
-    from megatron.mpu.wait_clock import WaitClock
+    from megatron.mpu import wait_clock
 
-    rank, original = dist.get_rank(), dist.Work.wait
-    clock = WaitClock()
-    x = torch.ones(4)
-    with clock.running():
-        time.sleep(0.3 if rank == 1 else 0.0)
-        dist.all_reduce(x)  # rank 0 waits ~0.3 s for rank 1
-        time.sleep(0.2 if rank == 0 else 0.0)
-        handle = dist.all_reduce(x, async_op=True)
-        handle.wait()  # an async handle: rank 1 waits ~0.2 s
-        other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=None))
-        time.sleep(0.2 if rank == 1 else 0.0)
-        other.start()  # another thread's wait (rank 0: ~0.2 s) is not this clock's
-        other.join()
-    dist.all_reduce(x)  # after the clock stopped: not counted, and Work.wait is torch's again
+    rank, real_event = dist.get_rank(), torch.cuda.Event
+    torch.cuda.Event = _HostEvent  # type: ignore[misc,assignment]
+    try:
+        clock = wait_clock.WaitClock(cuda=cuda)
+        x = torch.ones(4)
+        with clock.running():
+            time.sleep(0.3 if rank == 1 else 0.0)
+            dist.all_reduce(x)  # rank 0 waits ~0.3 s for rank 1
+            time.sleep(0.2 if rank == 0 else 0.0)
+            handle = dist.all_reduce(x, async_op=True)
+            handle.wait()  # an async handle: rank 1 waits ~0.2 s
+            other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=None))
+            time.sleep(0.2 if rank == 1 else 0.0)
+            other.start()  # another thread's wait (rank 0: ~0.2 s) is not this clock's
+            other.join()
+        (span,) = clock.take_spans()
+    finally:
+        torch.cuda.Event = real_event  # type: ignore[misc]
+    return clock.seconds, span.wait, clock.waits, span.seconds
+
+
+def _clock_scenario() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    original = dist.Work.wait
+    seconds, span_wait, waits, _ = _clock_waits(cuda=False)
+    dist.all_reduce(
+        torch.ones(4)
+    )  # after the clock stopped: not counted, and Work.wait is torch's again
     restored = dist.Work.wait is original
-    return {"seconds": clock.seconds, "waits": clock.waits, "restored": restored}
+    host_seconds, cuda_wait, cuda_waits, cuda_span = _clock_waits(cuda=True)
+    return {"seconds": seconds, "span_wait": span_wait, "waits": waits, "restored": restored,
+            "cuda": (host_seconds, cuda_wait, cuda_waits, cuda_span)}  # fmt: skip
 
 
 def _check_clock(r0: dict[str, Any], r1: dict[str, Any]) -> None:
     assert r0["restored"] and r1["restored"] and r0["waits"] == r1["waits"] == 2
     assert 0.25 < r0["seconds"] < 0.45, r0  # the sync wait only (the other thread's wait excluded)
     assert 0.15 < r1["seconds"] < 0.35, r1  # the async handle's wait only
+    assert r0["span_wait"] == r0["seconds"] and r1["span_wait"] == r1["seconds"]
+    # CUDA bookkeeping (events around each wait, read when the spans are taken), host events standing in: the
+    # same waits, none on the host clock, and the span timed by its events
+    for r, low, high in ((r0, 0.25, 0.45), (r1, 0.15, 0.35)):
+        host_seconds, wait, waits, span = r["cuda"]
+        assert host_seconds == 0.0 and waits == 2 and low < wait < high and span > 0.45, r
 
 
 def _record_intervals() -> list[dict[str, float]]:
@@ -112,7 +194,8 @@ def _record_intervals() -> list[dict[str, float]]:
     real = StragglerDetector.at_log_interval
 
     def at_log_interval(self: StragglerDetector, iteration: int, writer: Any) -> Any:
-        steps, step_s, waits = len(self._busy), self._step, self.clock.waits
+        spans = self.clock._spans  # this interval's, before the gather takes them
+        steps, step_s, waits = len(spans), sum(sp.seconds for sp in spans), self.clock.waits
         start = time.perf_counter()
         out = real(self, iteration, writer)
         seen.append(
@@ -242,20 +325,20 @@ def test_a_slowed_data_parallel_rank_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tp2_pp2_straggler_named_within_two_intervals_and_none_unslowed(tmp_path: Path) -> None:
-    """TP2 x PP2, log interval 5, --straggler-threshold 3 (:data:`THRESHOLD`): rank 3 (stage 1) sleeps 0.3 s per
-    step from its 13th step: named by the second log boundary after (iteration 15 or 20) and at every boundary from
-    there, no one before. Then 100 iterations with no slowdown (log interval 10) name no one, and the measurement
-    costs < 1 % of the step time."""
+    """TP2 x PP2, log interval 5, the default --straggler-threshold (1.5): rank 3 (stage 1) sleeps 0.3 s per step
+    from its 13th step: named by the second log boundary after (iteration 15 or 20) and at every boundary from
+    there, no one before. Then 100 iterations with no slowdown (log interval 10; 4 ranks on however few cores the
+    machine has, shared with other jobs) name no one, and the measurement costs < 1 % of the step time."""
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     slowed = tmp_path / "slowed"
-    flags = [*layout, "--train-iters", "30", "--log-interval", "5", *THRESHOLD]
+    flags = [*layout, "--train-iters", "30", "--log-interval", "5"]
     res = run_distributed(_run, 4, str(slowed), flags, (3, 13, 0.3), timeout=600)
     assert [r["exit"] for r in res] == [0, 0, 0, 0]
     named = _named(slowed)
     assert named and min(named) <= 20 and all(it > 12 for it in named), named
     assert all(named.get(it) == [3] for it in (20, 25, 30)), named
     quiet = tmp_path / "quiet"
-    flags = [*layout, "--train-iters", "100", "--log-interval", "10", *THRESHOLD]
+    flags = [*layout, "--train-iters", "100", "--log-interval", "10"]
     res = run_distributed(_run, 4, str(quiet), flags, None, timeout=600)
     assert [r["exit"] for r in res] == [0, 0, 0, 0]
     maxima = [v for _, v in _scalars(quiet / "tb")["straggler/max-slowdown"]]
