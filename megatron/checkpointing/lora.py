@@ -237,6 +237,7 @@ def check_adapter_resume(
 
 
 def read_stage_lora_base(
+    ckpt_dir: str | Path,
     meta: dict[str, Any],
     config: ModelConfig,
     *,
@@ -246,8 +247,8 @@ def read_stage_lora_base(
     post_process: bool,
     verify_checksums: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The frozen base weights of one pipeline stage at TP ``tp = (size, rank)`` for an adapter checkpoint whose
-    ``trident_meta.json`` is ``meta`` (its :data:`LORA_BASE_KEY` names the base directory and tag); ``{}`` for a
+    """The frozen base weights of one pipeline stage at TP ``tp = (size, rank)`` for the adapter checkpoint
+    ``ckpt_dir`` whose ``trident_meta.json`` is ``meta`` (its :data:`LORA_BASE_KEY` names the base directory and tag); ``{}`` for a
     full checkpoint. Generation and evaluation load the adapters over these (a LoRA model, unmerged).
 
     Raises:
@@ -259,8 +260,8 @@ def read_stage_lora_base(
     base_dir, tag = Path(record["dir"]), str(record["tag"])
     if not (base_dir / tag).is_dir():
         raise FileNotFoundError(
-            f"the adapter checkpoint was trained on the base {base_dir} (tag {tag}), which is gone; restore it "
-            "there (the adapters alone are not a model)."
+            f"{ckpt_dir}: this LoRA adapter checkpoint was trained on the base {base_dir} (tag {tag}), which is "
+            "gone; restore it there (the adapters alone are not a model)."
         )
     base_meta = read_meta(base_dir, tag)
     return read_stage_weights(

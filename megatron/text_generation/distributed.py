@@ -187,6 +187,7 @@ def load_stage(
     )
     # an adapter checkpoint (--lora-rank): the adapters over the base it records
     base = read_stage_lora_base(
+        ckpt_dir,
         meta,
         config,
         tp=(parallel.tp_size, parallel.tp_rank),
