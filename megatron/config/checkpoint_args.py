@@ -284,7 +284,7 @@ def checkpoint_model_for(
             :func:`apply_checkpoint_model` raise.
     """
     # a LoRA run's --load holds its own adapters (absent at the first start): the base fixes the model
-    source = getattr(a, "pretrained_checkpoint", None) or a.load
+    source = a.pretrained_checkpoint or a.load
     if not source:
         raise ValueError(
             "--use-checkpoint-args takes the model flags from the --load checkpoint (--pretrained-checkpoint with "

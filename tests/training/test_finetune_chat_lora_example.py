@@ -90,7 +90,7 @@ def _logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.slow  # ~90 s; LoRA, --sft, the exports and the harness each have default-suite tests of their own
+@pytest.mark.slow  # ~80-130 s; LoRA, --sft, the exports and the harness each have default-suite tests of their own
 def test_finetune_chat_lora_example(tmp_path: Path) -> None:
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
