@@ -234,3 +234,43 @@ def check_adapter_resume(
             f"{where} was trained on the base {saved_base.get('dir')} (tag {saved_base.get('tag')}), this run's "
             f"--pretrained-checkpoint is {base['dir']} (tag {base['tag']}); give the base it was trained on."
         )
+
+
+def read_stage_lora_base(
+    ckpt_dir: str | Path,
+    meta: dict[str, Any],
+    config: ModelConfig,
+    *,
+    tp: tuple[int, int],
+    layers: tuple[int, int],
+    pre_process: bool,
+    post_process: bool,
+    verify_checksums: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The frozen base weights of one pipeline stage at TP ``tp = (size, rank)`` for the adapter checkpoint
+    ``ckpt_dir`` whose ``trident_meta.json`` is ``meta`` (its :data:`LORA_BASE_KEY` names the base directory and tag); ``{}`` for a
+    full checkpoint. Generation and evaluation load the adapters over these (a LoRA model, unmerged).
+
+    Raises:
+        FileNotFoundError: the recorded base checkpoint is gone. ValueError: a damaged file of it.
+    """
+    record = meta.get(LORA_BASE_KEY)
+    if not config.lora.enabled or not isinstance(record, dict):
+        return {}
+    base_dir, tag = Path(record["dir"]), str(record["tag"])
+    if not (base_dir / tag).is_dir():
+        raise FileNotFoundError(
+            f"{ckpt_dir}: this LoRA adapter checkpoint was trained on the base {base_dir} (tag {tag}), which is "
+            "gone; restore it there (the adapters alone are not a model)."
+        )
+    base_meta = read_meta(base_dir, tag)
+    return read_stage_weights(
+        base_dir / tag,
+        base_meta if verify_checksums else sizes_only(base_meta),
+        config,
+        tp=tp[0],
+        tp_rank=tp[1],
+        layers=layers,
+        pre_process=pre_process,
+        post_process=post_process,
+    )

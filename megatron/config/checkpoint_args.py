@@ -277,21 +277,26 @@ def checkpoint_model_for(
     read: ModelReader | None,
 ) -> None:
     """``--use-checkpoint-args`` applied to the parsed flags ``a`` of ``argv`` (see :func:`apply_checkpoint_model`).
+    The model comes from ``--pretrained-checkpoint`` when given (a LoRA run's frozen base), else from ``--load``.
 
     Raises:
-        ValueError: no --load, no reader (an entry point that does not read checkpoints), or what ``read`` or
+        ValueError: neither --load nor --pretrained-checkpoint, no reader (an entry point that does not read checkpoints), or what ``read`` or
             :func:`apply_checkpoint_model` raise.
     """
-    if not a.load:
+    # a LoRA run's --load holds its own adapters (absent at the first start): the base fixes the model
+    source = a.pretrained_checkpoint or a.load
+    if not source:
         raise ValueError(
-            "--use-checkpoint-args takes the model flags from the --load checkpoint, but no --load was given; "
-            "add --load DIR (e.g. a checkpoint from tools/checkpoint/hf_to_trident.py)."
+            "--use-checkpoint-args takes the model flags from the --load checkpoint (--pretrained-checkpoint with "
+            "LoRA), but neither was given; add --load DIR (e.g. a checkpoint from tools/checkpoint/hf_to_trident.py)."
         )
     if read is None:
         raise ValueError(
             "--use-checkpoint-args: this program does not read checkpoints; pass the model flags instead "
             "(the converted checkpoint's model_args.sh lists them)."
         )
-    apply_checkpoint_model(
-        a, given_fields(parser, argv), read(a.load, a.load_tag, a.universal_checkpoint)
-    )
+    if source != a.load:  # the base: its `latest`, as the LoRA load reads it
+        model = read(source, None, False)
+    else:
+        model = read(a.load, a.load_tag, a.universal_checkpoint)
+    apply_checkpoint_model(a, given_fields(parser, argv), model)

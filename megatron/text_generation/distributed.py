@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing.checksums import sizes_only
+from megatron.checkpointing.lora import read_stage_lora_base
 from megatron.checkpointing.readers import read_checkpoint_config
 from megatron.checkpointing.stage_reader import read_stage_weights
 from megatron.config import ModelConfig
@@ -184,5 +185,16 @@ def load_stage(
         pre_process=first,
         post_process=last,
     )
-    stage.load_state_dict(weights, strict=True)
+    # an adapter checkpoint (--lora-rank): the adapters over the base it records
+    base = read_stage_lora_base(
+        ckpt_dir,
+        meta,
+        config,
+        tp=(parallel.tp_size, parallel.tp_rank),
+        layers=layers,
+        pre_process=first,
+        post_process=last,
+        verify_checksums=verify_checksums,
+    )
+    stage.load_state_dict({**base, **weights}, strict=True)
     return stage.eval(), config, meta

@@ -40,7 +40,8 @@ CASES: list[Case] = [
     ),
     Case(
         "ckargs-without-load", (*TRAIN, "--save", "{tmp}/ck"), 2,
-        "--use-checkpoint-args takes the model flags from the --load checkpoint, but no --load was given",
+        "--use-checkpoint-args takes the model flags from the --load checkpoint (--pretrained-checkpoint with "
+        "LoRA), but neither was given",
     ),
     Case(
         "ckargs-load-holds-no-checkpoint", (*TRAIN, "--load", "{tmp}/ck"), 2,

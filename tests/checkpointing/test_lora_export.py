@@ -241,6 +241,14 @@ def test_trained_adapters_export_merged_and_peft(tmp_path: Path, capsys, tp: int
     d = {k: (v - ref).abs().max().item() for k, v in logits.items()}
     assert d["merged"] <= TOL and d["peft"] <= TOL and d["auto_peft"] <= TOL, d
     assert d["base"] > 1e-3, d  # the trained adapters matter
+    # generation and evaluation (tools/eval_harness.py) load the adapters over their recorded base, unmerged
+    from megatron.text_generation.distributed import load_stage
+
+    stage = load_stage(lora)[0]
+    with torch.no_grad():
+        staged = stage(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS))  # [s, b, vp]
+    staged = staged.transpose(0, 1)[..., :VOCAB]
+    assert (staged - ref).abs().max().item() <= TOL
     config = json.loads((peft / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(hf_base.absolute())
     # the LoRA run (no --tokenizer-type) exports the tokenizer its base recorded

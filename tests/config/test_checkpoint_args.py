@@ -164,7 +164,7 @@ def test_a_conflicting_flag_is_one_line(name: str, flags: tuple[str, ...], messa
 
 
 def test_no_load_or_no_reader_is_one_line() -> None:
-    with pytest.raises(ValueError, match="no --load was given; add --load DIR"):
+    with pytest.raises(ValueError, match="but neither was given; add --load DIR"):
         parse_args(["--use-checkpoint-args"], read_checkpoint_model=_reader(ModelConfig()))
     with pytest.raises(ValueError, match="this program does not read checkpoints"):
         parse_args(["--use-checkpoint-args", "--load", "ck"])
@@ -172,3 +172,14 @@ def test_no_load_or_no_reader_is_one_line() -> None:
     calls: list = []
     parse_args(["--load", "ck"], read_checkpoint_model=_reader(ModelConfig(), calls))
     assert calls == []
+
+
+def test_a_lora_run_takes_the_model_from_its_base() -> None:
+    """With --pretrained-checkpoint (LoRA's frozen base) the model comes from the base's ``latest``: a LoRA run's
+    --load is its own adapter directory, empty at the first start."""
+    m, calls = MODELS["llama3"], []
+    argv = ["--use-checkpoint-args", "--pretrained-checkpoint", "base", "--lora-rank", "4"]
+    for extra in ([], ["--load", "adapters", "--load-tag", "global_step9"]):
+        got = parse_args([*argv, *extra], read_checkpoint_model=_reader(m, calls)).model
+        assert _architecture(got) == _architecture(m) and got.lora.lora_rank == 4
+    assert calls == [("base", None, False)] * 2

@@ -46,6 +46,8 @@ def test_examples_exist() -> None:
         "ds_pretrain_mixtral_moe.sh",
         # HF -> Trident -> continued pretraining (--use-checkpoint-args) -> HF (issue 31)
         "continue_pretraining_llama3.sh",
+        # chat SFT with LoRA -> PEFT and merged exports -> lm-evaluation-harness (issue 33)
+        "finetune_chat_lora.sh",
     } <= names
 
 
