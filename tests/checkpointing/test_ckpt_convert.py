@@ -76,6 +76,8 @@ def _train_from(ckpt: str, pp: int) -> tuple[list[float], list[float]]:
     return loaded.losses, fresh.losses
 
 
+@pytest.mark.slow  # ~20 s (suite time): GPT-2's round trip runs in-process in test_ckpt_hf.py, the tool's in the
+# llama test below and test_lora_export.py
 def test_round_trip_gpt2_and_training_loads_it(tmp_path: Path, capsys) -> None:
     ck = _round_trip(tmp_path, "gpt2", 1, 1, capsys)
     loaded, fresh = run_distributed(_train_from, 1, str(ck), 1, init_process_group=False)[0]

@@ -171,7 +171,7 @@ def _hostfile(tmp: Path, nodes: tuple[str, str]) -> Path:
     return hostfile
 
 
-@pytest.mark.slow  # ~21 s; the torchrun two-node path runs in the default suite (suite time)
+@pytest.mark.slow  # ~21 s
 def test_deepspeed_launcher_no_ssh(nodes, single_node, tmp_path: Path) -> None:
     metrics, hostfile = tmp_path / "m.jsonl", _hostfile(tmp_path, nodes)
     before = _rx_bytes(nodes[1])
@@ -187,6 +187,7 @@ def test_deepspeed_launcher_no_ssh(nodes, single_node, tmp_path: Path) -> None:
     assert _rx_bytes(nodes[1]) - before > 10_000  # the pipeline's activations crossed the veth pair
 
 
+@pytest.mark.slow  # ~29 s (suite time, issue #33's tests): every two-node test runs with -m slow
 def test_torchrun_two_nodes(nodes, single_node, tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     procs, logs = [], []
@@ -200,7 +201,7 @@ def test_torchrun_two_nodes(nodes, single_node, tmp_path: Path) -> None:
     assert _losses(metrics) == single_node
 
 
-@pytest.mark.slow  # ~25 s; the torchrun path runs in the default suite
+@pytest.mark.slow  # ~25 s
 def test_deepspeed_env_reaches_the_other_node_through_pdsh(
     nodes, single_node, tmp_path: Path
 ) -> None:
