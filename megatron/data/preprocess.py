@@ -368,6 +368,36 @@ def _check_settings(output_prefix: str, json_keys: Sequence[str], workers: int) 
         )
 
 
+@dataclass
+class ChunkLines:
+    """1-based line numbers of the chunks of the inputs, taken in input order (a new file starts at line 1)."""
+
+    path: str = ""
+    next_line: int = 1
+
+    def take(
+        self, path: str, num_lines: int, bad: Sequence[tuple[int, str]], *, skip_bad_lines: bool
+    ) -> int:
+        """The first line number of the next chunk (``num_lines`` lines of ``path``).
+
+        Raises:
+            PreprocessError: the chunk's first bad line (``bad``: index in the chunk, reason), naming file and
+                line, unless ``skip_bad_lines`` (the skipped lines are logged at debug level).
+        """
+        if path != self.path:
+            self.path, self.next_line = path, 1
+        first = self.next_line
+        if bad and not skip_bad_lines:
+            index, reason = bad[0]
+            raise PreprocessError(
+                f"{path}:{first + index}: {reason}. Fix the line, or pass --skip-bad-lines to skip bad lines."
+            )
+        for index, reason in bad:
+            logger.debug("skipping %s:%d: %s", path, first + index, reason)
+        self.next_line += num_lines
+        return first
+
+
 def _add_results(
     results: Iterator[ChunkResult],
     builders: dict[str, MMapIndexedDatasetBuilder],
@@ -381,19 +411,9 @@ def _add_results(
     Raises:
         PreprocessError: a bad line, naming its file and line (unless ``skip_bad_lines``).
     """
-    path, first_line = "", 1  # 1-based number of the chunk's first line in its file
+    lines = ChunkLines()
     for result in results:
-        if result.path != path:
-            path, first_line = result.path, 1
-        if result.bad and not skip_bad_lines:
-            index, reason = result.bad[0]
-            raise PreprocessError(
-                f"{result.path}:{first_line + index}: {reason}. Fix the line, or pass --skip-bad-lines to "
-                "skip bad lines."
-            )
-        for index, reason in result.bad:
-            logger.debug("skipping %s:%d: %s", result.path, first_line + index, reason)
-        first_line += result.num_lines
+        lines.take(result.path, result.num_lines, result.bad, skip_bad_lines=skip_bad_lines)
         summary.bad_lines += len(result.bad)
         summary.docs += result.docs
         summary.num_bytes += result.num_bytes

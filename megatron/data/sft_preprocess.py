@@ -33,6 +33,7 @@ from megatron.data.indexed_dataset import (
 from megatron.data.jsonl_input import CHUNK_LINES, ByteRange, Chunk, PreprocessError, plan_chunks
 from megatron.data.preprocess import (
     MAX_LINE_BYTES,
+    ChunkLines,
     Execution,
     Progress,
     Summary,
@@ -173,17 +174,9 @@ def _add_chunks(
     Raises:
         PreprocessError: a bad line, naming its file and line (unless ``skip_bad_lines``).
     """
-    path, first_line = "", 1  # 1-based number of the chunk's first line in its file
+    lines = ChunkLines()
     for chunk in chunks:
-        if chunk.path != path:
-            path, first_line = chunk.path, 1
-        if chunk.bad and not skip_bad_lines:
-            index, reason = chunk.bad[0]
-            raise PreprocessError(
-                f"{chunk.path}:{first_line + index}: {reason}. Fix the line, or pass --skip-bad-lines to "
-                "skip bad lines."
-            )
-        first_line += chunk.num_lines
+        lines.take(chunk.path, chunk.num_lines, chunk.bad, skip_bad_lines=skip_bad_lines)
         writers.tokens.add_documents(chunk.tokens, chunk.sizes)
         writers.mask.add_documents(chunk.mask, chunk.sizes)
         summary.bad_lines += len(chunk.bad)
