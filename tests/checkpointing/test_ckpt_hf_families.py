@@ -274,6 +274,8 @@ def _round_trip_and_generate(kind: str, hf, tmp_path: Path, capsys) -> None:
     assert max(abs(a - b) for a, b in zip(log_probs, ref_lp, strict=True)) <= TOL
 
 
+@pytest.mark.slow  # ~19 s (suite time): every family's round trip runs in-process above; the tools at TP 2 in
+# test_ckpt_convert.py's llama GQA test and test_lora_export.py
 def test_qwen3_tp2_pp2_round_trip_and_greedy_generation(models, tmp_path: Path, capsys) -> None:
     _round_trip_and_generate("qwen3", models["qwen3"], tmp_path, capsys)
 

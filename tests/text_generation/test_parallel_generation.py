@@ -271,6 +271,8 @@ def _torchrun(nproc: int, argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow  # ~16 s (suite time): generation at TP x PP runs in-process above (worlds 2, 4), the CLI in
+# test_generate_text_cli.py, a torchrun-launched TP 2 generation process in test_server_parallel.py
 def test_generate_text_cli_under_torchrun(
     checkpoints: Callable[[str], tuple[str, str]], tmp_path: Path
 ) -> None:
