@@ -158,6 +158,8 @@ SLOW_CASES = [
 ]
 
 
+@pytest.mark.slow  # ~15 s (suite time): PipelineEngine training equals one rank in test_train_parity.py's default
+# subset and the other default PP runs
 def test_pipe_train_batch_matches_gpt_model() -> None:
     per_rank = run_distributed(_pipe_worker, 4, CASES, timeout=300)
     for i, case in enumerate(CASES):
