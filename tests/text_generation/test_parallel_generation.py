@@ -195,10 +195,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
     return get
 
 
-# The default suite: LLaMA-GQA at world 2 (TP 2 and PP 2); world 4, GPT-2 (learned positions, embeddings tied across
-# stages) and the 8-rank layout are `slow` (suite time: 4 ranks on this machine's 2 cores cost ~14 s per model).
+# All `slow` (suite time, ~19 s at world 2): TP 2 generation runs by default in test_server_parallel.py and
+# test_generation.py, PP 2 through the engine in test_eval_during_training.py.
 CASES = [
-    pytest.param("llama", (2,), id="llama"),
+    pytest.param("llama", (2,), id="llama", marks=pytest.mark.slow),
     pytest.param("llama", (4, 8), id="llama-world4-8", marks=pytest.mark.slow),
     pytest.param("gpt2", (2, 4, 8), id="gpt2", marks=pytest.mark.slow),
 ]
